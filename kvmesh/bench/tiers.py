@@ -1,0 +1,279 @@
+"""``kvmesh bench tiers``: store/retrieve throughput of each tier against its physical limit.
+
+Each repeat runs kvmesh and the limit side by side on the same bytes, so the ratio is
+robust to this machine's noise; the figures are medians over repeats.
+
+* cpu   — ``CacheEngine.store`` / ``retrieve(out=...)`` vs. a copy into preallocated memory.
+* disk  — the disk tier's put (serialize, write, fsync, rename) / get (read, verify) vs. a
+          raw sequential write + fsync / read of the same bytes in the same directory; reads
+          run with the page cache dropped where this machine allows it.
+* redis — the Redis tier's put / get vs. a raw pipelined redis-py SET / GET of the same
+          bytes in the same part sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvmesh.bench.report import print_table, write_json, write_plot
+from kvmesh.config import CacheConfig
+from kvmesh.core.engine import CacheEngine
+from kvmesh.core.keys import KeyBuilder, KVLayout
+from kvmesh.core.memory import torch_dtype
+from kvmesh.services import RedisServer
+from kvmesh.tiers.base import ChunkData, TierOptions, open_tier
+
+LAYOUTS = {
+    "llama-8b": KVLayout(32, 8, 128, "bfloat16"),  # 32 MiB per 256-token chunk
+    "tiny": KVLayout(4, 2, 64, "float32"),  # 0.5 MiB per chunk
+}
+CHUNK = 256
+PART = 1 << 20
+
+
+@dataclass
+class Pair:
+    tier: str
+    op: str
+    nbytes: int
+    ours: list[float] = field(default_factory=list)  # seconds per repeat
+    limit: list[float] = field(default_factory=list)
+
+    def row(self) -> dict[str, Any]:
+        gbps = statistics.median(self.nbytes / t / 1e9 for t in self.ours)
+        limit = statistics.median(self.nbytes / t / 1e9 for t in self.limit)
+        ratio = statistics.median(lim / ours for ours, lim in zip(self.ours, self.limit, strict=True))
+        return {
+            "tier": self.tier,
+            "op": self.op,
+            "gbps": round(gbps, 3),
+            "limit_gbps": round(limit, 3),
+            "ratio": round(ratio, 3),
+            "bytes": self.nbytes,
+            "repeats": len(self.ours),
+        }
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def drop_page_cache() -> bool:
+    """Drop the page cache for cold reads; ``False`` where this machine refuses."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+class Workload:
+    """``n`` chunks of random KV with fresh tokens on every call to :meth:`tokens`."""
+
+    def __init__(self, layout: KVLayout, n_chunks: int) -> None:
+        self.layout = layout
+        self.n = n_chunks
+        self.kv = torch.randn(layout.shape(n_chunks * CHUNK)).to(torch_dtype(layout.dtype))
+        self.chunk_bytes = CHUNK * layout.bytes_per_token
+        self.nbytes = self.chunk_bytes * n_chunks
+        self.contig = [self.kv[:, :, i * CHUNK : (i + 1) * CHUNK].contiguous() for i in range(n_chunks)]
+        self.raw = [c.view(torch.uint8).reshape(-1).numpy().data for c in self.contig]
+        self._round = 0
+        self.keys = KeyBuilder("bench", layout, CHUNK)
+
+    def tokens(self) -> np.ndarray:
+        self._round += 1
+        rng = np.random.default_rng(self._round)
+        return rng.integers(0, 32000, self.n * CHUNK, dtype=np.uint32)
+
+    def chunks(self, toks: np.ndarray) -> tuple[list[Any], list[ChunkData]]:
+        keys = self.keys.keys_for_array(toks)
+        return keys, [
+            ChunkData(k, self.layout, toks[i * CHUNK : (i + 1) * CHUNK], self.raw[i]) for i, k in enumerate(keys)
+        ]
+
+
+def bench_cpu(w: Workload, repeats: int) -> list[Pair]:
+    store, get = Pair("cpu", "store", w.nbytes), Pair("cpu", "retrieve", w.nbytes)
+    cfg = CacheConfig(chunk_size=CHUNK, max_local_cpu_size=(w.nbytes + 2 * w.chunk_bytes) / 1024**3)
+    engine = CacheEngine(cfg, layout=w.layout, model_id="bench")
+    dst = torch.empty_like(w.kv)
+    dst.zero_()  # touch the pages once: the limit is a copy into allocated memory
+    try:
+        for r in range(repeats + 1):  # round 0 is the warm-up (first touch of the pool)
+            toks = w.tokens()
+            t_store = _timed(partial(engine.store, toks, w.kv))
+            t_lim1 = _timed(lambda: dst.copy_(w.kv))
+            t_get = _timed(partial(engine.retrieve, toks, out=dst))
+            t_lim2 = _timed(lambda: dst.copy_(w.kv))
+            engine.clear("cpu")
+            if r:
+                store.ours.append(t_store)
+                store.limit.append(t_lim1)
+                get.ours.append(t_get)
+                get.limit.append(t_lim2)
+    finally:
+        engine.close()
+    return [store, get]
+
+
+def bench_disk(w: Workload, repeats: int, directory: str) -> tuple[list[Pair], bool]:
+    store, get = Pair("disk", "store", w.nbytes), Pair("disk", "retrieve", w.nbytes)
+    tier_dir = os.path.join(directory, "tier")
+    raw_dir = os.path.join(directory, "raw")
+    os.makedirs(raw_dir, exist_ok=True)
+    tier = open_tier("file://" + tier_dir, TierOptions(name="disk", chunk_size=CHUNK))
+    buf = bytearray(w.chunk_bytes)
+    dropped = False
+
+    def raw_write() -> None:
+        for i, data in enumerate(w.raw):
+            with open(os.path.join(raw_dir, f"{i}.bin"), "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+
+    def raw_read() -> None:
+        for i in range(w.n):
+            with open(os.path.join(raw_dir, f"{i}.bin"), "rb", buffering=0) as f:
+                f.readinto(buf)
+
+    try:
+        for r in range(repeats + 1):
+            keys, chunks = w.chunks(w.tokens())
+            t_store = _timed(partial(tier.put, keys, chunks))
+            t_lim1 = _timed(raw_write)
+            dropped = drop_page_cache()
+            t_get = _timed(partial(tier.get, keys))
+            dropped = drop_page_cache() and dropped
+            t_lim2 = _timed(raw_read)
+            tier.delete(keys)
+            if r:
+                store.ours.append(t_store)
+                store.limit.append(t_lim1)
+                get.ours.append(t_get)
+                get.limit.append(t_lim2)
+    finally:
+        tier.close()
+    return [store, get], dropped
+
+
+def bench_redis(w: Workload, repeats: int, url: str) -> list[Pair]:
+    import redis
+
+    store, get = Pair("redis", "store", w.nbytes), Pair("redis", "retrieve", w.nbytes)
+    tier = open_tier(url, TierOptions(name="remote", chunk_size=CHUNK, part_bytes=PART))
+    client = redis.Redis.from_url(url)
+    names = [f"bench-raw:{i}:{j}" for i in range(w.n) for j in range(0, w.chunk_bytes, PART)]
+
+    def raw_set() -> None:
+        pipe = client.pipeline(transaction=False)
+        for i, data in enumerate(w.raw):
+            mv = data
+            for j in range(0, w.chunk_bytes, PART):
+                pipe.set(f"bench-raw:{i}:{j}", mv[j : j + PART])  # type: ignore[arg-type]
+        pipe.execute()
+
+    def raw_get() -> None:
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.get(name)
+        pipe.execute()
+
+    try:
+        for r in range(repeats + 1):
+            keys, chunks = w.chunks(w.tokens())
+            t_store = _timed(partial(tier.put, keys, chunks))
+            t_lim1 = _timed(raw_set)
+            t_get = _timed(partial(tier.get, keys))
+            t_lim2 = _timed(raw_get)
+            tier.delete(keys)
+            client.delete(*names)
+            if r:
+                store.ours.append(t_store)
+                store.limit.append(t_lim1)
+                get.ours.append(t_get)
+                get.limit.append(t_lim2)
+    finally:
+        tier.close()
+        client.close()
+    return [store, get]
+
+
+@contextlib.contextmanager
+def _redis_url(url: str | None) -> Iterator[str | None]:
+    if url:
+        yield url
+    elif RedisServer.available():
+        with RedisServer() as server:
+            yield server.url
+    else:
+        yield None
+
+
+def run(
+    layout: str = "llama-8b",
+    quick: bool = False,
+    json_path: str | None = None,
+    plot_path: str | None = None,
+    directory: str | None = None,
+    redis_url: str | None = None,
+    tiers: tuple[str, ...] = ("cpu", "disk", "redis"),
+) -> dict[str, Any]:
+    lay = LAYOUTS[layout]
+    n_chunks = (4 if quick else 8) if layout == "llama-8b" else (64 if quick else 256)
+    repeats = 3 if quick else 5
+    w = Workload(lay, n_chunks)
+    print(f"kvmesh bench tiers: layout {layout} ({w.chunk_bytes / 2**20:.1f} MiB/chunk), "
+          f"{n_chunks} chunks x {repeats} repeats")
+    pairs: list[Pair] = []
+    notes: dict[str, Any] = {"layout": layout, "chunk_tokens": CHUNK, "chunk_bytes": w.chunk_bytes}
+    if "cpu" in tiers:
+        pairs += bench_cpu(w, repeats)
+    if "disk" in tiers:
+        base = directory or os.path.join(os.getcwd(), ".cache")
+        os.makedirs(base, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix="bench-disk-", dir=base)
+        try:
+            disk_pairs, dropped = bench_disk(w, repeats, tmp)
+            pairs += disk_pairs
+            notes["page_cache_dropped"] = dropped
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if "redis" in tiers:
+        with _redis_url(redis_url) as url:
+            if url is None:
+                notes["redis"] = "skipped: redis-server is not installed"
+            else:
+                pairs += bench_redis(w, repeats, url)
+    results = [p.row() for p in pairs]
+    out = {"results": results, "config": notes}
+    print_table(results, ["tier", "op", "gbps", "limit_gbps", "ratio"])
+    if json_path:
+        write_json(json_path, out)
+    if plot_path:
+        write_plot(
+            plot_path,
+            labels=[f"{r['tier']}\n{r['op']}" for r in results],
+            series={"kvmesh": [r["gbps"] for r in results], "physical limit": [r["limit_gbps"] for r in results]},
+            ylabel="GB/s",
+            title=f"kvmesh tiers vs physical limits ({layout}, 256-token chunks)",
+            annotations=[f"{r['ratio']:.2f}x" for r in results],
+        )
+    return out

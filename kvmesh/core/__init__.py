@@ -1,0 +1,1 @@
+"""Core: keys, memory, serialization, eviction policy, offload and the engine."""

@@ -1,0 +1,169 @@
+"""Async write-behind to one lower tier, and background prefetch.
+
+A :class:`WriteBehind` owns a bounded queue and one worker thread. Each job holds a
+reference on the pool object it writes, so the bytes are neither copied nor reused until
+they have landed: a burst of evictions costs pool slots (a fixed budget), never unbounded
+memory. When the queue is full, :meth:`WriteBehind.submit` waits up to ``wait_s`` and then
+drops the write (counted) — the caller's request never waits on disk or the network by
+default. A key already queued is not queued twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from kvmesh.core.keys import ChunkKey
+from kvmesh.core.memory import MemoryObj
+from kvmesh.errors import TierError
+from kvmesh.tiers.base import ChunkData, Tier
+
+log = logging.getLogger(__name__)
+BATCH = 8  # jobs per tier.put call: lets Redis pipeline several chunks
+
+
+class WriteBehind:
+    def __init__(self, tier: Tier, maxsize: int, wait_s: float = 0.0) -> None:
+        self.tier = tier
+        self.wait_s = wait_s
+        self._q: queue.Queue[tuple[ChunkKey, MemoryObj] | None] = queue.Queue(maxsize)
+        self._queued: set[str] = set()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0
+        self._submitted = 0
+        self._landed = 0
+        self._thread = threading.Thread(target=self._run, name=f"kvmesh-write-{tier.name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    @property
+    def submitted(self) -> int:
+        with self._lock:
+            return self._submitted
+
+    def submit(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        """Queue ``obj`` for writing; takes its own reference. ``False`` if dropped."""
+        with self._lock:
+            if key.text in self._queued:
+                return True
+            self._queued.add(key.text)
+            self._pending += 1
+            self._submitted += 1
+        obj.ref_up()
+        try:
+            self._q.put((key, obj), timeout=self.wait_s) if self.wait_s > 0 else self._q.put_nowait((key, obj))
+        except queue.Full:
+            obj.release()
+            self._done([key.text], landed=False)
+            self.tier.metrics.inc("skipped_stores")
+            return False
+        self.tier.metrics.set("write_queue_depth", self._q.qsize())
+        return True
+
+    def wait(self, timeout: float | None = None, upto: int | None = None) -> bool:
+        """Block until every job submitted so far (or the first ``upto``) has been handled."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            target = self._submitted if upto is None else upto
+            while self._landed < target:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._idle.wait(remaining)
+        return True
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.wait(timeout)
+        self._q.put(None)
+        self._thread.join(timeout)
+
+    def _done(self, texts: list[str], landed: bool) -> None:
+        with self._lock:
+            for t in texts:
+                self._queued.discard(t)
+            self._pending -= len(texts)
+            self._landed += len(texts)
+            self._idle.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            first = self._q.get()
+            if first is None:
+                return
+            batch = [first]
+            stop = False
+            while len(batch) < BATCH:
+                try:
+                    nxt = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                batch.append(nxt)
+            self.tier.metrics.set("write_queue_depth", self._q.qsize())
+            self._write(batch)
+            if stop:
+                return
+
+    def _write(self, batch: list[tuple[ChunkKey, MemoryObj]]) -> None:
+        keys = [k for k, _ in batch]
+        chunks = []
+        for k, obj in batch:
+            assert obj.layout is not None and obj.tokens is not None  # set before submit
+            chunks.append(ChunkData(k, obj.layout, obj.tokens, obj.raw()))
+        try:
+            self.tier.put(keys, chunks)
+        except TierError as exc:
+            self.tier.metrics.inc("errors")
+            log.debug("write-behind to %s failed: %s", self.tier.name, exc)
+        except Exception:  # a tier bug must not kill the writer thread
+            self.tier.metrics.inc("errors")
+            log.exception("write-behind to %s crashed", self.tier.name)
+        finally:
+            for _, obj in batch:
+                obj.release()
+            self._done([k.text for k in keys], landed=True)
+
+
+class Prefetcher:
+    """One background thread running prefetch jobs (callables) from a bounded queue."""
+
+    def __init__(self, maxsize: int = 64) -> None:
+        self._q: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize)
+        self._thread = threading.Thread(target=self._run, name="kvmesh-prefetch", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> bool:
+        try:
+            self._q.put_nowait(job)
+            return True
+        except queue.Full:
+            return False
+
+    def wait(self, timeout: float | None = None) -> None:
+        done = threading.Event()
+        if self.submit(done.set):
+            done.wait(timeout)
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:
+                log.exception("prefetch job failed")

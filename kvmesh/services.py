@@ -1,0 +1,76 @@
+"""Start local services for benchmarks and the demo (tests use their own fixtures).
+
+Everything listens on loopback only.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from types import TracebackType
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout: float = 10.0, host: str = "127.0.0.1") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing answered on {host}:{port} within {timeout:.0f} s")
+
+
+class RedisServer:
+    """A throwaway ``redis-server`` on a free loopback port (no persistence)."""
+
+    def __init__(self, port: int | None = None, maxmemory: str | None = None) -> None:
+        self.port = port or free_port()
+        self.maxmemory = maxmemory
+        self._dir = tempfile.mkdtemp(prefix="kvmesh-redis-")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @staticmethod
+    def available() -> bool:
+        return shutil.which("redis-server") is not None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self) -> RedisServer:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError("redis-server is not installed (apt-get install -y redis-server)")
+        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", self._dir, "--protected-mode", "yes"]
+        if self.maxmemory:
+            args += ["--maxmemory", self.maxmemory]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_port(self.port)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()

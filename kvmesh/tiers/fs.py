@@ -1,0 +1,301 @@
+"""Shared-filesystem tier: ``fs:///path``, a directory many processes and machines use at
+once (NFS, CephFS, a local directory shared by the replicas of one host).
+
+One file per chunk, ``<root>/<2 hex>/<key.text>.kvc`` (the 2-hex fan-out keeps directories
+small; it is the start of the prefix hash, which is uniform). A file holds one serialized
+chunk (:mod:`kvmesh.core.serde`).
+
+Because other processes write and delete at any moment, this tier keeps **no in-memory
+index**: ``contains`` asks the filesystem, and readers expect files to vanish or be replaced
+between any two calls. Writers never expose a partial file: they write a unique temp file
+(``.<key>.<pid>.<random>.tmp``, invisible to readers and to ``keys()``), fsync it and
+``os.replace`` it over the final name, which is atomic on POSIX filesystems and on NFS. A
+reader that still finds a bad file (bit rot, a foreign tool) treats it as a miss, counts it
+in ``corrupt`` and deletes it — only if the name still points at the file it read, so it
+never deletes a good file that a concurrent writer has just put in its place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import logging
+import os
+import secrets
+import time
+from collections.abc import Iterator, Sequence
+
+from kvmesh.core import serde
+from kvmesh.core.keys import ChunkKey
+from kvmesh.core.serde import Buffer, ChunkHeader
+from kvmesh.errors import ConfigError, CorruptChunkError
+from kvmesh.tiers.base import ChunkData, TierOptions, register_tier, url_path
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".kvc"
+TMP_SUFFIX = ".tmp"
+# A temp file this old belongs to a writer that died; younger ones may still be renamed.
+STALE_TMP_S = 60.0
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class FsTier:
+    """Chunks as files in a shared directory; see the module docstring."""
+
+    def __init__(self, root: str, options: TierOptions) -> None:
+        self.name = options.name or "fs"
+        self.metrics = options.metrics
+        self.codec = serde.get_codec(options.codec).name  # fails fast on an unknown codec
+        self.root = os.path.abspath(root)
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as exc:
+            # A mount that is not there yet is not fatal: the tier reports "down" and every
+            # call degrades to a miss until the directory appears.
+            log.warning("kvmesh tier %s: cannot create %s (%s); tier is down", self.name, self.root, exc)
+        self.metrics.set("up", 1 if self.health() == "up" else 0)
+
+    def path(self, key: ChunkKey) -> str:
+        return os.path.join(self.root, key.prefix_hash[:2], key.text + SUFFIX)
+
+    # ---- the Tier protocol ------------------------------------------------------------
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return [os.path.exists(self.path(k)) for k in keys]
+
+    def get(self, keys: Sequence[ChunkKey]) -> list[ChunkData | None]:
+        out: list[ChunkData | None] = []
+        for k in keys:
+            item = self._read(k)
+            if item is None:
+                self.metrics.inc("misses")
+                out.append(None)
+                continue
+            header, raw, stored = item
+            self.metrics.inc("hits")
+            self.metrics.inc("bytes_out", stored)
+            out.append(ChunkData(k, header.layout, header.tokens, raw, header.codec, stored))
+        return out
+
+    def put(self, keys: Sequence[ChunkKey], chunks: Sequence[ChunkData]) -> list[bool]:
+        if len(keys) != len(chunks):
+            raise ValueError(f"put got {len(keys)} keys but {len(chunks)} chunks; pass one chunk per key")
+        results: list[bool] = []
+        dirs: set[str] = set()
+        for k, c in zip(keys, chunks, strict=True):
+            head, body = serde.encode(k, c.layout, c.tokens, c.data, self.codec)
+            ok = self._write(k, head, body)
+            if ok:
+                dirs.add(os.path.dirname(self.path(k)))
+            results.append(ok)
+        for d in dirs:
+            _fsync_dir(d)  # makes the renames durable, once per directory per batch
+        return results
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        n = 0
+        for k in keys:
+            try:
+                os.unlink(self.path(k))
+                n += 1
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                self._note_error("delete", exc)
+        self.metrics.inc("deletes", n)
+        return n
+
+    def clear(self) -> int:
+        """Delete every chunk file (and temp files of writers that died); returns chunks
+        deleted. Files that are not kvmesh's are left alone."""
+        n = 0
+        now = time.time()
+        for path, name in self._walk():
+            try:
+                if name.endswith(SUFFIX) and not name.startswith("."):
+                    os.unlink(path)
+                    n += 1
+                elif (
+                    name.startswith(".")
+                    and name.endswith(TMP_SUFFIX)
+                    and now - os.stat(path).st_mtime > STALE_TMP_S
+                ):
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                self._note_error("clear", exc)
+        self.metrics.inc("deletes", n)
+        return n
+
+    def keys(self) -> Iterator[str]:
+        """Key texts of the chunk files present now (temp files are skipped)."""
+        for _path, name in self._walk():
+            if name.endswith(SUFFIX) and not name.startswith("."):
+                yield name[: -len(SUFFIX)]
+
+    def recode(self, keys: Sequence[ChunkKey], codec: str) -> tuple[int, int]:
+        """Re-store ``keys`` with ``codec``. Returns stored bytes before and after, summed
+        over the keys found (keys already in ``codec`` count the same on both sides)."""
+        codec = serde.get_codec(codec).name
+        before = after = 0
+        for k in keys:
+            item = self._read(k)
+            if item is None:
+                continue
+            header, raw, stored = item
+            before += stored
+            if header.codec == codec:
+                after += stored
+                continue
+            head, body = serde.encode(k, header.layout, header.tokens, raw, codec)
+            if self._write(k, head, body):
+                _fsync_dir(os.path.dirname(self.path(k)))
+                after += len(head) + memoryview(body).nbytes
+            else:
+                after += stored
+        return before, after
+
+    def health(self) -> str:
+        up = os.path.isdir(self.root) and os.access(self.root, os.W_OK | os.X_OK)
+        self.metrics.set("up", 1 if up else 0)
+        return "up" if up else "down"
+
+    def close(self) -> None:
+        """Nothing to release: no handles are kept between calls."""
+
+    # ---- files --------------------------------------------------------------------------
+
+    def _read(self, key: ChunkKey) -> tuple[ChunkHeader, Buffer, int] | None:
+        path = self.path(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                st = os.fstat(f.fileno())
+                try:
+                    header, body = _read_chunk(f, st.st_size, key)
+                    raw = serde.decode_payload(header, body)
+                except CorruptChunkError as exc:
+                    self._discard_corrupt(path, st, exc)
+                    return None
+        except FileNotFoundError:
+            return None  # never written, deleted, or evicted by another process
+        except OSError as exc:
+            self._note_error("read", exc)
+            return None
+        return header, raw, st.st_size
+
+    def _write(self, key: ChunkKey, head: bytes, body: Buffer) -> bool:
+        final = self.path(key)
+        directory = os.path.dirname(final)
+        # pid + random: many processes on many machines may write the same key at once.
+        tmp = os.path.join(directory, f".{key.text}.{os.getpid()}.{secrets.token_hex(6)}{TMP_SUFFIX}")
+        try:
+            try:
+                f = open(tmp, "xb")  # noqa: SIM115 - closed by the with below
+            except FileNotFoundError:
+                os.makedirs(directory, exist_ok=True)
+                f = open(tmp, "xb")  # noqa: SIM115
+            with f:
+                f.write(head)
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if exc.errno in _FULL_ERRNOS:
+                self.metrics.inc("skipped_stores")
+            else:
+                self._note_error("write", exc)
+            return False
+        self.metrics.inc("stores")
+        self.metrics.inc("bytes_in", len(head) + memoryview(body).nbytes)
+        return True
+
+    def _discard_corrupt(self, path: str, st: os.stat_result, exc: CorruptChunkError) -> None:
+        self.metrics.inc("corrupt")
+        log.warning("kvmesh tier %s: dropping corrupt chunk file %s: %s", self.name, path, exc)
+        try:
+            now = os.stat(path)
+            # Another process may have replaced the file since we opened it; only the bad
+            # file we actually read is deleted.
+            if (now.st_ino, now.st_dev, now.st_mtime_ns) == (st.st_ino, st.st_dev, st.st_mtime_ns):
+                os.unlink(path)
+        except OSError:
+            pass
+
+    def _walk(self) -> Iterator[tuple[str, str]]:
+        try:
+            subdirs = [e.path for e in os.scandir(self.root) if len(e.name) == 2 and e.is_dir()]
+        except OSError as exc:
+            self._note_error("scan", exc)
+            return
+        for d in subdirs:
+            try:
+                entries = list(os.scandir(d))
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                self._note_error("scan", exc)
+                continue
+            for e in entries:
+                yield e.path, e.name
+
+    def _note_error(self, op: str, exc: OSError) -> None:
+        self.metrics.inc("errors")
+        log.debug("kvmesh tier %s: %s failed: %s", self.name, op, exc)
+
+
+def _read_chunk(f: io.FileIO, size: int, key: ChunkKey) -> tuple[ChunkHeader, bytearray]:
+    """Header and stored payload of an open chunk file, verified against ``size``."""
+    prefix = _read_exact(f, serde.PREFIX_SIZE)
+    hlen = serde.header_length(prefix)
+    header = serde.decode_header(prefix + _read_exact(f, hlen - serde.PREFIX_SIZE), key.text)
+    if size != header.header_size + header.payload_len:
+        raise CorruptChunkError(
+            f"file is {size} bytes, header says {header.header_size + header.payload_len}"
+        )
+    # Read straight into the buffer the caller will own: no intermediate copy.
+    body = bytearray(header.payload_len)
+    view = memoryview(body)
+    pos = 0
+    while pos < len(body):
+        n = f.readinto(view[pos:])
+        if not n:
+            raise CorruptChunkError(f"file ended after {pos} of {len(body)} payload bytes")
+        pos += n
+    return header, body
+
+
+def _read_exact(f: io.FileIO, n: int) -> bytes:
+    data = f.read(n)
+    while len(data) < n:
+        more = f.read(n - len(data))
+        if not more:
+            raise CorruptChunkError(f"file ended inside the chunk header ({len(data)} < {n} bytes)")
+        data += more
+    return data
+
+
+def _fsync_dir(path: str) -> None:
+    # Some filesystems refuse fsync on a directory; durability is then theirs to give.
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@register_tier("fs")
+def _open_fs(url: str, options: TierOptions) -> FsTier:
+    if not url_path(url):
+        raise ConfigError(f"fs tier URL {url!r} names no directory; write fs:///absolute/path")
+    return FsTier(url_path(url), options)
