@@ -356,7 +356,8 @@ class CacheEngine:
                 out[name] = self._safe_delete(t, name, keys)
             else:
                 try:
-                    out[name] = t.clear()
+                    # Only the disk tier knows pins; the shared tiers have none to respect.
+                    out[name] = t.clear(force=force) if name == "disk" else t.clear()  # type: ignore[call-arg]
                 except TierError:
                     self.metrics[name].inc("errors")
                     out[name] = 0
@@ -385,12 +386,15 @@ class CacheEngine:
                 nbytes = c.kv.numel() * c.kv.element_size()
                 if target != "cpu":
                     t = self.lower[target]
-                    if not t.contains([key])[0]:
-                        data = ChunkData(key, self.layout, arr[c.start : c.end].copy(),
-                                         c.kv.contiguous().view(torch.uint8).reshape(-1).numpy().data)
-                        if not t.put([key], [data])[0]:
-                            continue
-                        moved += nbytes
+                    try:
+                        if not t.contains([key])[0]:
+                            raw = c.kv.contiguous().view(torch.uint8).reshape(-1).numpy().data
+                            if not t.put([key], [ChunkData(key, self.layout, arr[c.start : c.end].copy(), raw)])[0]:
+                                continue
+                            moved += nbytes
+                    except TierError:
+                        self.metrics[target].inc("errors")
+                        continue
                 elif c.tier != "cpu":
                     moved += nbytes
                 for name in above:

@@ -50,6 +50,15 @@ MAX_HEADER_LEN = 1 << 20  # a header is a few KiB; anything larger is corruption
 Buffer = bytes | bytearray | memoryview
 
 
+def empty_buffer(nbytes: int) -> memoryview:
+    """A writable buffer of ``nbytes`` whose contents are undefined.
+
+    ``bytearray(n)`` zero-fills every byte first, which here costs more than reading the
+    same bytes from disk; this buffer's pages are only touched by whoever fills it.
+    """
+    return np.empty(nbytes, dtype=np.uint8).data
+
+
 class Codec(Protocol):
     """Bytes in, bytes out. ``itemsize`` is the element size of the KV dtype."""
 

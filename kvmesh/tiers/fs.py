@@ -249,7 +249,7 @@ class FsTier:
         log.debug("kvmesh tier %s: %s failed: %s", self.name, op, exc)
 
 
-def _read_chunk(f: io.FileIO, size: int, key: ChunkKey) -> tuple[ChunkHeader, bytearray]:
+def _read_chunk(f: io.FileIO, size: int, key: ChunkKey) -> tuple[ChunkHeader, memoryview]:
     """Header and stored payload of an open chunk file, verified against ``size``."""
     prefix = _read_exact(f, serde.PREFIX_SIZE)
     hlen = serde.header_length(prefix)
@@ -259,8 +259,8 @@ def _read_chunk(f: io.FileIO, size: int, key: ChunkKey) -> tuple[ChunkHeader, by
             f"file is {size} bytes, header says {header.header_size + header.payload_len}"
         )
     # Read straight into the buffer the caller will own: no intermediate copy.
-    body = bytearray(header.payload_len)
-    view = memoryview(body)
+    body = serde.empty_buffer(header.payload_len)
+    view = body
     pos = 0
     while pos < len(body):
         n = f.readinto(view[pos:])

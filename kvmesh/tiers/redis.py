@@ -384,7 +384,7 @@ def _decode(key: ChunkKey, fields: dict[bytes, bytes]) -> tuple[ChunkHeader, Buf
         body = parts[0]  # no assembly copy for a value that fits one part
     else:
         # One copy of every part into a buffer the caller will own.
-        body = bytearray(header.payload_len)
+        body = serde.empty_buffer(header.payload_len)
         pos = 0
         for p in parts:
             if p is not None:

