@@ -41,7 +41,9 @@ def _model_make_tiny(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvmesh", description="One cluster-wide KV cache for vLLM replicas.")
+    parser = argparse.ArgumentParser(
+        prog="kvmesh", description="One cluster-wide KV cache for vLLM replicas."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="benchmarks (JSON + PNG)")

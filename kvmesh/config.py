@@ -36,7 +36,9 @@ class CacheConfig(BaseModel):
     local_disk: str | None = Field(None, description="disk tier: file:///path or a path; None = off")
     max_local_disk_size: float = Field(20.0, ge=0, description="disk tier byte budget in GB (0 = unbounded)")
     remote_url: str | None = Field(None, description="shared tier: redis://, rediss://, unix://, fs:///path")
-    remote_serde: str = Field("raw", description="codec in the remote tier: raw | zstd (LMCache: naive = raw)")
+    remote_serde: str = Field(
+        "raw", description="codec in the remote tier: raw | zstd (LMCache: naive = raw)"
+    )
     disk_serde: str = Field("raw", description="codec in the disk tier: raw | zstd")
     save_unfull_chunk: bool = Field(False, description="also cache the final partial chunk of a prompt")
     cache_salt: str | None = Field(None, description="tenant isolation: different salts never share")
@@ -79,7 +81,9 @@ class CacheConfig(BaseModel):
         valid = sorted(cls.model_fields)
         unknown = sorted(set(data) - set(valid))
         if unknown:
-            raise ConfigError(f"unknown config key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(valid)}")
+            raise ConfigError(
+                f"unknown config key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(valid)}"
+            )
         try:
             return cls(**data)
         except ValidationError as exc:
@@ -99,7 +103,9 @@ class CacheConfig(BaseModel):
         return cls.from_dict(data)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, base: Mapping[str, Any] | None = None) -> CacheConfig:
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, base: Mapping[str, Any] | None = None
+    ) -> CacheConfig:
         """``KVMESH_CHUNK_SIZE=512`` sets ``chunk_size``; ``KVMESH_CONFIG_FILE`` names a YAML
         file read first. Values are parsed as YAML scalars (``true``, ``2.5``, ``null``)."""
         env = os.environ if environ is None else environ

@@ -49,7 +49,12 @@ class TierMetrics:
         self.tier = tier
         self._lock = threading.Lock()
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self.gauges: dict[str, float] = {"up": 1.0, "write_queue_depth": 0.0, "bytes_used": 0.0, "objects": 0.0}
+        self.gauges: dict[str, float] = {
+            "up": 1.0,
+            "write_queue_depth": 0.0,
+            "bytes_used": 0.0,
+            "objects": 0.0,
+        }
         self.latency: dict[str, Histogram] = {}
 
     def inc(self, name: str, value: int = 1) -> None:

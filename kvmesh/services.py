@@ -51,8 +51,21 @@ class RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
             raise FileNotFoundError("redis-server is not installed (apt-get install -y redis-server)")
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", self._dir, "--protected-mode", "yes"]
+        args = [
+            binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self._dir,
+            "--protected-mode",
+            "yes",
+        ]
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -72,5 +85,7 @@ class RedisServer:
     def __enter__(self) -> RedisServer:
         return self.start()
 
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()

@@ -10,7 +10,9 @@ from typing import Any
 
 def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
     cells = [[str(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    widths = [
+        max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)
+    ]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
     print("  ".join("-" * w for w in widths))
     for row in cells:

@@ -105,7 +105,8 @@ class Workload:
     def chunks(self, toks: np.ndarray) -> tuple[list[Any], list[ChunkData]]:
         keys = self.keys.keys_for_array(toks)
         return keys, [
-            ChunkData(k, self.layout, toks[i * CHUNK : (i + 1) * CHUNK], self.raw[i]) for i, k in enumerate(keys)
+            ChunkData(k, self.layout, toks[i * CHUNK : (i + 1) * CHUNK], self.raw[i])
+            for i, k in enumerate(keys)
         ]
 
 
@@ -240,8 +241,10 @@ def run(
     n_chunks = (4 if quick else 8) if layout == "llama-8b" else (64 if quick else 256)
     repeats = 3 if quick else 5
     w = Workload(lay, n_chunks)
-    print(f"kvmesh bench tiers: layout {layout} ({w.chunk_bytes / 2**20:.1f} MiB/chunk), "
-          f"{n_chunks} chunks x {repeats} repeats")
+    print(
+        f"kvmesh bench tiers: layout {layout} ({w.chunk_bytes / 2**20:.1f} MiB/chunk), "
+        f"{n_chunks} chunks x {repeats} repeats"
+    )
     pairs: list[Pair] = []
     notes: dict[str, Any] = {"layout": layout, "chunk_tokens": CHUNK, "chunk_bytes": w.chunk_bytes}
     if "cpu" in tiers:
@@ -271,7 +274,10 @@ def run(
         write_plot(
             plot_path,
             labels=[f"{r['tier']}\n{r['op']}" for r in results],
-            series={"kvmesh": [r["gbps"] for r in results], "physical limit": [r["limit_gbps"] for r in results]},
+            series={
+                "kvmesh": [r["gbps"] for r in results],
+                "physical limit": [r["limit_gbps"] for r in results],
+            },
             ylabel="GB/s",
             title=f"kvmesh tiers vs physical limits ({layout}, 256-token chunks)",
             annotations=[f"{r['ratio']:.2f}x" for r in results],

@@ -10,7 +10,6 @@ error ever reaches a caller of ``store`` or ``retrieve``.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -143,8 +142,12 @@ class CacheEngine:
             if here or e <= skip_tokens:
                 stored_to = e
                 continue
-            obj = self.cpu.allocate(self.chunk_bytes if e - s == self.config.chunk_size else
-                                    (e - s) * self.layout.bytes_per_token, self.config.store_wait_s)
+            obj = self.cpu.allocate(
+                self.chunk_bytes
+                if e - s == self.config.chunk_size
+                else (e - s) * self.layout.bytes_per_token,
+                self.config.store_wait_s,
+            )
             if obj is None:
                 self.metrics["engine"].inc("skipped_stores")
                 break  # a later chunk without this one can never be a prefix hit
@@ -218,7 +221,9 @@ class CacheEngine:
 
     # -- retrieve ------------------------------------------------------------------------
     @contextmanager
-    def retrieve_chunks(self, tokens: object, max_tokens: int | None = None) -> Iterator[list[RetrievedChunk]]:
+    def retrieve_chunks(
+        self, tokens: object, max_tokens: int | None = None
+    ) -> Iterator[list[RetrievedChunk]]:
         """Views of the leading chunks that can be read, valid inside the ``with`` block
         (they hold pool references, released on exit)."""
         arr = as_token_array(tokens)
@@ -341,7 +346,9 @@ class CacheEngine:
             self.metrics[name].inc("errors")
             return 0
 
-    def clear(self, tier: str | None = None, tokens: object | None = None, force: bool = False) -> dict[str, int]:
+    def clear(
+        self, tier: str | None = None, tokens: object | None = None, force: bool = False
+    ) -> dict[str, int]:
         """Drop chunks from one tier or all; only those of ``tokens`` if given. Pinned
         chunks stay unless ``force``. Returns chunks dropped per tier."""
         names = self._tier_names(tier)
@@ -389,7 +396,9 @@ class CacheEngine:
                     try:
                         if not t.contains([key])[0]:
                             raw = c.kv.contiguous().view(torch.uint8).reshape(-1).numpy().data
-                            if not t.put([key], [ChunkData(key, self.layout, arr[c.start : c.end].copy(), raw)])[0]:
+                            if not t.put(
+                                [key], [ChunkData(key, self.layout, arr[c.start : c.end].copy(), raw)]
+                            )[0]:
                                 continue
                             moved += nbytes
                     except TierError:

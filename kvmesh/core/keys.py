@@ -38,9 +38,7 @@ _DTYPE_SIZES = {
     "uint8": 1,
     "int8": 1,
 }
-_KEY_RE = re.compile(
-    r"^kvm1-(?P<ns>[0-9a-f]{16})-r(?P<shard>\d+)-(?P<h>[0-9a-f]{32})(?:-p(?P<p>\d+))?$"
-)
+_KEY_RE = re.compile(r"^kvm1-(?P<ns>[0-9a-f]{16})-r(?P<shard>\d+)-(?P<h>[0-9a-f]{32})(?:-p(?P<p>\d+))?$")
 _EMPTY_TOKENS = np.zeros(0, dtype=np.uint32)
 
 
@@ -48,9 +46,7 @@ def dtype_name(dtype: object) -> str:
     """Canonical dtype name for a ``torch.dtype``, ``numpy.dtype`` or string."""
     name = str(dtype).removeprefix("torch.")
     if name not in _DTYPE_SIZES:
-        raise ValueError(
-            f"unsupported KV dtype {dtype!r}; supported: {', '.join(sorted(_DTYPE_SIZES))}"
-        )
+        raise ValueError(f"unsupported KV dtype {dtype!r}; supported: {', '.join(sorted(_DTYPE_SIZES))}")
     return name
 
 

@@ -14,6 +14,7 @@ buffer handed to a reader or to a pending disk write is never reused underneath 
 from __future__ import annotations
 
 import threading
+
 import numpy as np
 import torch
 

@@ -59,7 +59,9 @@ class WriteBehind:
             self._submitted += 1
         obj.ref_up()
         try:
-            self._q.put((key, obj), timeout=self.wait_s) if self.wait_s > 0 else self._q.put_nowait((key, obj))
+            self._q.put((key, obj), timeout=self.wait_s) if self.wait_s > 0 else self._q.put_nowait(
+                (key, obj)
+            )
         except queue.Full:
             obj.release()
             self._done([key.text], landed=False)

@@ -116,9 +116,7 @@ def get_codec(name: str) -> Codec:
     try:
         return CODECS[name]()
     except KeyError:
-        raise ConfigError(
-            f"unknown codec {name!r}; valid codecs: {', '.join(sorted(CODECS))}"
-        ) from None
+        raise ConfigError(f"unknown codec {name!r}; valid codecs: {', '.join(sorted(CODECS))}") from None
 
 
 @dataclass(frozen=True)
@@ -171,7 +169,9 @@ def encode(
     return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)), body
 
 
-def encode_bytes(key: ChunkKey | str, layout: KVLayout, tokens: np.ndarray, payload: Buffer, codec: str = "raw") -> bytes:
+def encode_bytes(
+    key: ChunkKey | str, layout: KVLayout, tokens: np.ndarray, payload: Buffer, codec: str = "raw"
+) -> bytes:
     head, body = encode(key, layout, tokens, payload, codec)
     return head + bytes(body)
 
