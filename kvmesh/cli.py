@@ -40,6 +40,21 @@ def _model_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from kvmesh import demo
+
+    out = demo.run(
+        model_dir=args.model,
+        json_path=args.json,
+        plot_path=args.plot,
+        tenants=args.tenants,
+        users=args.users,
+        turns=args.turns,
+        concurrency=args.concurrency,
+    )
+    return 0 if all(r["errors"] == 0 for r in out["runs"]) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvmesh", description="One cluster-wide KV cache for vLLM replicas."
@@ -70,6 +85,22 @@ def build_parser() -> argparse.ArgumentParser:
     mt.add_argument("--seed", type=int)
     mt.add_argument("--if-missing", action="store_true", help="do nothing if OUT already holds a model")
     mt.set_defaults(func=_model_make_tiny)
+
+    from kvmesh.router.cli import add_router_parser
+
+    add_router_parser(sub)
+
+    dm = sub.add_parser(
+        "demo", help="2 vLLM replicas + kvmesh router: round-robin vs kvmesh on a multi-tenant chat"
+    )
+    dm.add_argument("--model", default=".cache/models/tiny", help="model directory (built if missing)")
+    dm.add_argument("--json", help="write the comparison here")
+    dm.add_argument("--plot", help="write a PNG plot here")
+    dm.add_argument("--tenants", type=int, default=12)
+    dm.add_argument("--users", type=int, default=2, help="users per tenant")
+    dm.add_argument("--turns", type=int, default=3, help="turns per conversation")
+    dm.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    dm.set_defaults(func=_demo)
     return parser
 
 

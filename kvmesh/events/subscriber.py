@@ -1,0 +1,230 @@
+"""Subscriber to one replica's KV-event stream, with sequence-gap repair.
+
+One daemon thread per replica owns a SUB socket (and, when a replay endpoint is given, a
+DEALER socket for replay requests). Batches reach ``on_batch`` strictly in sequence order.
+
+A hole in the sequence numbers means the router's view of that replica is now wrong: a
+missed ``BlockRemoved`` would leave an entry that routes requests to a prefix that is gone.
+So a gap is either repaired from the publisher's replay buffer (protocol: see
+:mod:`kvmesh.events.publisher`, identical to vLLM's) or reported through
+``on_gap_unrepaired(replica)``, after which the router drops that replica's entries and
+rebuilds them from the events that follow. A sequence number going *backwards* means the
+publisher restarted (its cache is empty); that is reported the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import zmq
+
+from kvmesh.events.codec import EventBatch, EventDecodeError, decode_batch
+from kvmesh.events.publisher import END_SEQ
+
+log = logging.getLogger(__name__)
+
+_POLL_MS = 100
+
+BatchCallback = Callable[[str, EventBatch], None]
+GapCallback = Callable[[str], None]
+ReplayOutcome = Literal["ok", "reported", "failed"]
+
+
+class EventSubscriber:
+    """Consumes one publisher's batches on a daemon thread; see the module docstring.
+
+    ``last_event_time`` is the ``time.monotonic()`` of the last message received (None
+    before the first), so the router can tell that a replica has gone quiet.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        on_batch: BatchCallback,
+        replica: str,
+        replay_endpoint: str | None = None,
+        on_gap_unrepaired: GapCallback | None = None,
+        topic: str = "",
+        replay_timeout_s: float = 1.0,
+        replay_on_start: bool = True,
+    ) -> None:
+        self.replica = replica
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self._on_batch = on_batch
+        self._on_gap = on_gap_unrepaired
+        self._replay_timeout_ms = max(1, int(replay_timeout_s * 1000))
+        # Joining a running publisher: what it sent before is in its replay buffer.
+        self._replay_on_start = replay_on_start
+        self.last_event_time: float | None = None
+        self._last_seq: int | None = None  # last delivered (live or replayed)
+        self._live_seq: int | None = None  # last seen on the live socket
+        self._counts = dict.fromkeys(
+            (
+                "batches",
+                "events",
+                "malformed",
+                "gaps",
+                "repaired",
+                "unrepaired",
+                "restarts",
+                "callback_errors",
+            ),
+            0,
+        )
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sub: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
+        try:
+            self._sub.connect(endpoint)
+        except zmq.ZMQError as exc:
+            self._sub.close(linger=0)
+            raise ValueError(f"cannot connect KV event subscriber to {endpoint!r}: {exc}") from exc
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._dealer: zmq.Socket[bytes] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kvmesh-event-sub-{replica}", daemon=True)
+        self._thread.start()
+
+    def stats(self) -> dict[str, int]:
+        """Counters: batches, events, malformed, gaps, repaired, unrepaired, restarts, callback_errors."""
+        return dict(self._counts)
+
+    @property
+    def last_seq(self) -> int | None:
+        return self._last_seq
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the thread and close the sockets. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("KV event subscriber for %s did not stop within %.1fs", self.replica, timeout)
+            return
+        self._sub.close(linger=0)
+        self._drop_dealer()
+
+    def __enter__(self) -> EventSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self._sub.poll(_POLL_MS):
+                    continue
+                frames = self._sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                if self._stop.is_set():
+                    return
+                log.warning("KV event subscriber for %s: %s", self.replica, exc)
+                time.sleep(_POLL_MS / 1000)
+                continue
+            self._on_live(frames)
+
+    def _on_live(self, frames: list[bytes]) -> None:
+        self.last_event_time = time.monotonic()
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self._counts["malformed"] += 1
+            return
+        seq = int.from_bytes(frames[1], "big")
+        if self._live_seq is not None and seq <= self._live_seq:
+            # Going backwards on the live stream (replayed copies are not counted here).
+            self._counts["restarts"] += 1
+            self._unrepaired()
+            self._last_seq = None
+        self._live_seq = seq
+        last = self._last_seq
+        if last is not None and seq <= last:
+            return  # already delivered by a replay
+        if last is None:
+            if seq > 0 and self.replay_endpoint is not None and self._replay_on_start:
+                self._replay(0)
+        elif seq > last + 1:
+            self._counts["gaps"] += 1
+            outcome = self._replay(last + 1) if self.replay_endpoint is not None else "failed"
+            caught_up = self._last_seq is not None and self._last_seq >= seq - 1
+            if outcome == "ok" and caught_up:
+                self._counts["repaired"] += 1
+            elif outcome == "failed" or not caught_up:
+                # Not everything came back: the entries are wrong from here on.
+                self._unrepaired()
+        if self._last_seq is None or seq > self._last_seq:
+            self._deliver(seq, frames[2])
+
+    def _replay(self, start: int) -> ReplayOutcome:
+        """Ask for every buffered batch from ``start``; deliver the ones in order.
+
+        ``"ok"``: the answer was complete and contiguous. ``"reported"``: the buffer no longer
+        reached back far enough, ``on_gap_unrepaired`` was called and the rest delivered.
+        ``"failed"``: no complete answer (timeout); nothing was reported yet.
+        """
+        dealer = self._get_dealer()
+        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        outcome: ReplayOutcome = "ok"
+        while True:
+            if not dealer.poll(self._replay_timeout_ms):
+                log.warning("KV event replay from %s timed out", self.replay_endpoint)
+                self._drop_dealer()  # late answers must not be read as the next replay's
+                return "failed"
+            frames = dealer.recv_multipart()
+            if len(frames) != 4 or len(frames[2]) != 8:
+                self._counts["malformed"] += 1
+                continue
+            if frames[2] == END_SEQ:
+                return outcome
+            seq = int.from_bytes(frames[2], "big")
+            last = self._last_seq
+            if last is not None and seq <= last:
+                continue
+            if last is not None and seq > last + 1 and outcome == "ok":
+                # The buffer has rolled past what we need: report once, then keep what we get.
+                self._unrepaired()
+                outcome = "reported"
+            self._deliver(seq, frames[3])
+
+    def _deliver(self, seq: int, payload: bytes) -> None:
+        self._last_seq = seq
+        try:
+            batch = decode_batch(payload)
+        except EventDecodeError as exc:
+            self._counts["malformed"] += 1
+            log.debug("dropping malformed KV event batch %d from %s: %s", seq, self.replica, exc)
+            return
+        self._counts["batches"] += 1
+        self._counts["events"] += len(batch.events)
+        try:
+            self._on_batch(self.replica, batch)
+        except Exception:  # the stream must go on; the callback's bug is logged and counted
+            self._counts["callback_errors"] += 1
+            log.exception("KV event callback failed for %s", self.replica)
+
+    def _unrepaired(self) -> None:
+        self._counts["unrepaired"] += 1
+        if self._on_gap is None:
+            return
+        try:
+            self._on_gap(self.replica)
+        except Exception:
+            self._counts["callback_errors"] += 1
+            log.exception("gap callback failed for %s", self.replica)
+
+    def _get_dealer(self) -> zmq.Socket[bytes]:
+        if self._dealer is None:
+            self._dealer = self._ctx.socket(zmq.DEALER)
+            self._dealer.connect(self.replay_endpoint or "")
+        return self._dealer
+
+    def _drop_dealer(self) -> None:
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+            self._dealer = None

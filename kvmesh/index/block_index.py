@@ -1,0 +1,431 @@
+"""The router's block index: which replica holds which prefix, in which medium.
+
+Keys are kvmesh's own chained xxh3-128 hashes over each block's token ids, rooted in the
+block size and LoRA name, never the engine's block hashes: those depend on the engine's
+hash algorithm and ``PYTHONHASHSEED``, so two replicas (or the router) could not agree on
+them. Engine hashes are kept per replica only as opaque ids, to find the parent of a new
+``BlockStored`` and to resolve ``BlockRemoved``.
+
+Layout, chosen for memory (1M blocks in a few hundred MB) and lookup speed:
+
+* ``_blocks``: our key → ``[mask, block_size, rid, engine_hash, rid, engine_hash, …]`` in
+  LRU order. ``mask`` has 4 bits per replica id, bit ``4*rid + medium``; one Python int
+  answers "who holds this block, where" with a few shifts.
+* ``_emap[rid][block_size]``: engine hash → our key. Split by block size because vLLM's
+  offloading may reuse a GPU block's hash for a larger CPU block with other tokens.
+
+``REMOTE`` is shared storage: a REMOTE bit set by any replica makes the block count for
+every registered replica. Speculative entries (a routing decision whose events have not
+arrived yet) live in a small side table and count as GPU until they expire.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvmesh.core.keys import as_token_array
+from kvmesh.events.codec import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
+from kvmesh.index.prefix import (
+    Medium,
+    PrefixMatch,
+    chain,
+    chain_root,
+    combine_ranges,
+    extra_bytes,
+    parse_medium,
+    query_chain,
+    query_tokens,
+)
+from kvmesh.index.speculative import SpeculativeTable
+
+_BITS = 4  # bits per replica in a block mask, one per Medium
+_NIBBLE = (1 << _BITS) - 1
+# A replica's 4 mask bits → its best medium; no bit of its own means REMOTE from another replica.
+_NIB_MEDIUM = tuple(Medium(max(nib.bit_length() - 1, 0)) for nib in range(1 << _BITS))
+_COUNTERS = (
+    "stored_blocks",
+    "removed_blocks",
+    "orphans",  # BlockStored whose parent we never saw (or evicted): skipped
+    "invalid",  # token count does not match blocks × block_size, or bad token ids
+    "placeholders",  # vLLM offloading's token-less stores (block_size 0): nothing to key them by
+    "unknown_medium",
+    "ignored_group",  # hybrid-model KV groups other than 0, see _store
+    "evictions",
+    "clears",
+)
+
+
+class BlockIndex:
+    """Thread-safe index of replica × medium × block; see the module docstring.
+
+    ``max_blocks`` bounds memory: the least recently stored or matched block is evicted.
+    ``default_block_size`` is used for speculative entries before any event has been seen.
+    """
+
+    def __init__(
+        self,
+        max_blocks: int = 1_000_000,
+        default_block_size: int = 16,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_blocks <= 0:
+            raise ValueError(f"max_blocks must be positive, got {max_blocks}")
+        self.max_blocks = max_blocks
+        self.default_block_size = default_block_size
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._rids: dict[str, int] = {}
+        self._names: dict[int, str] = {}
+        self._free_rids: list[int] = []
+        self._low = 0  # bit 4*rid set for every registered replica (REMOTE bit positions)
+        # Tuples, not lists: tuples of ints and bytes drop out of the cyclic GC, so a full
+        # collection does not walk a million entries in the middle of a lookup.
+        self._blocks: OrderedDict[bytes, tuple[Any, ...]] = OrderedDict()
+        self._emap: dict[int, dict[int, dict[BlockHash, bytes]]] = {}
+        self._size_blocks: dict[int, int] = {}  # block size → live blocks
+        self._spec = SpeculativeTable()
+        self._counts = dict.fromkeys(_COUNTERS, 0)
+
+    # -- replicas -------------------------------------------------------------------------
+
+    def add_replica(self, replica: str) -> None:
+        """Register a replica so that it shares REMOTE blocks even before its own events."""
+        with self._lock:
+            self._rid(replica)
+
+    def replicas(self) -> list[str]:
+        with self._lock:
+            return sorted(self._rids)
+
+    def clear_replica(self, replica: str) -> None:
+        """Forget everything ``replica`` reported (AllBlocksCleared, or an unrepaired gap)."""
+        with self._lock:
+            rid = self._rids.get(replica)
+            if rid is not None:
+                self._counts["clears"] += 1
+                self._clear(rid)
+
+    def remove_replica(self, replica: str) -> None:
+        """Forget ``replica`` and its entries; it no longer shares REMOTE blocks."""
+        with self._lock:
+            rid = self._rids.pop(replica, None)
+            if rid is None:
+                return
+            self._clear(rid)
+            del self._names[rid], self._emap[rid]
+            self._low &= ~(1 << (_BITS * rid))
+            heapq.heappush(self._free_rids, rid)
+
+    def _rid(self, replica: str) -> int:
+        rid = self._rids.get(replica)
+        if rid is None:
+            # Reuse the lowest free id so that masks stay short under replica churn.
+            rid = heapq.heappop(self._free_rids) if self._free_rids else len(self._rids)
+            self._rids[replica] = rid
+            self._names[rid] = replica
+            self._emap[rid] = {}
+            self._low |= 1 << (_BITS * rid)
+        return rid
+
+    # -- events ---------------------------------------------------------------------------
+
+    def apply(self, replica: str, batch: EventBatch) -> None:
+        """Apply one event batch from ``replica``, in order."""
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                self.store(replica, ev)
+            elif isinstance(ev, BlockRemoved):
+                self.remove(replica, ev.block_hashes, ev.medium, ev.group_idx)
+            elif isinstance(ev, AllBlocksCleared):
+                self.clear_replica(replica)
+
+    def store(self, replica: str, ev: BlockStored) -> None:
+        medium = parse_medium(ev.medium)
+        prepared = self._event_keys(ev) if medium is not None else None
+        with self._lock:
+            rid = self._rid(replica)
+            if medium is None:
+                self._counts["unknown_medium"] += 1
+                return
+            if ev.group_idx not in (None, 0):
+                # A hybrid model's other groups (e.g. sliding window) drop old blocks all the time
+                # under the same hashes; their removals would erase group 0's full prefix.
+                self._counts["ignored_group"] += 1
+                return
+            if prepared is None:
+                self._counts["placeholders" if ev.block_size == 0 else "invalid"] += 1
+                return
+            bs = ev.block_size
+            emap = self._emap[rid].setdefault(bs, {})
+            if ev.parent_block_hash is None:
+                prev = chain_root(bs, ev.lora_name)
+            else:
+                parent = emap.get(ev.parent_block_hash)
+                if parent is None:
+                    self._counts["orphans"] += 1
+                    return
+                prev = parent
+            hashes = chain(prepared[0], bs, prev, prepared[1])
+            for eh, key in zip(ev.block_hashes, hashes, strict=True):
+                self._hold(rid, medium, bs, emap, eh, key)
+            self._counts["stored_blocks"] += len(hashes)
+            while len(self._blocks) > self.max_blocks:
+                self._evict_oldest()
+
+    def _event_keys(self, ev: BlockStored) -> tuple[np.ndarray, list[bytes | None] | None] | None:
+        """Validated tokens and per-block extra-key bytes, computed outside the lock."""
+        if ev.block_size <= 0 or len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
+            return None
+        try:
+            # via numpy: as_token_array checks a list element by element, 30x slower
+            tokens = as_token_array(np.asarray(ev.token_ids))
+        except (TypeError, ValueError, OverflowError):
+            return None
+        extras: list[bytes | None] | None = None
+        if ev.extra_keys:
+            if len(ev.extra_keys) != len(ev.block_hashes):
+                return None
+            # vLLM lists per block: the LoRA name (when set; our chain root has it already),
+            # (mm_id, offset) pairs, the cache salt (first block), prompt-embeds digests. They
+            # change the engine's hash, so they change ours: a plain-text prompt must not
+            # match a block computed with an image.
+            extras = [
+                extra_bytes(e[1:] if e and ev.lora_name and e[0] == ev.lora_name else e)
+                for e in ev.extra_keys
+            ]
+            if not any(extras):
+                extras = None
+        return tokens, extras
+
+    def _hold(
+        self, rid: int, medium: Medium, bs: int, emap: dict[BlockHash, bytes], eh: BlockHash, key: bytes
+    ) -> None:
+        old = emap.get(eh)
+        if old is not None and old != key:
+            # The engine reused this hash for other tokens: the old block is gone from it.
+            self._drop_holder(rid, old, ~0)
+        bit = 1 << (_BITS * rid + medium)
+        entry = self._blocks.get(key)
+        if entry is None:
+            self._blocks[key] = (bit, bs, rid, eh)
+            self._size_blocks[bs] = self._size_blocks.get(bs, 0) + 1
+        else:
+            self._blocks.move_to_end(key)
+            holders = entry[2:]
+            if not any(holders[i] == rid and holders[i + 1] == eh for i in range(0, len(holders), 2)):
+                holders += (rid, eh)
+            self._blocks[key] = (entry[0] | bit, bs, *holders)
+        emap[eh] = key
+
+    def remove(
+        self,
+        replica: str,
+        block_hashes: Iterable[BlockHash],
+        medium: str | None,
+        group_idx: int | None = None,
+    ) -> None:
+        """``replica`` no longer holds these engine blocks in ``medium``."""
+        med = parse_medium(medium)
+        with self._lock:
+            rid = self._rids.get(replica)
+            if rid is None or group_idx not in (None, 0):
+                return
+            if med is None:
+                self._counts["unknown_medium"] += 1
+                return
+            bit = 1 << (_BITS * rid + med)
+            maps = self._emap[rid].values()
+            for eh in block_hashes:
+                for emap in maps:
+                    key = emap.get(eh)
+                    if key is not None and self._drop_holder(rid, key, bit):
+                        self._counts["removed_blocks"] += 1
+                        break
+
+    def _drop_holder(self, rid: int, key: bytes, bits: int) -> bool:
+        """Clear ``bits`` of ``rid`` on ``key``; unlink rid entirely once it holds nothing."""
+        entry = self._blocks.get(key)
+        shift = _BITS * rid
+        bits &= _NIBBLE << shift
+        if entry is None or not entry[0] & bits:
+            return False
+        mask, bs = entry[0] & ~bits, entry[1]
+        if (mask >> shift) & _NIBBLE:
+            self._blocks[key] = (mask, *entry[1:])
+            return True
+        emap = self._emap[rid].get(bs, {})
+        keep: list[Any] = []
+        for i in range(2, len(entry), 2):
+            r, eh = entry[i], entry[i + 1]
+            if r != rid:
+                keep += (r, eh)
+            elif emap.get(eh) == key:
+                del emap[eh]
+        if mask:
+            self._blocks[key] = (mask, bs, *keep)
+        else:
+            del self._blocks[key]
+            self._size_blocks[bs] -= 1
+        return True
+
+    def _evict_oldest(self) -> None:
+        key, entry = self._blocks.popitem(last=False)
+        self._size_blocks[entry[1]] -= 1
+        for i in range(2, len(entry), 2):
+            emap = self._emap.get(entry[i], {}).get(entry[1])
+            if emap is not None and emap.get(entry[i + 1]) == key:
+                del emap[entry[i + 1]]
+        self._counts["evictions"] += 1
+
+    def _clear(self, rid: int) -> None:
+        for maps in self._emap[rid].values():
+            for key in list(maps.values()):
+                self._drop_holder(rid, key, ~0)
+            maps.clear()
+        self._spec.drop(rid)
+
+    # -- speculative entries --------------------------------------------------------------
+
+    def add_speculative(
+        self,
+        replica: str,
+        tokens: object,
+        ttl_s: float = 2.0,
+        block_size: int | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Count ``tokens`` as on ``replica``'s GPU for ``ttl_s`` (a request just routed there)."""
+        arr = query_tokens(tokens)
+        sizes = (block_size,) if block_size else (self._sizes() or (self.default_block_size,))
+        chains = [(bs, tuple(query_chain(arr, bs, lora_name, cache_salt))) for bs in sizes]
+        with self._lock:
+            rid = self._rid(replica)
+            now = self._clock()
+            self._spec.expire(now)
+            for bs, keys in chains:
+                self._spec.add(rid, bs, keys, now + ttl_s)
+
+    # -- queries --------------------------------------------------------------------------
+
+    def match(
+        self,
+        tokens: object,
+        block_size: int | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        replicas: Iterable[str] | None = None,
+    ) -> dict[str, PrefixMatch]:
+        """Longest consecutive prefix of ``tokens`` per replica, with the best medium of each range.
+
+        Every block size seen in events is tried (or only ``block_size``); per replica the
+        results are combined into token ranges. Replicas without a match are left out.
+        """
+        arr = query_tokens(tokens)
+        sizes = (block_size,) if block_size else self._sizes()
+        # Hashing is the bulk of the work and needs no lock.
+        chains = [(bs, query_chain(arr, bs, lora_name, cache_salt)) for bs in sizes]
+        per_rid: dict[int, list[list[tuple[int, int, Medium]]]] = {}
+        with self._lock:
+            now = self._clock()
+            self._spec.expire(now)
+            wanted = self._low
+            if replicas is not None:
+                wanted = 0
+                for name in replicas:
+                    rid = self._rids.get(name)
+                    if rid is not None:
+                        wanted |= 1 << (_BITS * rid)
+            for bs, keys in chains:
+                for rid, ranges in self._match_chain(bs, keys, wanted, now).items():
+                    per_rid.setdefault(rid, []).append(ranges)
+            names = self._names
+            return {names[rid]: PrefixMatch(combine_ranges(parts)) for rid, parts in per_rid.items()}
+
+    def _match_chain(
+        self, bs: int, keys: Sequence[bytes], wanted: int, now: float
+    ) -> dict[int, list[tuple[int, int, Medium]]]:
+        blocks, spec, low = self._blocks, self._spec, self._low
+        spec_live = len(spec) > 0
+        alive = wanted
+        masks: list[int] = []
+        alives: list[int] = []
+        for key in keys:
+            entry = blocks.get(key)
+            mask = entry[0] if entry is not None else 0
+            if spec_live:
+                for rid in spec.holders(key, now):
+                    mask |= 1 << (_BITS * rid + Medium.GPU)
+            # Bit 4*rid is a REMOTE holding: shared, so it makes the block count for everyone.
+            present = low if mask & low else (mask >> 1 | mask >> 2 | mask >> 3) & low
+            alive &= present
+            if not alive:
+                break
+            if entry is not None:
+                blocks.move_to_end(key)
+            masks.append(mask)
+            alives.append(alive)
+        out: dict[int, list[tuple[int, int, Medium]]] = {}
+        if not masks:
+            return out
+        # Neighbouring blocks mostly have the same holders: work per run, not per block.
+        runs: list[tuple[int, int, int]] = []
+        for i, mask in enumerate(masks):
+            if runs and runs[-1][2] == mask:
+                runs[-1] = (runs[-1][0], i + 1, mask)
+            else:
+                runs.append((i, i + 1, mask))
+        for rid in self._rids.values():
+            bit = 1 << (_BITS * rid)
+            if not alives[0] & bit:
+                continue
+            n = _leading(alives, bit)
+            shift = _BITS * rid
+            ranges: list[tuple[int, int, Medium]] = []
+            for start, end, mask in runs:
+                if start >= n:
+                    break
+                med = _NIB_MEDIUM[(mask >> shift) & _NIBBLE]
+                end = min(end, n) * bs
+                if ranges and ranges[-1][2] == med:
+                    ranges[-1] = (ranges[-1][0], end, med)
+                else:
+                    ranges.append((start * bs, end, med))
+            out[rid] = ranges
+        return out
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _sizes(self) -> tuple[int, ...]:
+        sizes = [*self._size_blocks.items(), *self._spec.sizes.items()]
+        return tuple(sorted({bs for bs, n in sizes if n > 0}))
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            out = dict(self._counts)
+            out["blocks"] = len(self._blocks)
+            out["replicas"] = len(self._rids)
+            out["speculative_blocks"] = len(self._spec)
+            return out
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
+def _leading(alives: list[int], bit: int) -> int:
+    """How many leading entries of ``alives`` (a shrinking bit set) still have ``bit``."""
+    lo, hi = 1, len(alives)
+    while lo < hi:  # alives[lo-1] has the bit; find the first entry without it
+        mid = (lo + hi + 1) // 2
+        if alives[mid - 1] & bit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

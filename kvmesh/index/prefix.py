@@ -1,0 +1,154 @@
+"""The block index's pure parts: media, match results, and its own chained block hashes.
+
+Index keys are ``xxh3_128(parent key || le_u32 tokens [|| extra keys])``, chained from a root
+over the block size and LoRA name (see :func:`kvmesh.core.keys.chain_hashes`), so the router
+and every replica agree on them whatever the engine's hash algorithm or ``PYTHONHASHSEED``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import enum
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import xxhash
+
+from kvmesh.core.keys import as_token_array, chain_hashes
+
+
+class Medium(enum.IntEnum):
+    """Where a block lives; a higher value is a better (faster to load) place."""
+
+    REMOTE = 0
+    DISK = 1
+    CPU = 2
+    GPU = 3
+
+
+# vLLM says "GPU"/"CPU" (None means GPU) and "STORAGE" for its local storage offload;
+# kvmesh's own tier events use its tier names.
+_ALIASES = {
+    "GPU": Medium.GPU,
+    "CPU": Medium.CPU,
+    "DISK": Medium.DISK,
+    "STORAGE": Medium.DISK,
+    "REMOTE": Medium.REMOTE,
+}
+
+
+def parse_medium(value: str | None) -> Medium | None:
+    """The Medium an event names; ``None`` for a medium this index does not know."""
+    if value is None:
+        return Medium.GPU
+    return _ALIASES.get(value.upper())
+
+
+Range = tuple[int, int, Medium]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """One replica's match: contiguous token ranges ``(start, end, medium)`` from token 0."""
+
+    ranges: tuple[Range, ...]
+
+    @property
+    def tokens(self) -> int:
+        """Matched prefix length in tokens."""
+        return self.ranges[-1][1] if self.ranges else 0
+
+    def tokens_by_medium(self) -> dict[Medium, int]:
+        out: dict[Medium, int] = {}
+        for start, end, med in self.ranges:
+            out[med] = out.get(med, 0) + end - start
+        return out
+
+    def block_mediums(self, block_size: int) -> list[Medium]:
+        """Medium of each whole ``block_size`` block of the match (a split block gets its worst)."""
+        out: list[Medium] = []
+        ends = [r[1] for r in self.ranges]
+        for start in range(0, self.tokens - block_size + 1, block_size):
+            first = bisect.bisect_right(ends, start)
+            last = bisect.bisect_left(ends, start + block_size)
+            out.append(min(r[2] for r in self.ranges[first : last + 1]))
+        return out
+
+
+def combine_ranges(parts: Sequence[Sequence[Range]]) -> tuple[Range, ...]:
+    """Merge per-block-size matches: the union of coverage, best medium on every token."""
+    parts = [p for p in parts if p]
+    if len(parts) == 1:
+        return tuple(parts[0])
+    bounds = sorted({b for p in parts for r in p for b in r[:2]})
+    part_ends = [[r[1] for r in p] for p in parts]
+    out: list[Range] = []
+    for a, b in itertools.pairwise(bounds):
+        best: Medium | None = None
+        for p, ends in zip(parts, part_ends, strict=True):
+            if a < ends[-1]:
+                med = p[bisect.bisect_right(ends, a)][2]
+                best = med if best is None or med > best else best
+        if best is None:
+            break  # every part ends before a: coverage is contiguous from 0, so we are done
+        if out and out[-1][2] == best:
+            out[-1] = (out[-1][0], b, best)
+        else:
+            out.append((a, b, best))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def chain_root(block_size: int, lora_name: str | None) -> bytes:
+    """Root of a chain: blocks of different sizes or adapters never share a key."""
+    seed = f"kvmesh-index-v1|{block_size}|{'' if lora_name is None else 'lora:' + lora_name}"
+    return xxhash.xxh3_128(seed.encode()).digest()
+
+
+def extra_bytes(keys: tuple[Any, ...] | None) -> bytes | None:
+    """Canonical bytes of one block's extra hash keys (msgpack: stable across processes)."""
+    return msgspec.msgpack.encode(keys) if keys else None
+
+
+def chain(
+    tokens: np.ndarray, block_size: int, prev: bytes, extras: Sequence[bytes | None] | None
+) -> list[bytes]:
+    """Keys of consecutive full blocks after ``prev``; ``extras`` (one per block) if any."""
+    if extras is None:
+        return chain_hashes(tokens, block_size, prev)
+    out: list[bytes] = []
+    for i, extra in enumerate(extras):
+        h = xxhash.xxh3_128(prev)
+        h.update(tokens[i * block_size : (i + 1) * block_size].tobytes())
+        if extra is not None:
+            h.update(b"\x00extra\x00" + extra)
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+def query_chain(
+    tokens: np.ndarray, block_size: int, lora_name: str | None, cache_salt: str | None
+) -> list[bytes]:
+    """Keys of a prompt's full blocks, as the engine's events would produce them."""
+    root = chain_root(block_size, lora_name)
+    if not cache_salt or len(tokens) < block_size:
+        return chain_hashes(tokens, block_size, root)
+    extras: list[bytes | None] = [None] * (len(tokens) // block_size)
+    extras[0] = extra_bytes((cache_salt,))  # vLLM puts the salt into the first block's keys only
+    return chain(tokens, block_size, root, extras)
+
+
+def query_tokens(tokens: object) -> np.ndarray:
+    """``as_token_array``, with lists converted by numpy first (same checks, ~30x faster)."""
+    if isinstance(tokens, (list, tuple)) and tokens:
+        # ragged or huge: leave it to as_token_array to say what is wrong
+        with contextlib.suppress(ValueError, OverflowError):
+            tokens = np.asarray(tokens)
+    return as_token_array(tokens)

@@ -1,0 +1,370 @@
+"""The router's HTTP face: an OpenAI-compatible proxy that picks a replica per request.
+
+Per request: read the body once, decode it once (msgspec), tokenize once (cached), ask the
+index once, score, and forward the *original bytes* (no re-encoding) over a pooled
+keep-alive connection. Streams are relayed chunk by chunk as they arrive. A connect
+failure before anything was sent to the client goes to the next replica in the ranking.
+The speculative index entry is written while the upstream call is in flight, off the
+request's critical path, so that a burst sharing a prefix still lands on one replica.
+
+Errors use OpenAI's shape (see :mod:`kvmesh.router.proxy`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import aiohttp
+import msgspec
+import numpy as np
+import xxhash
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvmesh.events import EventSubscriber
+from kvmesh.index import BlockIndex
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.picker import build_picker
+from kvmesh.router.pool import Pool, Replica
+from kvmesh.router.proxy import ERROR_TYPES, RETRYABLE, end_to_end, error_response, relay
+from kvmesh.router.scorers import RoutingRequest, SessionTable, prompt_key
+from kvmesh.router.tokenize import PromptTokenizer, TokenArray, TokenizeError, tokens_of
+
+log = logging.getLogger(__name__)
+
+# What vLLM's /tokenize needs to tokenize a request exactly as the request itself will be.
+_TOKENIZE_KEYS = (
+    "model", "add_special_tokens", "messages", "add_generation_prompt", "continue_final_message",
+    "chat_template_kwargs", "tools",
+)  # fmt: skip
+# Bodies this large (~16k tokens and up) are tokenized on a worker thread: tokenizers releases
+# the GIL, so the event loop keeps relaying other requests' streams meanwhile.
+_OFFLOAD_BYTES = 64 << 10
+_NO_REPLICA = "no healthy replica is available; retry later"
+_NO_TOKENS = np.zeros(0, dtype=np.uint32)
+
+
+class RouterService:
+    """Pool + index + picker + tokenizer behind an aiohttp application (see :meth:`make_app`)."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        index: BlockIndex | None = None,
+        tokenizer: PromptTokenizer | None = None,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.index = index if index is not None else BlockIndex(default_block_size=config.block_size)
+        if tokenizer is None and config.model and config.tokenizer == "local":
+            tokenizer = PromptTokenizer.from_dir(config.model, int(config.tokenize_cache_mb * (1 << 20)))
+        self.tokenizer = tokenizer
+        self.sessions = SessionTable(config.session_capacity)
+        self.picker = build_picker(config.policy, self.index, self.sessions, config)
+        self.metrics = metrics if metrics is not None else RouterMetrics()
+        self.pool = Pool(
+            config.replicas,
+            health_interval_s=config.health_interval_s,
+            health_timeout_s=config.health_timeout_s,
+            metrics_interval_s=config.metrics_interval_s,
+            on_health_change=self._health_changed,
+        )
+        for name in self.pool.replicas:
+            self.index.add_replica(name)  # so REMOTE blocks count for it before its first event
+        self._decoder = msgspec.json.Decoder()
+        self._client: aiohttp.ClientSession | None = None
+        self._subscribers: list[EventSubscriber] = []
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvmesh-tokenize")
+        self._timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=config.connect_timeout_s,
+            sock_connect=config.connect_timeout_s,
+            sock_read=config.read_timeout_s,
+        )
+        # For the router's own small calls (/v1/models, /tokenize): never the generation timeout.
+        self._short_timeout = aiohttp.ClientTimeout(total=config.connect_timeout_s + config.health_timeout_s)
+        if self.tokenizer is None and config.tokenizer == "local":
+            log.warning("no --model given: requests are routed by load and session only, not by prefix")
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/kvmesh/state", self._state)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def _startup(self, app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300)
+        # auto_decompress off and no Accept-Encoding of our own: bodies pass through byte for byte.
+        self._client = aiohttp.ClientSession(
+            connector=connector,
+            timeout=self._timeout,
+            auto_decompress=False,
+            skip_auto_headers=("Accept-Encoding",),
+        )
+        await self.pool.start(self._client)
+        for replica in self.pool.replicas.values():
+            cfg = replica.config
+            if cfg.events:
+                self._subscribers.append(
+                    EventSubscriber(
+                        cfg.events,
+                        self.index.apply,
+                        replica.name,
+                        replay_endpoint=cfg.replay,
+                        on_gap_unrepaired=self.index.clear_replica,
+                    )
+                )
+
+    async def _cleanup(self, app: web.Application) -> None:
+        await self.pool.stop()
+        for sub in self._subscribers:
+            await asyncio.to_thread(sub.close)
+        self._subscribers = []
+        if self._client is not None:
+            await self._client.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _health_changed(self, replica: Replica) -> None:
+        self.metrics.healthy.labels(replica.name).set(1.0 if replica.healthy else 0.0)
+
+    # -- OpenAI endpoints ---------------------------------------------------------------------------
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._route(request, "/v1/completions", chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._route(request, "/v1/chat/completions", chat=True)
+
+    async def _route(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._refuse(path, 413, f"request body is larger than {self.config.max_body_bytes} bytes")
+        try:
+            body = self._decoder.decode(raw)
+        except msgspec.DecodeError as exc:
+            return self._refuse(path, 400, f"request body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return self._refuse(path, 400, "request body must be a JSON object")
+        model = body.get("model")
+        known = set(self.config.served_model_names) or self.pool.models()
+        if model is not None and known and model not in known:
+            return self._refuse(path, 404, f"The model `{model}` does not exist.", "model")
+        if not self.pool.candidates():
+            return self._unavailable(path)
+        tokens = await self._tokens(body, chat, len(raw))
+        key = prompt_key(tokens) if len(tokens) else xxhash.xxh3_64_intdigest(raw)
+        req = RoutingRequest(tokens, session_id=request.headers.get(self.config.session_header), key=key)
+        candidates = self.pool.candidates()
+        if not candidates:
+            return self._unavailable(path)
+        decision = self.picker.pick(req, candidates)
+        return await self._forward(request, path, raw, bool(body.get("stream")), decision.ranked, req, t0)
+
+    async def _forward(
+        self,
+        request: web.Request,
+        path: str,
+        raw: bytes,
+        stream: bool,
+        ranked: list[str],
+        req: RoutingRequest,
+        t0: float,
+    ) -> web.StreamResponse:
+        client = self._client
+        if client is None:
+            raise RuntimeError("the router application was not started")
+        headers = end_to_end(request.headers)
+        attempts = 0
+        for name in ranked:
+            replica = self.pool.replicas.get(name)
+            if replica is None or not replica.healthy:
+                continue  # another request found it dead since the ranking was made
+            if attempts == self.config.max_attempts:
+                break
+            attempts += 1
+            if attempts == 1:
+                self.metrics.overhead.observe(time.perf_counter() - t0)
+            else:
+                self.metrics.retries.inc()
+            self._acquire(name, req)
+            sent = time.perf_counter()
+            try:
+                resp = await client.post(replica.url + path, data=raw, headers=headers)
+            except RETRYABLE as exc:
+                self._release(name)
+                self.pool.mark_failed(name, f"POST {path} failed: {exc!r}")
+                self.metrics.errors.labels("upstream_connect").inc()
+                continue
+            except TimeoutError:
+                self._release(name)
+                return self._refuse(path, 504, f"replica {name} did not answer in time")
+            except aiohttp.ClientError as exc:
+                self._release(name)
+                return self._refuse(path, 502, f"replica {name} failed: {exc}")
+            try:
+                self.metrics.upstream_latency.labels(name).observe(time.perf_counter() - sent)
+                if resp.status < 400:
+                    self._record(name, req)
+                self.metrics.requests.labels(path, str(resp.status)).inc()
+                return await relay(request, resp, stream, name, self._broken)
+            finally:
+                resp.release()
+                self._release(name)
+        if attempts:
+            return self._unavailable(path, f"could not connect to {attempts} replica(s); retry later")
+        return self._unavailable(path)
+
+    # -- bookkeeping ---------------------------------------------------------------------------------
+
+    def _acquire(self, name: str, req: RoutingRequest) -> None:
+        self.pool.acquire(name)
+        self.metrics.in_flight.labels(name).inc()
+        ttl = self.config.speculative_ttl_s
+        if ttl > 0 and len(req.tokens) and not _on_gpu(req, name, self.config.block_size):
+            # Runs as soon as the proxy awaits the upstream: off the critical path.
+            asyncio.get_running_loop().call_soon(self._speculate, name, req.tokens, ttl)
+
+    def _speculate(self, name: str, tokens: TokenArray, ttl: float) -> None:
+        try:
+            self.index.add_speculative(name, tokens, ttl_s=ttl)
+        except Exception:  # an index bug must not fail requests; it is logged
+            log.exception("speculative index entry for %s failed", name)
+
+    def _release(self, name: str) -> None:
+        self.pool.release(name)
+        self.metrics.in_flight.labels(name).dec()
+
+    def _record(self, name: str, req: RoutingRequest) -> None:
+        if req.session_id:
+            self.sessions.record(req.session_id, name)
+        self.metrics.decisions.labels(self.picker.policy, name).inc()
+        n = len(req.tokens)
+        self.metrics.prompt_tokens.inc(n)
+        match = req.matches.get(name) if req.matches else None
+        if match is not None:
+            for start, end, medium in match.ranges:
+                self.metrics.hit_tokens.labels(getattr(medium, "name", str(medium))).inc(end - start)
+
+    def _broken(self) -> None:
+        self.metrics.errors.labels("upstream_broken").inc()
+
+    def _refuse(self, path: str, status: int, message: str, param: str | None = None) -> web.Response:
+        self.metrics.errors.labels(ERROR_TYPES.get(status, str(status))).inc()
+        self.metrics.requests.labels(path, str(status)).inc()
+        return error_response(status, message, param)
+
+    def _unavailable(self, path: str, message: str = _NO_REPLICA) -> web.Response:
+        resp = self._refuse(path, 503, message)
+        resp.headers["Retry-After"] = str(self.config.retry_after_s)
+        return resp
+
+    # -- tokens ----------------------------------------------------------------------------------------
+
+    async def _tokens(self, body: dict[str, Any], chat: bool, size: int) -> TokenArray:
+        """The prompt's token ids, or none (then routing uses load and session only)."""
+        try:
+            if self.config.tokenizer == "remote":
+                return await self._remote_tokens(body, chat)
+            tok = self.tokenizer
+            if tok is None:
+                return _NO_TOKENS
+            encode = tok.chat if chat else tok.completion
+            if size < _OFFLOAD_BYTES:
+                return encode(body)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, encode, body)
+        except TokenizeError as exc:
+            # The replica gives the authoritative error (or accepts what we could not parse).
+            log.debug("cannot tokenize request for routing: %s", exc)
+            self.metrics.errors.labels("tokenize").inc()
+            return _NO_TOKENS
+
+    async def _remote_tokens(self, body: dict[str, Any], chat: bool) -> TokenArray:
+        if self._client is None or not self.pool.healthy():
+            return _NO_TOKENS
+        replica = min(self.pool.healthy(), key=lambda r: r.state.load)
+        payload = {k: body[k] for k in _TOKENIZE_KEYS if k in body}
+        if not chat:
+            prompt = body.get("prompt")
+            payload["prompt"] = (
+                prompt[0] if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) else prompt
+            )
+        try:
+            url, timeout = replica.url + "/tokenize", self._short_timeout
+            async with self._client.post(url, json=payload, timeout=timeout) as resp:
+                data = await resp.json(content_type=None) if resp.status == 200 else {}
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise TokenizeError(f"{replica.name}/tokenize failed: {exc!r}") from exc
+        ids = data.get("tokens") if isinstance(data, dict) else None
+        if not isinstance(ids, list):
+            raise TokenizeError(f"{replica.name}/tokenize gave no token list")
+        return tokens_of(ids)
+
+    # -- other endpoints -------------------------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        client = self._client
+        for replica in self.pool.healthy():
+            if client is None:
+                break
+            try:
+                url, timeout = replica.url + "/v1/models", self._short_timeout
+                async with client.get(url, headers=_auth(request), timeout=timeout) as resp:
+                    body = await resp.read()
+                    ctype = resp.headers.get("Content-Type", "application/json")
+                    return web.Response(status=resp.status, body=body, headers={"Content-Type": ctype})
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                self.pool.mark_failed(replica.name, f"GET /v1/models failed: {exc!r}")
+        return self._unavailable("/v1/models")
+
+    async def _health(self, request: web.Request) -> web.StreamResponse:
+        healthy = len(self.pool.healthy())
+        data = {"status": "ok" if healthy else "unavailable", "healthy_replicas": healthy}
+        return web.json_response(data, status=200 if healthy else 503)
+
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _state(self, request: web.Request) -> web.StreamResponse:
+        data = {
+            "policy": self.picker.policy,
+            "replicas": [r.describe() for r in self.pool.replicas.values()],
+            "index": self.index.stats(),
+            "sessions": len(self.sessions),
+            "tokenizer_cache": self.tokenizer.cache_stats() if self.tokenizer else None,
+            "subscribers": {s.replica: s.stats() for s in self._subscribers},
+        }
+        return web.json_response(data)
+
+
+def _on_gpu(req: RoutingRequest, name: str, block_size: int) -> bool:
+    """Whether the index already has every whole block of the prompt on ``name``'s GPU.
+
+    Then a speculative entry would add nothing, and skipping it saves hashing the prompt again.
+    """
+    match = req.matches.get(name) if req.matches else None
+    if match is None or not match.ranges:
+        return False
+    whole = len(req.tokens) // block_size * block_size
+    return match.ranges[-1][1] >= whole and all(getattr(m, "name", m) == "GPU" for _, _, m in match.ranges)
+
+
+def _auth(request: web.Request) -> dict[str, str]:
+    value = request.headers.get("Authorization")
+    return {"Authorization": value} if value else {}

@@ -1,0 +1,240 @@
+"""The replica pool: health checks, load scraped from ``/metrics``, in-flight counters.
+
+Health is active and passive. Every ``health_interval_s`` each replica's ``GET /health``
+decides whether it takes traffic; a connect failure seen by the proxy takes it out at once
+(``mark_failed``) rather than after the next check, and the health loop brings it back.
+
+Load comes from vLLM's Prometheus gauges, scraped every ``metrics_interval_s``; only the
+few gauges the scorers read are parsed (a vLLM ``/metrics`` page is ~100 KB of histograms).
+Everything here runs on the router's event loop; nothing needs a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import aiohttp
+
+from kvmesh.router.config import ReplicaConfig
+from kvmesh.router.scorers import ReplicaState
+
+log = logging.getLogger(__name__)
+
+# vLLM ≥ 0.10 says kv_cache_usage_perc; older versions gpu_cache_usage_perc. Both are 0..1.
+_GAUGES = ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc", "gpu_cache_usage_perc")
+_GAUGE_RE = re.compile(
+    r"^vllm:(" + "|".join(_GAUGES) + r")(?:\{[^\n]*\})?[ \t]+([^\s]+)",
+    re.MULTILINE,
+)
+_MODELS_EVERY_S = 30.0
+
+
+def parse_vllm_gauges(text: str) -> dict[str, float]:
+    """The load gauges of a vLLM ``/metrics`` page, summed over label sets (engines, models).
+
+    KV usage is averaged instead: two engines at 50% are a replica at 50%, not at 100%.
+    """
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for m in _GAUGE_RE.finditer(text):
+        name = m.group(1)
+        if name == "gpu_cache_usage_perc":
+            name = "kv_cache_usage_perc"
+        try:
+            value = float(m.group(2))
+        except ValueError:
+            continue
+        sums[name] = sums.get(name, 0.0) + value
+        counts[name] = counts.get(name, 0) + 1
+    if "kv_cache_usage_perc" in sums:
+        sums["kv_cache_usage_perc"] /= counts["kv_cache_usage_perc"]
+    return sums
+
+
+class Replica:
+    """One upstream and what the router knows about it."""
+
+    def __init__(self, config: ReplicaConfig) -> None:
+        self.config = config
+        self.name = config.key
+        self.url = config.url
+        self.state = ReplicaState(self.name, healthy=False)
+        self.last_error: str | None = None
+        self.models: tuple[str, ...] = ()
+        self.models_at = 0.0
+        self.scraped_at: float | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.state.healthy
+
+    def describe(self) -> dict[str, Any]:
+        s = self.state
+        return {
+            "name": self.name,
+            "url": self.url,
+            "healthy": s.healthy,
+            "waiting": s.waiting,
+            "running": s.running,
+            "in_flight": s.in_flight,
+            "kv_usage": s.kv_usage,
+            "models": list(self.models),
+            "last_error": self.last_error,
+        }
+
+
+class Pool:
+    """The replicas, kept current by two background loops (see the module docstring)."""
+
+    def __init__(
+        self,
+        replicas: Sequence[ReplicaConfig],
+        *,
+        health_interval_s: float = 1.0,
+        health_timeout_s: float = 1.0,
+        metrics_interval_s: float = 0.25,
+        on_health_change: Callable[[Replica], None] | None = None,
+    ) -> None:
+        self.replicas: dict[str, Replica] = {}
+        for cfg in replicas:
+            self.add(cfg)
+        self.health_interval_s = health_interval_s
+        self.metrics_interval_s = metrics_interval_s
+        self._timeout = aiohttp.ClientTimeout(total=health_timeout_s)
+        self._on_change = on_health_change
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def add(self, config: ReplicaConfig) -> Replica:
+        if config.key in self.replicas:
+            raise ValueError(f"replica {config.key!r} is already in the pool")
+        replica = self.replicas[config.key] = Replica(config)
+        return replica
+
+    def remove(self, name: str) -> None:
+        self.replicas.pop(name, None)
+
+    def candidates(self) -> list[ReplicaState]:
+        """Live states of the healthy replicas, in configuration order (not copies)."""
+        return [r.state for r in self.replicas.values() if r.state.healthy]
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.state.healthy]
+
+    def models(self) -> set[str]:
+        """Model names the healthy replicas serve (empty before their first ``/v1/models``)."""
+        return {m for r in self.replicas.values() if r.state.healthy for m in r.models}
+
+    # -- passive signals from the proxy -------------------------------------------------------
+
+    def acquire(self, name: str) -> None:
+        self.replicas[name].state.in_flight += 1
+
+    def release(self, name: str) -> None:
+        replica = self.replicas.get(name)
+        if replica is not None:
+            replica.state.in_flight = max(0, replica.state.in_flight - 1)
+
+    def mark_failed(self, name: str, reason: str) -> None:
+        replica = self.replicas.get(name)
+        if replica is not None:
+            replica.last_error = reason
+            self._set_health(replica, False)
+
+    # -- loops --------------------------------------------------------------------------------
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        """Check every replica once (so the first request sees real health), then keep checking."""
+        self._session = session
+        await self.check_all()
+        await self.scrape_all()
+        self._tasks = [
+            asyncio.create_task(self._loop(self.check_all, self.health_interval_s), name="kvmesh-health"),
+            asyncio.create_task(self._loop(self.scrape_all, self.metrics_interval_s), name="kvmesh-scrape"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+
+    async def _loop(self, step: Callable[[], Any], interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await step()
+            except Exception:  # a bug in one round must not stop health checking for good
+                log.exception("replica pool loop failed")
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self._scrape(r) for r in list(self.replicas.values()) if r.state.healthy))
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("Pool.start() was not called")
+        return self._session
+
+    async def _check(self, replica: Replica) -> None:
+        try:
+            async with self._client().get(replica.url + "/health", timeout=self._timeout) as resp:
+                await resp.read()
+                ok = resp.status == 200
+                if not ok:
+                    replica.last_error = f"GET /health answered {resp.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            ok = False
+            replica.last_error = f"GET /health failed: {exc!r}"
+        if ok and (not replica.models or time.monotonic() - replica.models_at > _MODELS_EVERY_S):
+            await self._fetch_models(replica)
+        self._set_health(replica, ok)
+
+    async def _fetch_models(self, replica: Replica) -> None:
+        try:
+            async with self._client().get(replica.url + "/v1/models", timeout=self._timeout) as resp:
+                if resp.status != 200:
+                    return
+                data = await resp.json(content_type=None)
+            replica.models = tuple(
+                str(m["id"]) for m in data.get("data", []) if isinstance(m, dict) and "id" in m
+            )
+            replica.models_at = time.monotonic()
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, AttributeError) as exc:
+            log.debug("GET %s/v1/models failed: %r", replica.url, exc)
+
+    async def _scrape(self, replica: Replica) -> None:
+        try:
+            async with self._client().get(replica.url + "/metrics", timeout=self._timeout) as resp:
+                if resp.status != 200:
+                    return
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError) as exc:
+            log.debug("GET %s/metrics failed: %r", replica.url, exc)
+            return
+        gauges = parse_vllm_gauges(text)
+        s = replica.state
+        s.waiting = gauges.get("num_requests_waiting", 0.0)
+        s.running = gauges.get("num_requests_running", 0.0)
+        s.kv_usage = gauges.get("kv_cache_usage_perc")
+        replica.scraped_at = time.monotonic()
+
+    def _set_health(self, replica: Replica, ok: bool) -> None:
+        if replica.state.healthy == ok:
+            return
+        replica.state.healthy = ok
+        if ok:
+            replica.last_error = None
+        log.info("replica %s is %s", replica.name, "healthy" if ok else f"down ({replica.last_error})")
+        if self._on_change is not None:
+            self._on_change(replica)

@@ -1,0 +1,213 @@
+"""Scorers: each rates every candidate replica for one request with a number in [0, 1].
+
+Pure code (no I/O, no clock, no server), shared by the router and the trace simulator. A
+scorer sees a :class:`RoutingRequest` (token ids, session, a stable key) and a snapshot
+:class:`ReplicaState` per candidate; :mod:`kvmesh.router.picker` sums the weighted scores.
+
+Modelled on llm-d's scorers (prefix, queue, kv-cache utilisation, session affinity), with
+one difference on purpose: the queue score is relative to the busiest replica and damped at
+low load, so one request in flight does not outweigh a long prefix hit, while a queue much
+longer than the others' still loses (the picker also filters grossly overloaded replicas).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import xxhash
+
+DEFAULT_MEDIUM_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5, "REMOTE": 0.3}
+
+
+class MatchLike(Protocol):
+    """One replica's prefix match: contiguous ``(start, end, medium)`` token ranges from 0."""
+
+    @property
+    def ranges(self) -> Sequence[tuple[int, int, Any]]: ...
+
+
+class PrefixSource(Protocol):
+    """Where prefixes live (``kvmesh.index.BlockIndex`` is one); replicas with no match are absent."""
+
+    def match(self, tokens: Any, *, lora_name: str | None = None) -> Mapping[str, MatchLike]: ...
+
+
+@dataclass(slots=True)
+class RoutingRequest:
+    """What the scorers know about one request.
+
+    ``matches`` is filled by the prefix scorer (or the caller) once per request, so the index
+    is asked once and the router can report hit tokens per medium without asking again.
+    """
+
+    tokens: Any  # 1-D uint32 numpy array (or a sequence of ints)
+    session_id: str | None = None
+    key: int = 0  # stable per prompt; orders ties, so equal prompts break ties alike
+    lora_name: str | None = None
+    matches: Mapping[str, MatchLike] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    """A replica as the scorers see it; the pool keeps one live and hands out copies."""
+
+    name: str
+    waiting: float = 0.0  # vllm:num_requests_waiting (scraped)
+    running: float = 0.0  # vllm:num_requests_running (scraped)
+    in_flight: int = 0  # this router's requests not yet finished (live)
+    kv_usage: float | None = None  # vllm:kv_cache_usage_perc in [0, 1]; None before a scrape
+    healthy: bool = True
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def load(self) -> float:
+        # Scrapes lag; our own in-flight count does not, and it matters most in a burst.
+        return max(self.waiting + self.running, float(self.in_flight))
+
+
+class Scorer(Protocol):
+    name: str
+
+    def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]: ...
+
+
+def prompt_key(tokens: Any, head: int = 256) -> int:
+    """Stable 64-bit key of a prompt's first ``head`` tokens (not Python's ``hash()``)."""
+    arr = tokens[:head]
+    data = arr.tobytes() if hasattr(arr, "tobytes") else b"".join(int(t).to_bytes(4, "little") for t in arr)
+    return xxhash.xxh3_64_intdigest(data)
+
+
+class PrefixScorer:
+    """Matched prompt tokens / prompt tokens, each token weighted by the medium holding it."""
+
+    name = "prefix"
+
+    def __init__(self, source: PrefixSource, medium_weights: Mapping[str, float] | None = None) -> None:
+        self.source = source
+        self._weights = {k.upper(): float(v) for k, v in (medium_weights or DEFAULT_MEDIUM_WEIGHTS).items()}
+        self._by_medium: dict[Any, float] = {}
+
+    def medium_weight(self, medium: Any) -> float:
+        w = self._by_medium.get(medium)
+        if w is None:
+            # Accept both kvmesh.index.Medium members and plain strings.
+            w = self._by_medium[medium] = self._weights.get(str(getattr(medium, "name", medium)).upper(), 0.0)
+        return w
+
+    def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]:
+        n = request.num_tokens
+        if request.matches is None:
+            request.matches = self.source.match(request.tokens, lora_name=request.lora_name) if n else {}
+        out = dict.fromkeys((r.name for r in replicas), 0.0)
+        if not n:
+            return out
+        for name in out:
+            m = request.matches.get(name)
+            if m is not None:
+                hit = sum((end - start) * self.medium_weight(med) for start, end, med in m.ranges)
+                out[name] = min(1.0, hit / n)
+        return out
+
+
+class QueueScorer:
+    """Less load scores higher: ``1 - load / (max load + smoothing)``.
+
+    Relative to the busiest candidate, so it means the same at 2 and at 200 requests; the
+    smoothing keeps a 0-vs-1 difference small next to a prefix hit.
+    """
+
+    name = "queue"
+
+    def __init__(self, smoothing: float = 4.0) -> None:
+        if smoothing <= 0:
+            raise ValueError(f"smoothing must be positive, got {smoothing}")
+        self.smoothing = smoothing
+
+    def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]:
+        if not replicas:
+            return {}
+        top = max(r.load for r in replicas) + self.smoothing
+        return {r.name: 1.0 - r.load / top for r in replicas}
+
+
+class KVUtilScorer:
+    """Free KV cache scores higher: ``1 - kv_cache_usage``; unknown usage counts as half full."""
+
+    name = "kv_util"
+
+    def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]:
+        return {r.name: 0.5 if r.kv_usage is None else min(1.0, max(0.0, 1.0 - r.kv_usage)) for r in replicas}
+
+
+class SessionTable:
+    """Session id → the replica that served it last; LRU-bounded."""
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self.capacity = capacity
+        self._d: OrderedDict[str, str] = OrderedDict()
+
+    def get(self, session: str) -> str | None:
+        return self._d.get(session)
+
+    def record(self, session: str, replica: str) -> None:
+        self._d[session] = replica
+        self._d.move_to_end(session)
+        if len(self._d) > self.capacity:
+            self._d.popitem(last=False)
+
+    def forget_replica(self, replica: str) -> None:
+        for s in [s for s, r in self._d.items() if r == replica]:
+            del self._d[s]
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+class SessionScorer:
+    """1 for the replica that served this request's session last, 0 for the others."""
+
+    name = "session"
+
+    def __init__(self, table: SessionTable) -> None:
+        self.table = table
+
+    def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]:
+        last = self.table.get(request.session_id) if request.session_id else None
+        return {r.name: 1.0 if r.name == last else 0.0 for r in replicas}
+
+
+class RoundRobinScorer:
+    """1 for the next replica in turn (over the candidates given), 0 for the others."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._n = 0
+
+    def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]:
+        if not replicas:
+            return {}
+        chosen = replicas[self._n % len(replicas)].name
+        self._n += 1
+        return {r.name: 1.0 if r.name == chosen else 0.0 for r in replicas}
+
+
+class RandomScorer:
+    """A uniform random number per replica; seeded, so a simulation replays exactly."""
+
+    name = "random"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]:
+        return {r.name: self._rng.random() for r in replicas}

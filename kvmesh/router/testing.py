@@ -1,0 +1,275 @@
+"""Test doubles shipped with the router: a fake vLLM server and a small tokenizer.
+
+:class:`FakeVLLM` speaks the part of vLLM's HTTP API the router touches (``/v1/completions``
+and ``/v1/chat/completions`` with SSE streaming, ``/v1/models``, ``/health``, ``/metrics``
+with the ``vllm:`` load gauges, ``/tokenize``) on a real loopback socket, in a thread, and
+records what it received. Its answers name the replica, so a test sees where a request went.
+Run it as a process (``python -m kvmesh.router.testing --port 8100``) to measure the
+router's added latency without the two sharing one interpreter lock.
+
+:func:`write_test_tokenizer` writes a tokenizer directory in the format of
+``kvmesh.model.make_tiny`` (byte-level BPE, BOS post-processor, the same chat template),
+trained on a small corpus in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+# The same template and specials as kvmesh.model (not imported: that would load torch).
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('role must be system, user or assistant, not ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+_WORDS = (
+    "the", "cat", "dog", "sat", "on", "mat", "a", "quick", "brown", "fox", "jumps", "over", "lazy",
+    "river", "stone", "cache", "block", "prefix", "token", "router", "replica", "request", "model",
+    "answer", "question", "system", "user", "assistant", "hello", "world", "one", "two", "three",
+    "four", "five", "six", "seven", "eight", "nine", "ten", "red", "green", "blue", "light", "dark",
+    "fast", "slow",
+)  # fmt: skip
+
+
+def corpus(n_sentences: int = 400, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [
+        " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 14))).capitalize() + rng.choice(".?!,")
+        for _ in range(n_sentences)
+    ]
+
+
+def write_test_tokenizer(out_dir: str | Path, vocab: int = 600) -> Path:
+    """Write ``tokenizer.json`` + ``tokenizer_config.json`` to ``out_dir``; return the directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": "</s>",
+        "add_bos_token": True,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 4096,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return out
+
+
+class FakeVLLM:
+    """A fake vLLM OpenAI server on ``127.0.0.1:port`` (0: a free port), run on a thread.
+
+    Settable at any time: ``waiting``, ``running``, ``kv_usage`` (the scraped gauges),
+    ``healthy`` (``/health`` answers 503 when False), ``delay_s`` (before answering),
+    ``chunks`` (SSE chunks per streamed answer), ``chunk_delay_s`` (between them),
+    ``abort_after_chunks`` (cut the connection after that many chunks, like a crash).
+    ``requests`` holds ``(path, raw body, headers)``; ``responses`` the bytes sent back.
+    """
+
+    def __init__(self, name: str, model: str = "tiny", port: int = 0) -> None:
+        self.name = name
+        self.model = model
+        self.waiting = 0.0
+        self.running = 0.0
+        self.kv_usage = 0.0
+        self.healthy = True
+        self.delay_s = 0.0
+        self.chunks = 3
+        self.chunk_delay_s = 0.0
+        self.abort_after_chunks: int | None = None  # drop the connection mid-stream (a crash)
+        self.requests: list[tuple[str, bytes, dict[str, str]]] = []
+        self.responses: list[bytes] = []
+        self._port = port
+        self.port: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/tokenize", self._tokenize)
+        return app
+
+    def start(self) -> FakeVLLM:
+        self._thread = threading.Thread(target=self._run, name=f"fake-vllm-{self.name}", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise TimeoutError("fake vLLM did not start")
+        return self
+
+    def stop(self) -> None:
+        """Close the listening socket and every connection: later connects are refused."""
+        loop, runner = self._loop, self._runner
+        if loop is None or runner is None or self._thread is None:
+            return
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        self._thread.join(10)
+        self._loop = self._runner = None
+
+    def _run(self) -> None:
+        loop = self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        runner = self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", self._port, reuse_address=True)
+        loop.run_until_complete(site.start())
+        self.port = int(runner.addresses[0][1])
+        self._ready.set()
+        loop.run_forever()
+        loop.close()
+
+    # -- handlers -----------------------------------------------------------------------------
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        self.requests.append((request.path, raw, dict(request.headers)))
+        body: dict[str, Any] = json.loads(raw)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        return body
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        return await self._answer(request, body, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        return await self._answer(request, body, chat=True)
+
+    async def _answer(self, request: web.Request, body: dict[str, Any], chat: bool) -> web.StreamResponse:
+        if body.get("model", self.model) != self.model:
+            err = {"message": f"The model `{body['model']}` does not exist.", "type": "NotFoundError"}
+            return web.json_response({"error": {**err, "param": "model", "code": 404}}, status=404)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{self.name}-{len(self.requests)}"
+        kind = "chat.completion" if chat else "text_completion"
+        pieces = [f"{self.name}:{i} " for i in range(self.chunks)]
+        if not body.get("stream"):
+            text = "".join(pieces)
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            usage = {"prompt_tokens": 1, "completion_tokens": self.chunks, "total_tokens": 1 + self.chunks}
+            head = {"id": rid, "object": kind, "created": int(time.time()), "model": self.model}
+            body_out = json.dumps({**head, "choices": [choice], "usage": usage}).encode()
+            self.responses.append(body_out)
+            return web.Response(body=body_out, content_type="application/json")
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        sent = bytearray()
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        for i, piece in enumerate(pieces):
+            if i and self.chunk_delay_s:
+                await asyncio.sleep(self.chunk_delay_s)
+            if i == self.abort_after_chunks and request.transport is not None:
+                request.transport.abort()
+                return out
+            last = i == len(pieces) - 1
+            delta: dict[str, Any] = {"content": piece} if chat else {}
+            if chat and i == 0:
+                delta["role"] = "assistant"
+            c: dict[str, Any] = {"index": 0, "finish_reason": "length" if last else None, "logprobs": None}
+            c.update({"delta": delta} if chat else {"text": piece})
+            chunk = {
+                "id": rid,
+                "object": obj,
+                "created": int(time.time()),
+                "model": self.model,
+                "choices": [c],
+            }
+            frame = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            if last:
+                frame += b"data: [DONE]\n\n"
+            sent += frame
+            try:
+                await out.write(frame)
+            except ConnectionResetError:
+                return out  # the router hung up (its client left): as vLLM, stop generating
+        self.responses.append(bytes(sent))
+        await out.write_eof()
+        return out
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        model = {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm", "root": self.model}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _health(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        labels = f'{{engine="0",model_name="{self.model}"}}'
+        lines = [
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{labels} {self.running}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{labels} {self.waiting}",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{labels} {self.kv_usage}",
+            "# TYPE vllm:prompt_tokens_total counter",
+            f"vllm:prompt_tokens_total{labels} 123.0",
+        ]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    async def _tokenize(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        text = body.get("prompt") or json.dumps(body.get("messages"))
+        tokens = [b for b in str(text).encode()]  # bytes as ids: enough to test the plumbing
+        return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="a fake vLLM OpenAI server (for router tests and benchmarks)")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--name", default="fake")
+    p.add_argument("--model", default="tiny")
+    args = p.parse_args()
+    fake = FakeVLLM(args.name, args.model, args.port)
+    web.run_app(fake.app(), host="127.0.0.1", port=args.port, access_log=None, print=None)
+
+
+if __name__ == "__main__":
+    main()
