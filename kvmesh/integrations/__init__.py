@@ -1,0 +1,1 @@
+"""Adapters that put kvmesh inside serving engines (``kvmesh.integrations.vllm``)."""

@@ -1,0 +1,244 @@
+"""``KVMeshConnector``: kvmesh as a vLLM v1 KV connector.
+
+vLLM creates one instance per role: in the scheduler process (role SCHEDULER:
+:class:`~kvmesh.integrations.vllm.scheduler.SchedulerSide`) and in each worker process (role
+WORKER: :class:`~kvmesh.integrations.vllm.worker.WorkerSide`, owner of the CacheEngine).
+They talk through the per-step metadata (scheduler -> worker), ``KVConnectorOutput``
+(worker -> scheduler: load errors, events) and a unix-socket RPC for lookups (see rpc.py).
+
+Enable it with::
+
+    --kv-transfer-config '{"kv_connector": "KVMeshConnector",
+      "kv_connector_module_path": "kvmesh.integrations.vllm", "kv_role": "kv_both",
+      "kv_load_failure_policy": "recompute",
+      "kv_connector_extra_config": {"config_file": "kvmesh.yaml"}}'
+
+and ``--disable-hybrid-kv-cache-manager`` (vLLM requires it for connectors without HMA).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvmesh.core.engine import CacheEngine
+from kvmesh.core.keys import KVLayout
+from kvmesh.integrations.vllm.metadata import KVMeshConnectorMetadata, KVMeshKVEvents
+from kvmesh.integrations.vllm.options import ConnectorOptions, check_chunk_size
+from kvmesh.integrations.vllm.paged import VERIFIED_ISAS, check_layers, ordered_layers
+from kvmesh.integrations.vllm.rpc import RpcClient, RpcServer, socket_path
+from kvmesh.integrations.vllm.scheduler import SchedulerSide
+from kvmesh.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger(__name__)
+
+
+def _cpu_attention_isa(vllm_config: VllmConfig, head_size: int) -> str | None:
+    """The ISA vLLM-CPU's attention picks for this model (its page layout), or ``None``
+    when vLLM no longer exposes the choice."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return None
+    dtype = vllm_config.model_config.dtype
+    if not isinstance(dtype, torch.dtype):
+        return None
+    return str(
+        _get_attn_isa(
+            dtype,
+            vllm_config.cache_config.block_size,
+            head_size,
+            vllm_config.cache_config.cache_dtype,
+        )
+    )
+
+
+class KVMeshConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        tc = self._kv_transfer_config
+        self.options = ConnectorOptions.from_extra_config(tc.kv_connector_extra_config)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        check_chunk_size(self.options.cache.chunk_size, self.block_size)
+        par = vllm_config.parallel_config
+        if par.pipeline_parallel_size > 1:
+            raise ValueError("kvmesh's vLLM connector does not support pipeline parallelism yet")
+        self.engine_id = str(tc.engine_id)
+        self.dp_rank = int(getattr(par, "data_parallel_rank", 0) or 0)
+        self._sched: SchedulerSide | None = None
+        self._clients: list[RpcClient] = []
+        self._events: list[KVCacheEvent] = []
+        self._worker: WorkerSide | None = None
+        self._server: RpcServer | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if tc.kv_load_failure_policy != "recompute":
+                # A cache must never fail a request: a chunk that cannot be loaded is a miss.
+                # vLLM reads the policy right after creating this connector, so this applies.
+                log.warning(
+                    "kvmesh: kv_load_failure_policy=%r would fail requests whose cached KV cannot "
+                    "be loaded; using 'recompute'. Set it explicitly in --kv-transfer-config.",
+                    tc.kv_load_failure_policy,
+                )
+                tc.kv_load_failure_policy = "recompute"
+            self._clients = [
+                RpcClient(
+                    socket_path(self.engine_id, rank, self.dp_rank, self.options.socket_dir),
+                    timeout_s=self.options.rpc_timeout_s,
+                )
+                for rank in range(par.tensor_parallel_size)
+            ]
+            self._sched = SchedulerSide(
+                self.options.cache.chunk_size,
+                self.block_size,
+                self._clients,
+                convert_hash=maybe_convert_block_hash,
+                load=tc.is_kv_consumer,
+                save=tc.is_kv_producer,
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # best-effort cache: a dropped save is only a later miss
+
+    # ==== worker side ===================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        cfg = self._vllm_config
+        mc, par = cfg.model_config, cfg.parallel_config
+        layers = ordered_layers(kv_caches)
+        dtype = layers[0].dtype if layers else mc.dtype
+        layout = KVLayout(mc.get_num_layers(par), mc.get_num_kv_heads(par), mc.get_head_size(), dtype)
+        check_layers(layers, layout, self.block_size)
+        isa = _cpu_attention_isa(cfg, layout.head_size)
+        if isa is not None and isa not in VERIFIED_ISAS:
+            raise NotImplementedError(
+                f"vLLM-CPU uses the {isa!r} attention kernel for this model, whose KV page layout "
+                f"kvmesh has not verified (verified: {', '.join(sorted(VERIFIED_ISAS))}); "
+                "use dtype float32 on x86"
+            )
+        rank = self._tp_rank()
+        engine = CacheEngine(
+            self.options.cache, layout=layout, model_id=self.options.model_id or str(mc.model), shard=rank
+        )
+        ev = cfg.kv_events_config
+        self._worker = WorkerSide(
+            engine, layers, self.block_size, events=bool(ev and ev.enable_kv_cache_events)
+        )
+        path = socket_path(self.engine_id, rank, self.dp_rank, self.options.socket_dir)
+        self._server = RpcServer(path, self._worker.handlers()).start()
+        log.info(
+            "kvmesh: worker rank %d serving %s; layout %s; chunk %d",
+            rank,
+            path,
+            layout,
+            engine.config.chunk_size,
+        )
+
+    @staticmethod
+    def _tp_rank() -> int:
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            return int(get_tensor_model_parallel_rank())
+        except (ImportError, AssertionError, RuntimeError):
+            return 0
+
+    def _meta(self) -> KVMeshConnectorMetadata | None:
+        if self._worker is None or not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta if isinstance(meta, KVMeshConnectorMetadata) else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._meta()
+        if meta is not None and self._worker is not None:
+            self._worker.start_step(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv, before the forward
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # saved once per step in wait_for_save, when every layer is written
+
+    def wait_for_save(self) -> None:
+        meta = self._meta()
+        if meta is not None and self._worker is not None:
+            self._worker.end_step(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is not None:
+            self._worker.finished(finished_req_ids)
+        return None, None  # nothing is ever in flight: loads and gathers are synchronous
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def get_kv_connector_kv_cache_events(self) -> KVMeshKVEvents | None:
+        if self._worker is None:
+            return None
+        events = self._worker.events.take()
+        if not events:
+            return None
+        container = KVMeshKVEvents(num_workers=1)
+        container.add_events(events)
+        return container
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        for client in self._clients:
+            client.close()
+
+    # ==== scheduler side ================================================================
+    def _scheduler(self) -> SchedulerSide:
+        if self._sched is None:
+            raise RuntimeError("scheduler-side method called on the worker-side connector")
+        return self._sched
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        try:
+            return self._scheduler().lookup(request, num_computed_tokens), False
+        except Exception:  # a cache problem must never stop scheduling
+            log.exception("kvmesh: lookup failed; treating it as a miss")
+            return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        self._scheduler().after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVMeshConnectorMetadata:
+        return self._scheduler().build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if connector_output.invalid_block_ids:
+            self._scheduler().on_invalid_blocks(set(connector_output.invalid_block_ids))
+        events = connector_output.kv_cache_events
+        if isinstance(events, KVConnectorKVEvents):
+            self._events.extend(events.aggregate().get_all_events())
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves copy paged KV into kvmesh's pool within the step that computed it, so no
+        # block is still being read when the request finishes: vLLM may free them now.
+        self._scheduler().finished(request)
+        return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events, self._events = self._events, []
+        return events

@@ -1,0 +1,76 @@
+"""What the scheduler side tells the worker side each step, and the event container the
+worker side hands back (both cross a process boundary, pickled by vLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents, KVEventAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+BlockHash = int | bytes  # vLLM's external block hash (maybe_convert_block_hash)
+
+
+@dataclass
+class LoadSpec:
+    """Copy kvmesh's KV of ``token_ids[skip:]`` into the request's blocks, then release
+    the pins the scheduler's lookup ``seq`` took."""
+
+    req_id: str
+    seq: int
+    token_ids: list[int]  # the prompt up to the end of the hit (a chunk boundary)
+    block_ids: list[int]  # the request's blocks covering token_ids
+    skip: int  # vLLM's own prefix-cache hit (block aligned): those blocks are shared, never written
+
+
+@dataclass
+class SaveSpec:
+    """Store the chunks of ``token_ids`` (all computed by the end of this step)."""
+
+    req_id: str
+    token_ids: list[int]  # the prompt up to a chunk boundary
+    block_ids: list[int]  # the request's blocks covering token_ids
+    skip: int  # chunks ending at or before this were handed over in an earlier step
+    block_hashes: list[BlockHash] = field(default_factory=list)  # vLLM's, for events; may be empty
+
+
+@dataclass
+class KVMeshConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    releases: list[tuple[str, int]] = field(default_factory=list)  # (req_id, lookup seq): unpin
+
+
+class KVMeshKVEvents(KVConnectorKVEvents):
+    """Worker events for one step. With tensor parallelism the executor merges the ranks'
+    containers; :meth:`aggregate` keeps what every rank reported (a chunk is only usable
+    when all shards hold it), as vLLM's LMCache container does."""
+
+    def __init__(self, num_workers: int = 1) -> None:
+        self._agg = KVEventAggregator(num_workers)
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        self._agg.add_events(list(events))
+
+    def aggregate(self) -> KVMeshKVEvents:
+        common = self._agg.get_common_events()
+        self._agg.clear_events()
+        self._agg.add_events(common)
+        self._agg.reset_workers()
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._agg.increment_workers(count)
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return list(self._agg.get_all_events())
+
+    def get_number_of_workers(self) -> int:
+        return int(self._agg.get_number_of_workers())
+
+    def clear_events(self) -> None:
+        self._agg.clear_events()
+        self._agg.reset_workers()
+
+    def __repr__(self) -> str:
+        return f"<KVMeshKVEvents {len(self.get_all_events())} events>"

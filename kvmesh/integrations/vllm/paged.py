@@ -1,0 +1,113 @@
+"""Copies between vLLM-CPU's paged KV tensors and kvmesh's token-major chunks.
+
+vLLM hands the connector one tensor per attention layer, ``[num_blocks, num_kv_heads,
+block_size, 2 * head_size]``, but that 4-D shape is only a page size: the CPU attention
+kernel ("vec" ISA: fp32 / AVX2) splits each head's page into the keys stored TRANSPOSED,
+``[head_size, block_size]``, followed by the values, ``[block_size, head_size]`` (see
+docs/vllm-connector-notes.md). Indexing ``[block, head, offset]`` therefore mixes K and V.
+
+kvmesh stores chunks token-major, ``[num_layers, 2, tokens, num_kv_heads, head_size]``, so a
+chunk means the same thing whatever page layout wrote it. The two functions below convert
+whole blocks, vectorised per layer (one gather/scatter per layer and K/V half, no per-token
+Python loop).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from kvmesh.core.keys import KVLayout
+
+# CPU attention ISAs whose page layout is the one described above (checked against
+# transformers' K/V in scripts/try_example_connector.py --probe). Others (amx for bf16,
+# neon, vec16, ...) may pack pages differently: refuse them rather than cache wrong KV.
+VERIFIED_ISAS = frozenset({"vec"})
+_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+def ordered_layers(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The per-layer tensors in model order (layer index in the name, not dict order),
+    so every process and replica lays chunks out alike."""
+
+    def index(name: str) -> int:
+        m = _LAYER_INDEX.search(name)
+        if m is None:
+            raise ValueError(f"cannot find a layer index in KV cache name {name!r}")
+        return int(m.group(1))
+
+    return [kv_caches[name] for name in sorted(kv_caches, key=index)]
+
+
+def check_layers(layers: Sequence[torch.Tensor], layout: KVLayout, block_size: int) -> None:
+    """Raise a clear error unless every layer has the CPU paged shape this module copies."""
+    if len(layers) != layout.num_layers:
+        raise ValueError(
+            f"vLLM registered {len(layers)} KV cache layers but the model config says "
+            f"{layout.num_layers}; kvmesh supports one KV tensor per attention layer "
+            "(no cross-layer KV sharing, disable_hybrid_kv_cache_manager=True)"
+        )
+    want = (layout.num_kv_heads, block_size, 2 * layout.head_size)
+    for i, t in enumerate(layers):
+        if t.device.type != "cpu":
+            raise NotImplementedError(
+                f"kvmesh's vLLM connector supports vLLM-CPU only; layer {i} KV is on {t.device}"
+            )
+        if t.dim() != 4 or tuple(t.shape[1:]) != want or not t.is_contiguous():
+            raise NotImplementedError(
+                f"layer {i} KV cache has shape {tuple(t.shape)} (contiguous={t.is_contiguous()}); "
+                f"kvmesh expects vLLM-CPU's contiguous [num_blocks, {want[0]}, {want[1]}, {want[2]}] "
+                "(num_kv_heads, block_size, 2 * head_size)"
+            )
+        if str(t.dtype).removeprefix("torch.") != layout.dtype:
+            raise ValueError(f"layer {i} KV dtype {t.dtype} differs from the layout dtype {layout.dtype}")
+
+
+def _halves(layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of one layer: keys ``[blocks, heads, head_size, block_size]`` (transposed)
+    and values ``[blocks, heads, block_size, head_size]``."""
+    nb, nh, bs, c2 = layer.shape
+    d = c2 // 2
+    page = layer.view(nb, nh, 2, bs * d)
+    return page[:, :, 0].view(nb, nh, d, bs), page[:, :, 1].view(nb, nh, bs, d)
+
+
+def _index(block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(block_ids, dtype=torch.long)
+
+
+def paged_to_chunk(
+    layers: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor, out: torch.Tensor
+) -> None:
+    """Gather whole blocks into ``out`` ``[num_layers, 2, len(block_ids) * block_size,
+    num_kv_heads, head_size]`` (``out`` may be a pool view; nothing else is allocated but
+    the per-layer gather temporaries)."""
+    idx = _index(block_ids)
+    n = int(idx.numel())
+    for li, layer in enumerate(layers):
+        _, nh, bs, c2 = layer.shape
+        d = c2 // 2
+        if out.shape[2] != n * bs:
+            raise ValueError(f"out holds {out.shape[2]} tokens but {n} blocks of {bs} were asked for")
+        k, v = _halves(layer)
+        out[li, 0].view(n, bs, nh, d).copy_(k.index_select(0, idx).permute(0, 3, 1, 2))
+        out[li, 1].view(n, bs, nh, d).copy_(v.index_select(0, idx).permute(0, 2, 1, 3))
+
+
+def chunk_to_paged(
+    chunk: torch.Tensor, layers: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor
+) -> None:
+    """Scatter ``chunk`` ``[num_layers, 2, len(block_ids) * block_size, heads, head_size]``
+    into the given blocks of every layer (the inverse of :func:`paged_to_chunk`)."""
+    idx = _index(block_ids)
+    n = int(idx.numel())
+    for li, layer in enumerate(layers):
+        _, nh, bs, c2 = layer.shape
+        d = c2 // 2
+        if chunk.shape[2] != n * bs:
+            raise ValueError(f"chunk holds {chunk.shape[2]} tokens but {n} blocks of {bs} were given")
+        k, v = _halves(layer)
+        k.index_copy_(0, idx, chunk[li, 0].reshape(n, bs, nh, d).permute(0, 2, 3, 1))
+        v.index_copy_(0, idx, chunk[li, 1].reshape(n, bs, nh, d).permute(0, 2, 1, 3))

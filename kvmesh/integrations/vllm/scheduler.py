@@ -1,0 +1,200 @@
+"""The scheduler half of the connector: decides what to load and save, in vLLM's
+scheduler process. Plain Python over duck-typed vLLM objects, so it is unit-tested without
+starting vLLM.
+
+Life of a request:
+
+1. ``lookup`` (vLLM's ``get_num_new_matched_tokens``): ask every worker rank how many
+   leading prompt tokens kvmesh holds. The worker pins what it found, under this
+   request's id and a lookup sequence number, so eviction cannot take back the promise.
+2. ``after_alloc``: vLLM granted ``num_external`` tokens and allocated blocks: plan a
+   load (the worker loads, then releases the pins) or, with nothing to load, a release.
+3. ``build_meta`` (every step): the planned loads and releases, plus saves: every chunk of
+   the prompt whose tokens are all computed by the end of this step (chunked prefill hands
+   a long prompt over in several steps).
+4. ``finished``: forget the request, and release its pins if a lookup never led to a load.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvmesh.integrations.vllm.metadata import BlockHash, KVMeshConnectorMetadata, LoadSpec, SaveSpec
+
+log = logging.getLogger(__name__)
+
+
+class Lookup(Protocol):
+    def call(self, op: str, **args: Any) -> Any: ...
+
+
+def cacheable(request: Any) -> bool:
+    """kvmesh keys chunks by token ids only. A LoRA adapter, multimodal inputs, prompt
+    embeddings or a per-request cache salt change the KV of the same token ids, so such
+    requests are neither looked up nor saved (vLLM's own prefix cache still serves them)."""
+    return (
+        getattr(request, "prompt_token_ids", None) is not None
+        and not getattr(request, "lora_request", None)
+        and not getattr(request, "mm_features", None)
+        and getattr(request, "prompt_embeds", None) is None
+        and not getattr(request, "cache_salt", None)
+    )
+
+
+@dataclass
+class _Tracked:
+    prompt: Sequence[int]
+    hashes: list[BlockHash]
+    save_limit: int  # the last chunk boundary inside the prompt
+    block_ids: list[int] = field(default_factory=list)
+    saved_upto: int = 0  # chunks below this were handed to the worker for saving
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        chunk_size: int,
+        block_size: int,
+        ranks: Sequence[Lookup],
+        convert_hash: Callable[[Any], BlockHash] = lambda h: h,
+        load: bool = True,
+        save: bool = True,
+    ) -> None:
+        self.chunk_size = chunk_size
+        self.block_size = block_size
+        self.ranks = list(ranks)
+        self.convert_hash = convert_hash
+        self.load_enabled = load
+        self.save_enabled = save
+        self._seq = 0
+        self._lookups: dict[str, tuple[int, int, int]] = {}  # req_id -> (seq, hit, vLLM local hit)
+        self._new: dict[str, _Tracked] = {}  # looked up, not yet in a scheduler output
+        self._active: dict[str, _Tracked] = {}
+        self._loads: list[LoadSpec] = []
+        self._releases: list[tuple[str, int]] = []
+        self.stats = {"lookups": 0, "lookup_hit_tokens": 0, "rpc_failures": 0, "loads_planned": 0}
+
+    # -- vLLM: get_num_new_matched_tokens ------------------------------------------------
+    def lookup(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens kvmesh can supply beyond vLLM's own (block-aligned) hit. Never raises."""
+        req_id = request.request_id
+        ok = cacheable(request)
+        if ok and self.save_enabled and req_id not in self._active:
+            self._new[req_id] = self._track(request)
+        prompt = request.prompt_token_ids if ok else None
+        if not ok or not self.load_enabled or not self.ranks or prompt is None:
+            return 0
+        # Leave >= 1 prompt token to compute (vLLM needs a forward to sample from); a hit
+        # ends on a chunk boundary, hence on a block boundary too.
+        cap = (len(prompt) - 1) // self.chunk_size * self.chunk_size
+        if cap <= num_computed_tokens:
+            return 0
+        self._seq += 1
+        seq = self._seq
+        tokens = list(prompt[:cap])
+        hit = cap
+        self.stats["lookups"] += 1
+        for rank in self.ranks:
+            got = rank.call("lookup", req=req_id, seq=seq, tokens=tokens)
+            if not isinstance(got, int) or got < 0:
+                self.stats["rpc_failures"] += got is None
+                got = 0
+            hit = min(hit, got)
+        hit -= hit % self.block_size
+        # Remember the lookup even on a miss: a rank may have pinned before the answer was
+        # lost, and the release frees exactly what this seq pinned.
+        self._lookups[req_id] = (seq, hit, num_computed_tokens)
+        self.stats["lookup_hit_tokens"] += hit
+        return max(0, hit - num_computed_tokens)
+
+    def _track(self, request: Any) -> _Tracked:
+        prompt = request.prompt_token_ids
+        hashes = [self.convert_hash(h) for h in (getattr(request, "block_hashes", None) or [])]
+        return _Tracked(prompt, hashes, len(prompt) // self.chunk_size * self.chunk_size)
+
+    # -- vLLM: update_state_after_alloc --------------------------------------------------
+    def after_alloc(self, request: Any, block_ids: Sequence[int], num_external: int) -> None:
+        req_id = request.request_id
+        found = self._lookups.pop(req_id, None)
+        if found is None:
+            return
+        seq, hit, local = found
+        end = local + num_external
+        if num_external <= 0 or end > hit or end > len(block_ids) * self.block_size:
+            if num_external > 0:
+                log.warning(
+                    "kvmesh: vLLM granted %d tokens beyond %d; kvmesh found %d", num_external, local, hit
+                )
+            self._releases.append((req_id, seq))
+            return
+        self._loads.append(
+            LoadSpec(
+                req_id,
+                seq,
+                list(request.prompt_token_ids[:end]),
+                list(block_ids[: end // self.block_size]),
+                local,
+            )
+        )
+        self.stats["loads_planned"] += 1
+
+    # -- vLLM: build_connector_meta ------------------------------------------------------
+    def build_meta(self, out: Any) -> KVMeshConnectorMetadata:
+        meta = KVMeshConnectorMetadata(loads=self._loads, releases=self._releases)
+        self._loads, self._releases = [], []
+        scheduled: dict[str, int] = out.num_scheduled_tokens
+        for new in out.scheduled_new_reqs:
+            t = self._new.pop(new.req_id, None)
+            if t is None:
+                continue
+            self._active[new.req_id] = t
+            t.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            self._plan_save(meta, new.req_id, t, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            t = self._active.get(req_id)
+            if t is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # preempted and back: a fresh block list
+                t.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                t.block_ids.extend(new_ids[0])
+            self._plan_save(meta, req_id, t, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        return meta
+
+    def _plan_save(self, meta: KVMeshConnectorMetadata, req_id: str, t: _Tracked, computed: int) -> None:
+        end = min(computed, t.save_limit) // self.chunk_size * self.chunk_size
+        if end <= t.saved_upto:
+            return
+        blocks = end // self.block_size
+        if len(t.block_ids) < blocks:  # cannot happen with vLLM's bookkeeping; never save blind
+            log.warning(
+                "kvmesh: request %s has %d blocks for %d tokens; not saving", req_id, len(t.block_ids), end
+            )
+            return
+        hashes = list(t.hashes[:blocks]) if len(t.hashes) >= blocks else []
+        meta.saves.append(SaveSpec(req_id, list(t.prompt[:end]), t.block_ids[:blocks], t.saved_upto, hashes))
+        t.saved_upto = end
+
+    # -- vLLM: update_connector_output ---------------------------------------------------
+    def on_invalid_blocks(self, invalid: set[int]) -> None:
+        """vLLM recomputes from the first block that failed to load; the worker saved
+        nothing from there on, so those chunks must be planned again once recomputed."""
+        for t in self._active.values():
+            for idx, block in enumerate(t.block_ids[: t.saved_upto // self.block_size]):
+                if block in invalid:
+                    t.saved_upto = idx * self.block_size // self.chunk_size * self.chunk_size
+                    break
+
+    # -- vLLM: request_finished ----------------------------------------------------------
+    def finished(self, request: Any) -> None:
+        req_id = request.request_id
+        self._new.pop(req_id, None)
+        self._active.pop(req_id, None)
+        found = self._lookups.pop(req_id, None)
+        if found is not None:
+            self._releases.append((req_id, found[0]))

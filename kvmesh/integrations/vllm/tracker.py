@@ -1,0 +1,170 @@
+"""vLLM KV events for what kvmesh holds, keyed by vLLM's own block hashes.
+
+A router indexes vLLM's ``medium="GPU"`` events by block hash; announcing kvmesh's chunks
+with the same hashes (``maybe_convert_block_hash`` of ``request.block_hashes``, passed from
+the scheduler in the save metadata) lets it score every medium alike:
+
+* ``BlockStored(medium="CPU")`` when a chunk enters the worker's CPU pool;
+* ``BlockStored(medium="DISK" | "REMOTE")`` once its write-behind to that tier has landed
+  (checked by a background thread, so the forward pass never waits on disk or network);
+* ``BlockRemoved(medium="CPU")`` when the pool evicts or clears a chunk announced here.
+
+Lower-tier removals (disk eviction, Redis expiry) are not announced: those tiers evict on
+their own schedule and a router treats a stale entry as a miss after a failed load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+
+from kvmesh.core.engine import CacheEngine
+from kvmesh.core.keys import ChunkKey
+from kvmesh.core.memory import MemoryObj
+from kvmesh.errors import TierError
+from kvmesh.integrations.vllm.metadata import BlockHash
+
+log = logging.getLogger(__name__)
+MEDIA = {"cpu": "CPU", "disk": "DISK", "remote": "REMOTE"}
+CONFIRM_WAIT_S = 60.0  # a write that has not landed by then is not announced
+MAX_PENDING_CONFIRMS = 1024
+
+
+@dataclass
+class _Confirm:
+    marks: dict[str, int]  # writer -> jobs submitted when the chunks were stored
+    keys: list[ChunkKey]
+    events: list[BlockStored]
+
+
+class EventTracker:
+    def __init__(self, engine: CacheEngine, block_size: int, enabled: bool = True) -> None:
+        self.engine = engine
+        self.block_size = block_size
+        # Off when vLLM publishes no KV events: nothing would read them.
+        self.enabled = enabled
+        self._lock = threading.Lock()
+        self._events: list[KVCacheEvent] = []
+        # chunk key -> the vLLM hashes announced for it in CPU; bounded by the pool size
+        self._announced: OrderedDict[str, list[BlockHash]] = OrderedDict()
+        self._limit = 2 * engine.cpu.pool.num_slots
+        self._confirms: queue.Queue[_Confirm | None] = queue.Queue(MAX_PENDING_CONFIRMS)
+        self._thread: threading.Thread | None = None
+        if not enabled:
+            return
+        if engine.writers:
+            self._thread = threading.Thread(target=self._confirm_loop, name="kvmesh-events", daemon=True)
+            self._thread.start()
+        previous = engine.cpu.on_evict
+        engine.cpu.on_evict = self._evict_hook(previous)
+
+    # -- producers -----------------------------------------------------------------------
+    def stored(
+        self, tokens: np.ndarray, keys: Sequence[ChunkKey], first: int, hashes: Sequence[BlockHash]
+    ) -> None:
+        """Chunks ``keys`` (chunk indexes ``first``, ``first + 1``, ...) of ``tokens`` just
+        entered the CPU pool. ``hashes``: vLLM's block hashes of ``tokens`` (may be empty:
+        vLLM computes none without prefix caching, and then nothing is announced)."""
+        if not self.enabled:
+            return
+        cs = self.engine.config.chunk_size
+        per_chunk = cs // self.block_size
+        events: list[BlockStored] = []
+        for i, key in enumerate(keys):
+            b0 = (first + i) * per_chunk
+            if len(hashes) < b0 + per_chunk:
+                break
+            chunk_hashes = list(hashes[b0 : b0 + per_chunk])
+            events.append(
+                BlockStored(
+                    block_hashes=chunk_hashes,
+                    parent_block_hash=hashes[b0 - 1] if b0 else None,
+                    token_ids=tokens[b0 * self.block_size : (b0 + per_chunk) * self.block_size].tolist(),
+                    block_size=self.block_size,
+                    lora_id=None,
+                    medium=MEDIA["cpu"],
+                    lora_name=None,
+                )
+            )
+            with self._lock:
+                self._announced[key.text] = chunk_hashes
+                self._announced.move_to_end(key.text)
+                while len(self._announced) > self._limit:
+                    self._announced.popitem(last=False)
+        with self._lock:
+            self._events.extend(events)
+        if events and self._thread is not None:
+            marks = {name: w.submitted for name, w in self.engine.writers.items()}
+            try:
+                self._confirms.put_nowait(_Confirm(marks, list(keys[: len(events)]), events))
+            except queue.Full:
+                log.debug("kvmesh: event confirmation queue full; lower-tier events dropped")
+
+    def _evict_hook(
+        self, previous: Callable[[ChunkKey, MemoryObj], None] | None
+    ) -> Callable[[ChunkKey, MemoryObj], None]:
+        def on_evict(key: ChunkKey, obj: MemoryObj) -> None:
+            if previous is not None:
+                previous(key, obj)  # the engine's write-back comes first
+            self._removed([key.text])
+
+        return on_evict
+
+    def _removed(self, texts: Sequence[str]) -> None:
+        with self._lock:
+            hashes = [h for t in texts for h in self._announced.pop(t, [])]
+            if hashes:
+                self._events.append(BlockRemoved(block_hashes=hashes, medium=MEDIA["cpu"]))
+
+    def resync(self) -> None:
+        """After a clear: announce the removal of every announced chunk no longer in CPU."""
+        if not self.enabled:
+            return
+        with self._lock:
+            texts = list(self._announced)
+        held = set(self.engine.cpu.keys())
+        self._removed([t for t in texts if t not in held])
+
+    # -- consumer ------------------------------------------------------------------------
+    def take(self) -> list[KVCacheEvent]:
+        """Events since the last call, without duplicates (vLLM's aggregator counts an
+        event once per worker; a duplicate would look like a second worker)."""
+        with self._lock:
+            events, self._events = self._events, []
+        return list(dict.fromkeys(events))
+
+    def _confirm_loop(self) -> None:
+        while True:
+            job = self._confirms.get()
+            if job is None:
+                return
+            for name, mark in job.marks.items():
+                writer, tier = self.engine.writers.get(name), self.engine.lower.get(name)
+                if writer is None or tier is None or not writer.wait(CONFIRM_WAIT_S, upto=mark):
+                    continue
+                try:
+                    held = tier.contains(job.keys)
+                except TierError:
+                    continue
+                landed = [
+                    msgspec.structs.replace(ev, medium=MEDIA[name])
+                    for ev, h in zip(job.events, held, strict=True)
+                    if h
+                ]
+                with self._lock:
+                    self._events.extend(landed)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            with contextlib.suppress(queue.Full):
+                self._confirms.put(None, timeout=1.0)
+            self._thread.join(2.0)

@@ -1,0 +1,204 @@
+"""The worker half of the connector: owns the :class:`~kvmesh.CacheEngine` in vLLM's
+worker process, answers the scheduler's lookups, and moves KV between the paged cache and
+kvmesh.
+
+Loads are synchronous (done in ``start_load_kv``, before the forward that needs them);
+saves gather each step's newly computed prompt chunks once, in ``wait_for_save``, after
+every layer has written its KV. ``store_with`` copies them into the engine's pool and
+queues the disk / remote writes, so the forward pass never waits on I/O.
+
+A chunk that cannot be loaded (evicted despite the pin, corrupt, tier down) turns its
+blocks into "load errors": vLLM then recomputes from the first of them (connector policy
+``kv_load_failure_policy="recompute"``). Whatever this step computed after that point was
+computed on bad KV, so it is not saved either.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvmesh.core.engine import CacheEngine
+from kvmesh.core.keys import as_token_array
+from kvmesh.integrations.vllm.metadata import KVMeshConnectorMetadata, LoadSpec, SaveSpec
+from kvmesh.integrations.vllm.paged import chunk_to_paged, paged_to_chunk
+from kvmesh.integrations.vllm.rpc import Handler
+from kvmesh.integrations.vllm.tracker import EventTracker
+
+log = logging.getLogger(__name__)
+
+
+def _tokens(ids: Sequence[int]) -> np.ndarray:
+    # as_token_array checks list items one by one; a numpy array takes its fast path.
+    return as_token_array(np.asarray(ids, dtype=np.int64))
+
+
+class WorkerSide:
+    def __init__(
+        self, engine: CacheEngine, layers: Sequence[torch.Tensor], block_size: int, events: bool = True
+    ) -> None:
+        self.engine = engine
+        self.layers = list(layers)
+        self.block_size = block_size
+        self.chunk_size = engine.config.chunk_size
+        self.events = EventTracker(engine, block_size, enabled=events)
+        self.counters: Counter[str] = Counter()
+        self._lock = threading.Lock()  # the ledger and counters: the RPC thread shares them
+        self._ledger: dict[str, tuple[int, np.ndarray]] = {}  # req -> (lookup seq, pinned tokens)
+        self._load_errors: set[int] = set()
+        self._failed_at: dict[str, int] = {}  # this step: req -> first token whose KV is bad
+        self._in_kvmesh: dict[str, int] = {}  # req -> leading tokens known to be in kvmesh
+
+    # -- RPC (scheduler process) ---------------------------------------------------------
+    def handlers(self) -> dict[str, Handler]:
+        return {
+            "lookup": self.lookup,
+            "release": self.release,
+            "stats": self.stats,
+            "clear": self.clear,
+            "wait_for_writes": self.wait_for_writes,
+        }
+
+    def lookup(self, req: str, seq: int, tokens: list[int]) -> int:
+        """Leading tokens held in any tier, pinned under ``(req, seq)`` until released."""
+        arr = _tokens(tokens)
+        self.release(req)  # a request looked up again replaces its earlier pins
+        n = self.engine.lookup(arr, pin=True)
+        with self._lock:
+            self.counters["lookups"] += 1
+            self.counters["lookup_hit_tokens"] += n
+            if n:
+                self._ledger[req] = (seq, arr[:n])
+        return n
+
+    def release(self, req: str, seq: int | None = None) -> bool:
+        """Unpin what lookup ``seq`` (any, if ``None``) pinned for ``req``. A release for
+        an older lookup than the current one is ignored."""
+        with self._lock:
+            entry = self._ledger.get(req)
+            if entry is None or (seq is not None and entry[0] != seq):
+                return False
+            del self._ledger[req]
+        self.engine.unpin(entry[1])
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            connector = dict(self.counters)
+            connector["pinned_requests"] = len(self._ledger)
+        return {"engine": self.engine.stats(), "connector": connector}
+
+    def clear(self, tier: str | None = None, force: bool = False) -> dict[str, int]:
+        out = self.engine.clear(tier, force=force)
+        self.events.resync()
+        return out
+
+    def wait_for_writes(self, timeout: float | None = None) -> bool:
+        return self.engine.wait_for_writes(timeout)
+
+    # -- one engine step (worker process) ------------------------------------------------
+    def start_step(self, meta: KVMeshConnectorMetadata) -> None:
+        for req, seq in meta.releases:
+            self.release(req, seq)
+        for spec in meta.loads:
+            self._load(spec)
+
+    def _load(self, spec: LoadSpec) -> None:
+        bs, end = self.block_size, len(spec.token_ids)
+        loaded = 0
+        try:
+            with self.engine.retrieve_chunks(_tokens(spec.token_ids), max_tokens=end) as chunks:
+                for c in chunks:
+                    if c.start != loaded:
+                        break
+                    if c.end > spec.skip:  # blocks below skip are vLLM's own shared blocks
+                        s = max(c.start, spec.skip)
+                        chunk_to_paged(
+                            c.kv[:, :, s - c.start :], self.layers, spec.block_ids[s // bs : c.end // bs]
+                        )
+                    loaded = c.end
+        except Exception:
+            log.exception("kvmesh: loading request %s failed; vLLM will recompute it", spec.req_id)
+        finally:
+            self.release(spec.req_id, spec.seq)
+        self._in_kvmesh[spec.req_id] = loaded
+        with self._lock:
+            if loaded >= end:
+                self.counters["loads"] += 1
+                self.counters["load_tokens"] += end - spec.skip
+                return
+            first = max(loaded, spec.skip)
+            self._load_errors.update(spec.block_ids[first // bs : end // bs])
+            self._failed_at[spec.req_id] = first
+            self.counters["load_failures"] += 1
+            self.counters["failed_tokens"] += end - first
+        log.warning(
+            "kvmesh: request %s: loaded %d of %d tokens; vLLM recomputes from token %d",
+            spec.req_id,
+            max(0, loaded - spec.skip),
+            end - spec.skip,
+            first,
+        )
+
+    def end_step(self, meta: KVMeshConnectorMetadata) -> None:
+        try:
+            for spec in meta.saves:
+                self._save(spec)
+        finally:
+            self._failed_at.clear()
+
+    def _save(self, spec: SaveSpec) -> None:
+        cs, bs = self.chunk_size, self.block_size
+        end = len(spec.token_ids)
+        bad = self._failed_at.get(spec.req_id)
+        if bad is not None:
+            end = min(end, bad // cs * cs)
+        skip = max(spec.skip, self._in_kvmesh.get(spec.req_id, 0))
+        if end <= skip:
+            return
+        arr = _tokens(spec.token_ids[:end])
+        ids = spec.block_ids
+
+        def fill(s: int, e: int, out: torch.Tensor) -> None:
+            paged_to_chunk(self.layers, ids[s // bs : e // bs], out)
+
+        first = skip // cs
+        keys = self.engine.keys.keys_for_array(arr)[first:]
+        before = self.engine.cpu.contains(keys)
+        try:
+            stored = self.engine.store_with(arr, fill, skip_tokens=skip)
+        except Exception:
+            log.exception("kvmesh: saving request %s failed (a cache miss later, nothing worse)", spec.req_id)
+            return
+        self._in_kvmesh[spec.req_id] = max(self._in_kvmesh.get(spec.req_id, 0), stored)
+        new = [i for i in range(len(keys)) if not before[i] and (first + i + 1) * cs <= stored]
+        with self._lock:
+            self.counters["saves"] += 1
+            self.counters["saved_tokens"] += len(new) * cs
+        # Announce only chunks that entered the pool now, in runs of consecutive indexes.
+        run: list[int] = []
+        for i in [*new, -1]:
+            if run and (i != run[-1] + 1):
+                self.events.stored(arr, [keys[j] for j in run], first + run[0], spec.block_hashes)
+                run = []
+            if i >= 0:
+                run.append(i)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def finished(self, req_ids: set[str]) -> None:
+        for req in req_ids:
+            self._in_kvmesh.pop(req, None)
+            self.release(req)  # normally released already; a safety net against leaked pins
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.events.close()
+        self.engine.close(timeout)

