@@ -9,7 +9,7 @@ MODELS := .cache/models
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-fast lint format bench demo models clean redis
+.PHONY: setup test test-fast lint format bench bench-ttft peers demo models clean redis
 
 setup: $(STAMP)
 
@@ -50,6 +50,13 @@ format: setup
 bench: setup redis
 	mkdir -p bench-out
 	$(BIN)/kvmesh bench tiers --json bench-out/tiers.json --plot bench-out/tiers.png
+
+peers: setup
+	scripts/install_peers.sh
+
+bench-ttft: setup redis peers
+	mkdir -p bench-out
+	$(BIN)/kvmesh bench ttft --kvmesh-config '{"chunk_size": 128}' --json bench-out/ttft.json --plot bench-out/ttft.png
 
 demo: setup redis models
 	$(BIN)/kvmesh demo --model $(MODELS)/tiny --json bench-out/demo.json --plot bench-out/demo.png

@@ -22,6 +22,23 @@ def _bench_tiers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_ttft(args: argparse.Namespace) -> int:
+    import json
+
+    from kvmesh.bench import ttft
+
+    out = ttft.run(
+        quick=args.quick,
+        json_path=args.json,
+        plot_path=args.plot,
+        model_dir=args.model,
+        setups=args.setups.split(",") if args.setups else None,
+        lengths=[int(x) for x in args.lengths.split(",")] if args.lengths else None,
+        kvmesh_overrides=json.loads(args.kvmesh_config) if args.kvmesh_config else None,
+    )
+    return 0 if all(r.get("logprobs_ok", True) for r in out["results"]) else 1
+
+
 def _model_make_tiny(args: argparse.Namespace) -> int:
     import os
 
@@ -72,6 +89,20 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--redis-url", help="use this Redis instead of starting one")
     bt.add_argument("--tiers", default="cpu,disk,redis", help="comma-separated subset of cpu,disk,redis")
     bt.set_defaults(func=_bench_tiers)
+
+    tt = bsub.add_parser("ttft", help="TTFT of a cached prompt: kvmesh vs recompute and peers")
+    tt.add_argument("--quick", action="store_true", help="3 trials per length instead of 5")
+    tt.add_argument("--json", help="write results here")
+    tt.add_argument("--plot", help="write a PNG plot here")
+    tt.add_argument("--model", help="model dir (default .cache/models/bench, built if missing)")
+    tt.add_argument(
+        "--setups",
+        help="comma-separated subset of recompute,example_connector,lmcache_mp,"
+        "kvmesh_cpu,kvmesh_disk,kvmesh_redis",
+    )
+    tt.add_argument("--lengths", help="comma-separated prompt lengths (default 500,1000,2000)")
+    tt.add_argument("--kvmesh-config", help="JSON of kvmesh config keys for every kvmesh setup")
+    tt.set_defaults(func=_bench_ttft)
 
     model = sub.add_parser("model", help="build local test models")
     msub = model.add_subparsers(dest="model", required=True)

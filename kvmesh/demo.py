@@ -61,6 +61,17 @@ def ensure_model(model_dir: str) -> str:
     return model_dir
 
 
+def warm_up(urls: list[str], model: str = "tiny") -> None:
+    """One request per replica first: a new vLLM process spends seconds of lazy
+    initialisation on its first requests, which would otherwise land on the first policy."""
+    import httpx
+
+    for i, url in enumerate(urls):
+        for j in range(2):
+            body = {"model": model, "prompt": f"warm up {i} {j} " * 50, "max_tokens": 2}
+            httpx.post(url + "/v1/completions", json=body, timeout=300.0).raise_for_status()
+
+
 def run(
     model_dir: str = DEFAULT_MODEL,
     json_path: str | None = None,
@@ -98,6 +109,7 @@ def run(
         print(f"starting 2 vLLM replicas (logs in {workdir}) ...")
         try:
             start_replicas(replicas)
+            warm_up([r.url for r in replicas])
             for seed, policy in enumerate(policies):
                 workload = Workload.multi_tenant(tenants, users, turns, seed=seed + 1)
                 config = RouterConfig(
