@@ -32,7 +32,7 @@ from kvmesh.config import CacheConfig
 from kvmesh.core.engine import CacheEngine
 from kvmesh.core.keys import KeyBuilder, KVLayout
 from kvmesh.core.memory import torch_dtype
-from kvmesh.services import RedisServer
+from kvmesh.services import RedisServer, drop_page_cache
 from kvmesh.tiers.base import ChunkData, TierOptions, open_tier
 
 LAYOUTS = {
@@ -70,17 +70,6 @@ def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
-
-
-def drop_page_cache() -> bool:
-    """Drop the page cache for cold reads; ``False`` where this machine refuses."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 class Workload:

@@ -24,17 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.bench.ttft import FAIR_ENV, KVMESH_MODULE, logprob_diff, make_prompt
-
-
-def drop_page_cache() -> bool:
-    """``sync; echo 3 > /proc/sys/vm/drop_caches``; ``False`` where this machine refuses."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+from kvmesh.services import drop_page_cache
 
 
 def top5(output: Any) -> list[dict[int, float]]:

@@ -25,18 +25,8 @@ from typing import Any
 
 from aiohttp import web
 
-# The same template and specials as kvmesh.model (not imported: that would load torch).
-SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('role must be system, user or assistant, not ' + message['role']) }}"
-    "{% endif %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
+from kvmesh.model import CHAT_TEMPLATE, SPECIAL_TOKENS
+
 _WORDS = (
     "the", "cat", "dog", "sat", "on", "mat", "a", "quick", "brown", "fox", "jumps", "over", "lazy",
     "river", "stone", "cache", "block", "prefix", "token", "router", "replica", "request", "model",

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from kvmesh.core.keys import ChunkKey, KVLayout
-from kvmesh.core.serde import Buffer
+from kvmesh.core.serde import Buffer, ChunkHeader
 from kvmesh.errors import ConfigError
 from kvmesh.metrics import TierMetrics
 
@@ -86,6 +86,20 @@ class Tier(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def counted_read(
+    metrics: TierMetrics, key: ChunkKey, item: tuple[ChunkHeader, Buffer, int] | None
+) -> ChunkData | None:
+    """A verified read ``(header, raw bytes, stored bytes)`` as ChunkData, counted as a hit,
+    or ``None`` counted as a miss."""
+    if item is None:
+        metrics.inc("misses")
+        return None
+    header, raw, stored = item
+    metrics.inc("hits")
+    metrics.inc("bytes_out", stored)
+    return ChunkData(key, header.layout, header.tokens, raw, header.codec, stored)
 
 
 TierFactory = Callable[[str, TierOptions], Tier]

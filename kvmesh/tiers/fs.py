@@ -30,7 +30,7 @@ from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey
 from kvmesh.core.serde import Buffer, ChunkHeader
 from kvmesh.errors import ConfigError, CorruptChunkError
-from kvmesh.tiers.base import ChunkData, TierOptions, register_tier, url_path
+from kvmesh.tiers.base import ChunkData, TierOptions, counted_read, register_tier, url_path
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +68,7 @@ class FsTier:
     def get(self, keys: Sequence[ChunkKey]) -> list[ChunkData | None]:
         out: list[ChunkData | None] = []
         for k in keys:
-            item = self._read(k)
-            if item is None:
-                self.metrics.inc("misses")
-                out.append(None)
-                continue
-            header, raw, stored = item
-            self.metrics.inc("hits")
-            self.metrics.inc("bytes_out", stored)
-            out.append(ChunkData(k, header.layout, header.tokens, raw, header.codec, stored))
+            out.append(counted_read(self.metrics, k, self._read(k)))
         return out
 
     def put(self, keys: Sequence[ChunkKey], chunks: Sequence[ChunkData]) -> list[bool]:

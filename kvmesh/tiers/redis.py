@@ -41,7 +41,7 @@ from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey
 from kvmesh.core.serde import Buffer, ChunkHeader
 from kvmesh.errors import ConfigError, CorruptChunkError, TierError, TierUnavailableError
-from kvmesh.tiers.base import ChunkData, TierOptions, register_tier
+from kvmesh.tiers.base import ChunkData, TierOptions, counted_read, register_tier
 
 log = logging.getLogger(__name__)
 
@@ -111,14 +111,7 @@ class RedisTier:
         found = self._read(keys)
         out: list[ChunkData | None] = []
         for k, item in zip(keys, found, strict=True):
-            if item is None:
-                self.metrics.inc("misses")
-                out.append(None)
-                continue
-            header, raw, stored = item
-            self.metrics.inc("hits")
-            self.metrics.inc("bytes_out", stored)
-            out.append(ChunkData(k, header.layout, header.tokens, raw, header.codec, stored))
+            out.append(counted_read(self.metrics, k, item))
         return out
 
     def put(self, keys: Sequence[ChunkKey], chunks: Sequence[ChunkData]) -> list[bool]:
