@@ -134,6 +134,14 @@ def test_corrupt_shared_chunk_is_recomputed_with_default_policy(fs_run: dict[str
     assert fs_run["b_stats"]["connector"]["pinned_requests"] == 0
 
 
+def test_tail_chunk_reload_leaves_only_the_last_token(redis_run: dict[str, Any]) -> None:
+    """save_unfull_chunk: a 1,300-token prompt reloads 1,299 tokens (vLLM's own cache: 1,280)."""
+    assert redis_run["a_tail_cold"]["num_cached_tokens"] == 0
+    assert redis_run["a_tail_loaded"]["num_cached_tokens"] == redis_run["p3_tokens"] - 1
+    same(redis_run["a_tail_loaded_vs_cold"], LOOSE)
+    same(redis_run["a_tail_loaded_vs_local"], LOOSE)
+
+
 def test_redis_down_is_a_miss(redis_run: dict[str, Any]) -> None:
     assert redis_run["b_redis_down"]["num_cached_tokens"] == 0
     same(redis_run["b_redis_down_vs_local"], LOOSE)

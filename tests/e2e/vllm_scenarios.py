@@ -271,12 +271,15 @@ def scenario_fs(model: str, work: Path) -> dict[str, Any]:
 
 
 def scenario_redis(model: str, work: Path) -> dict[str, Any]:
-    """chunk 512, Redis remote tier; then Redis stopped: misses, never errors."""
+    """chunk 512, Redis remote tier, tail chunks on; then Redis stopped: misses, never errors.
+
+    P3 (1300 tokens) ends in a partial chunk: with save_unfull_chunk its reload covers all
+    but the last prompt token (1299), not just the 1024 of its whole chunks."""
     from kvmesh.services import RedisServer
 
     sock = work / "sock"
-    p1 = prompt(4321, 1537)
-    res: dict[str, Any] = {"chunk_size": 512, "p1_tokens": len(p1)}
+    p1, p3 = prompt(4321, 1537), prompt(777, 1300)
+    res: dict[str, Any] = {"chunk_size": 512, "p1_tokens": len(p1), "p3_tokens": len(p3)}
     redis = RedisServer().start()
     try:
         base = {
@@ -285,10 +288,12 @@ def scenario_redis(model: str, work: Path) -> dict[str, Any]:
             "socket_dir": str(sock),
             "remote_url": redis.url,
             "remote_timeout_s": 0.5,
+            "save_unfull_chunk": True,
         }
         a = Instance(model, "e2e-redis-A", base, policy="recompute", events=None)
         a.run(prompt(1, 201))
         _, _, local1 = exact_and_loose(res, "a_p1", a, p1)
+        exact_and_loose(res, "a_tail", a, p3)
         res["a_writes_landed"] = a.call("wait_for_writes", timeout=60)
         res["a_stats"] = a.call("stats")
         a.close()

@@ -483,3 +483,74 @@ def test_connector_is_loadable_the_way_vllm_loads_it() -> None:
 
     assert issubclass(cls, KVConnectorBase_V1)
     assert CacheConfig().chunk_size % BS == 0  # the default chunk size fits vLLM-CPU
+
+
+# -- tail chunks (save_unfull_chunk) -------------------------------------------------------
+def test_partial_last_block_round_trips_and_leaves_the_rest_of_the_block() -> None:
+    layers = paged()
+    before = [t.clone() for t in layers]
+    chunk = torch.randn(3, 2, BS + 50, 2, 16)  # one whole block and 50 tokens of the next
+    chunk_to_paged(chunk, layers, [5, 8])
+    back = torch.empty_like(chunk)
+    paged_to_chunk(layers, [5, 8], back)
+    assert torch.equal(back, chunk)
+    for li in range(3):
+        k, v = token_kv(layers[li], [5, 8], BS + 49)
+        assert torch.equal(k, chunk[li, 0, BS + 49]) and torch.equal(v, chunk[li, 1, BS + 49])
+        # slots 50.. of block 8 keep what was there (vLLM computes them next)
+        for i in range(BS + 50, 2 * BS):
+            k, v = token_kv(layers[li], [5, 8], i)
+            kb, vb = token_kv(before[li], [5, 8], i)
+            assert torch.equal(k, kb) and torch.equal(v, vb)
+
+
+def test_tail_lookup_loads_all_but_the_last_prompt_token() -> None:
+    class TailRank(FakeRank):
+        def call(self, op: str, **args: Any) -> Any:
+            self.calls.append((op, args))
+            return len(args["tokens"])  # holds the whole prompt, tail chunk included
+
+    rank = TailRank()
+    s = SchedulerSide(256, BS, [rank], tail=True)
+    r = request("a", 1000)
+    assert s.lookup(r, 0) == 999
+    assert len(rank.calls[-1][1]["tokens"]) == 1000  # the tail chunk is keyed by the whole prompt
+    blocks = list(range(40, 48))
+    s.after_alloc(r, blocks, 999)
+    (load,) = s.build_meta(sched_out(new=[(r, blocks, 999, 1)])).loads
+    assert load.end == 999 and load.token_ids == r.prompt_token_ids and load.block_ids == blocks
+    # Without tail chunks the same hit stops at the last chunk boundary.
+    assert SchedulerSide(256, BS, [TailRank()]).lookup(request("b", 1000), 0) == 768
+
+
+def test_tail_chunk_is_saved_once_the_whole_prompt_is_computed() -> None:
+    s = SchedulerSide(256, BS, [FakeRank(holds=0)], tail=True)
+    r = request("a", 600)
+    s.lookup(r, 0)
+    blocks = list(range(5))
+    first = s.build_meta(sched_out(new=[(r, blocks, 0, 512)]))  # chunked prefill: 512 first
+    assert [len(x.token_ids) for x in first.saves] == [512]
+    second = s.build_meta(sched_out(cached=[("a", None, 512, 88)]))
+    (save,) = second.saves
+    assert len(save.token_ids) == 600 and save.skip == 512 and save.block_ids == blocks
+
+
+def test_worker_tail_save_and_load_reproduce_the_kv() -> None:
+    cfg = {"chunk_size": 256, "max_local_cpu_size": 0.01, "save_unfull_chunk": True}
+    engine = CacheEngine(cfg, layout=LAYOUT, model_id="u")
+    w = WorkerSide(engine, paged(num_blocks=24), BS)
+    try:
+        tokens = list(range(7000, 7000 + 600))
+        src = [0, 1, 2, 3, 4]
+        w.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", tokens, src, 0)]))
+        assert engine.lookup(tokens) == 600
+        assert w.lookup("b", 1, tokens) == 600
+        dst = [10, 11, 12, 13, 14]
+        w.start_step(KVMeshConnectorMetadata(loads=[LoadSpec("b", 1, tokens, dst, 0, upto=599)]))
+        assert w.take_load_errors() == set()
+        for layer in w.layers:
+            for i in range(599):
+                got, want = token_kv(layer, dst, i), token_kv(layer, src, i)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    finally:
+        w.close()

@@ -106,6 +106,7 @@ class KVMeshConnector(KVConnectorBase_V1):
                 convert_hash=maybe_convert_block_hash,
                 load=tc.is_kv_consumer,
                 save=tc.is_kv_producer,
+                tail=self.options.cache.save_unfull_chunk,
             )
 
     @property

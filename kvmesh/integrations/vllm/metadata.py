@@ -18,9 +18,15 @@ class LoadSpec:
 
     req_id: str
     seq: int
-    token_ids: list[int]  # the prompt up to the end of the hit (a chunk boundary)
-    block_ids: list[int]  # the request's blocks covering token_ids
+    token_ids: list[int]  # the prompt up to the end of the last chunk read (a chunk boundary or its end)
+    block_ids: list[int]  # the request's blocks covering the tokens to load
     skip: int  # vLLM's own prefix-cache hit (block aligned): those blocks are shared, never written
+    upto: int | None = None  # load tokens [skip, upto); None = all of token_ids. A prompt's
+    # partial tail chunk is keyed by all its tokens but its last token is never loaded.
+
+    @property
+    def end(self) -> int:
+        return len(self.token_ids) if self.upto is None else self.upto
 
 
 @dataclass
@@ -28,7 +34,7 @@ class SaveSpec:
     """Store the chunks of ``token_ids`` (all computed by the end of this step)."""
 
     req_id: str
-    token_ids: list[int]  # the prompt up to a chunk boundary
+    token_ids: list[int]  # the prompt up to a chunk boundary (or its end, for a tail chunk)
     block_ids: list[int]  # the request's blocks covering token_ids
     skip: int  # chunks ending at or before this were handed over in an earlier step
     block_hashes: list[BlockHash] = field(default_factory=list)  # vLLM's, for events; may be empty

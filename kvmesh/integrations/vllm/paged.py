@@ -81,33 +81,48 @@ def _index(block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
 def paged_to_chunk(
     layers: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor, out: torch.Tensor
 ) -> None:
-    """Gather whole blocks into ``out`` ``[num_layers, 2, len(block_ids) * block_size,
-    num_kv_heads, head_size]`` (``out`` may be a pool view; nothing else is allocated but
-    the per-layer gather temporaries)."""
+    """Gather blocks into ``out`` ``[num_layers, 2, tokens, num_kv_heads, head_size]`` (``out``
+    may be a pool view). ``tokens`` fills whole blocks except, for a prompt's tail chunk, the
+    last one, of which only the first ``tokens % block_size`` slots are read."""
     idx = _index(block_ids)
-    n = int(idx.numel())
+    n_tok = out.shape[2]
     for li, layer in enumerate(layers):
         _, nh, bs, c2 = layer.shape
         d = c2 // 2
-        if out.shape[2] != n * bs:
-            raise ValueError(f"out holds {out.shape[2]} tokens but {n} blocks of {bs} were asked for")
+        full, rem = divmod(n_tok, bs)
+        if int(idx.numel()) != full + (rem > 0):
+            raise ValueError(f"out holds {n_tok} tokens but {int(idx.numel())} blocks of {bs} were given")
         k, v = _halves(layer)
-        out[li, 0].view(n, bs, nh, d).copy_(k.index_select(0, idx).permute(0, 3, 1, 2))
-        out[li, 1].view(n, bs, nh, d).copy_(v.index_select(0, idx).permute(0, 2, 1, 3))
+        if full:
+            fi = idx[:full]
+            out[li, 0, : full * bs].view(full, bs, nh, d).copy_(k.index_select(0, fi).permute(0, 3, 1, 2))
+            out[li, 1, : full * bs].view(full, bs, nh, d).copy_(v.index_select(0, fi).permute(0, 2, 1, 3))
+        if rem:
+            last = int(idx[full])
+            out[li, 0, full * bs :].copy_(k[last, :, :, :rem].permute(2, 0, 1))
+            out[li, 1, full * bs :].copy_(v[last, :, :rem, :].permute(1, 0, 2))
 
 
 def chunk_to_paged(
     chunk: torch.Tensor, layers: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor
 ) -> None:
-    """Scatter ``chunk`` ``[num_layers, 2, len(block_ids) * block_size, heads, head_size]``
-    into the given blocks of every layer (the inverse of :func:`paged_to_chunk`)."""
+    """Scatter ``chunk`` ``[num_layers, 2, tokens, heads, head_size]`` into the given blocks of
+    every layer (the inverse of :func:`paged_to_chunk`; a partial last block is written only
+    in its first ``tokens % block_size`` slots, the rest of it is left as it was)."""
     idx = _index(block_ids)
-    n = int(idx.numel())
+    n_tok = chunk.shape[2]
     for li, layer in enumerate(layers):
         _, nh, bs, c2 = layer.shape
         d = c2 // 2
-        if chunk.shape[2] != n * bs:
-            raise ValueError(f"chunk holds {chunk.shape[2]} tokens but {n} blocks of {bs} were given")
+        full, rem = divmod(n_tok, bs)
+        if int(idx.numel()) != full + (rem > 0):
+            raise ValueError(f"chunk holds {n_tok} tokens but {int(idx.numel())} blocks of {bs} were given")
         k, v = _halves(layer)
-        k.index_copy_(0, idx, chunk[li, 0].reshape(n, bs, nh, d).permute(0, 2, 3, 1))
-        v.index_copy_(0, idx, chunk[li, 1].reshape(n, bs, nh, d).permute(0, 2, 1, 3))
+        if full:
+            fi = idx[:full]
+            k.index_copy_(0, fi, chunk[li, 0, : full * bs].reshape(full, bs, nh, d).permute(0, 2, 3, 1))
+            v.index_copy_(0, fi, chunk[li, 1, : full * bs].reshape(full, bs, nh, d).permute(0, 2, 1, 3))
+        if rem:
+            last = int(idx[full])
+            k[last, :, :, :rem].copy_(chunk[li, 0, full * bs :].permute(1, 2, 0))
+            v[last, :, :rem, :].copy_(chunk[li, 1, full * bs :].permute(1, 0, 2))

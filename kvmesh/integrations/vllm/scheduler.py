@@ -62,8 +62,12 @@ class SchedulerSide:
         convert_hash: Callable[[Any], BlockHash] = lambda h: h,
         load: bool = True,
         save: bool = True,
+        tail: bool = False,
     ) -> None:
         self.chunk_size = chunk_size
+        # save_unfull_chunk: the prompt's partial last chunk is cached too, so a repeated
+        # prompt loads all but its last token instead of stopping at a chunk boundary.
+        self.tail = tail
         self.block_size = block_size
         self.ranks = list(ranks)
         self.convert_hash = convert_hash
@@ -87,10 +91,12 @@ class SchedulerSide:
         prompt = request.prompt_token_ids if ok else None
         if not ok or not self.load_enabled or not self.ranks or prompt is None:
             return 0
-        # Leave >= 1 prompt token to compute (vLLM needs a forward to sample from); a hit
-        # ends on a chunk boundary, hence on a block boundary too.
-        cap = (len(prompt) - 1) // self.chunk_size * self.chunk_size
-        if cap <= num_computed_tokens:
+        # Leave >= 1 prompt token to compute (vLLM needs a forward to sample from). A hit
+        # ends on a chunk boundary, hence on a block boundary too — except a tail chunk,
+        # keyed by the whole prompt, which loads up to the prompt's last token.
+        last = len(prompt) - 1
+        cap = len(prompt) if self.tail else last // self.chunk_size * self.chunk_size
+        if min(cap, last) <= num_computed_tokens:
             return 0
         self._seq += 1
         seq = self._seq
@@ -103,7 +109,7 @@ class SchedulerSide:
                 self.stats["rpc_failures"] += got is None
                 got = 0
             hit = min(hit, got)
-        hit -= hit % self.block_size
+        hit = last if hit > last else hit - hit % self.block_size
         # Remember the lookup even on a miss: a rank may have pinned before the answer was
         # lost, and the release frees exactly what this seq pinned.
         self._lookups[req_id] = (seq, hit, num_computed_tokens)
@@ -113,7 +119,8 @@ class SchedulerSide:
     def _track(self, request: Any) -> _Tracked:
         prompt = request.prompt_token_ids
         hashes = [self.convert_hash(h) for h in (getattr(request, "block_hashes", None) or [])]
-        return _Tracked(prompt, hashes, len(prompt) // self.chunk_size * self.chunk_size)
+        limit = len(prompt) if self.tail else len(prompt) // self.chunk_size * self.chunk_size
+        return _Tracked(prompt, hashes, limit)
 
     # -- vLLM: update_state_after_alloc --------------------------------------------------
     def after_alloc(self, request: Any, block_ids: Sequence[int], num_external: int) -> None:
@@ -123,6 +130,7 @@ class SchedulerSide:
             return
         seq, hit, local = found
         end = local + num_external
+        prompt = request.prompt_token_ids
         if num_external <= 0 or end > hit or end > len(block_ids) * self.block_size:
             if num_external > 0:
                 log.warning(
@@ -130,13 +138,15 @@ class SchedulerSide:
                 )
             self._releases.append((req_id, seq))
             return
+        tail = end % self.block_size != 0  # only a tail chunk ends off a block boundary
         self._loads.append(
             LoadSpec(
                 req_id,
                 seq,
-                list(request.prompt_token_ids[:end]),
-                list(block_ids[: end // self.block_size]),
+                list(prompt if tail else prompt[:end]),
+                list(block_ids[: -(-end // self.block_size)]),
                 local,
+                end if tail else None,
             )
         )
         self.stats["loads_planned"] += 1
@@ -167,16 +177,19 @@ class SchedulerSide:
         return meta
 
     def _plan_save(self, meta: KVMeshConnectorMetadata, req_id: str, t: _Tracked, computed: int) -> None:
-        end = min(computed, t.save_limit) // self.chunk_size * self.chunk_size
+        end = min(computed, t.save_limit)
+        if end < len(t.prompt):  # the tail chunk goes only once the whole prompt is computed
+            end = end // self.chunk_size * self.chunk_size
         if end <= t.saved_upto:
             return
-        blocks = end // self.block_size
+        blocks = -(-end // self.block_size)
         if len(t.block_ids) < blocks:  # cannot happen with vLLM's bookkeeping; never save blind
             log.warning(
                 "kvmesh: request %s has %d blocks for %d tokens; not saving", req_id, len(t.block_ids), end
             )
             return
-        hashes = list(t.hashes[:blocks]) if len(t.hashes) >= blocks else []
+        full = end // self.block_size  # vLLM hashes full blocks only; events cover full chunks
+        hashes = list(t.hashes[:full]) if len(t.hashes) >= full else []
         meta.saves.append(SaveSpec(req_id, list(t.prompt[:end]), t.block_ids[:blocks], t.saved_upto, hashes))
         t.saved_upto = end
 

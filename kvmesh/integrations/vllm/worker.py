@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvmesh.admin.server import AdminServer, start_admin
 from kvmesh.core.engine import CacheEngine
 from kvmesh.core.keys import as_token_array
 from kvmesh.integrations.vllm.metadata import KVMeshConnectorMetadata, LoadSpec, SaveSpec
@@ -54,6 +55,14 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._failed_at: dict[str, int] = {}  # this step: req -> first token whose KV is bad
         self._in_kvmesh: dict[str, int] = {}  # req -> leading tokens known to be in kvmesh
+        # The admin HTTP API (on unless admin_enabled is false); rank r listens on admin_port + r.
+        self.admin: AdminServer | None = start_admin(
+            engine,
+            default_on=True,
+            port_offset=engine.keys.shard,
+            on_clear=self.events.resync,
+            extra_stats=lambda: {"connector": self.stats()["connector"]},
+        )
 
     # -- RPC (scheduler process) ---------------------------------------------------------
     def handlers(self) -> dict[str, Handler]:
@@ -110,19 +119,23 @@ class WorkerSide:
             self._load(spec)
 
     def _load(self, spec: LoadSpec) -> None:
-        bs, end = self.block_size, len(spec.token_ids)
+        bs, end = self.block_size, spec.end
         loaded = 0
         try:
-            with self.engine.retrieve_chunks(_tokens(spec.token_ids), max_tokens=end) as chunks:
+            tokens = _tokens(spec.token_ids)
+            with self.engine.retrieve_chunks(tokens, max_tokens=len(tokens)) as chunks:
                 for c in chunks:
-                    if c.start != loaded:
+                    if c.start != loaded or loaded >= end:
                         break
-                    if c.end > spec.skip:  # blocks below skip are vLLM's own shared blocks
+                    stop = min(c.end, end)
+                    if stop > spec.skip:  # blocks below skip are vLLM's own shared blocks
                         s = max(c.start, spec.skip)
                         chunk_to_paged(
-                            c.kv[:, :, s - c.start :], self.layers, spec.block_ids[s // bs : c.end // bs]
+                            c.kv[:, :, s - c.start : stop - c.start],
+                            self.layers,
+                            spec.block_ids[s // bs : -(-stop // bs)],
                         )
-                    loaded = c.end
+                    loaded = stop
         except Exception:
             log.exception("kvmesh: loading request %s failed; vLLM will recompute it", spec.req_id)
         finally:
@@ -134,7 +147,7 @@ class WorkerSide:
                 self.counters["load_tokens"] += end - spec.skip
                 return
             first = max(loaded, spec.skip)
-            self._load_errors.update(spec.block_ids[first // bs : end // bs])
+            self._load_errors.update(spec.block_ids[first // bs : -(-end // bs)])
             self._failed_at[spec.req_id] = first
             self.counters["load_failures"] += 1
             self.counters["failed_tokens"] += end - first
@@ -166,7 +179,7 @@ class WorkerSide:
         ids = spec.block_ids
 
         def fill(s: int, e: int, out: torch.Tensor) -> None:
-            paged_to_chunk(self.layers, ids[s // bs : e // bs], out)
+            paged_to_chunk(self.layers, ids[s // bs : -(-e // bs)], out)
 
         first = skip // cs
         keys = self.engine.keys.keys_for_array(arr)[first:]
@@ -200,5 +213,7 @@ class WorkerSide:
             self.release(req)  # normally released already; a safety net against leaked pins
 
     def close(self, timeout: float = 10.0) -> None:
+        if self.admin is not None:
+            self.admin.stop()
         self.events.close()
         self.engine.close(timeout)
