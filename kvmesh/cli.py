@@ -39,6 +39,19 @@ def _bench_ttft(args: argparse.Namespace) -> int:
     return 0 if all(r.get("logprobs_ok", True) for r in out["results"]) else 1
 
 
+def _bench_router(args: argparse.Namespace) -> int:
+    from kvmesh.bench import router
+
+    out = router.run(
+        quick=args.quick,
+        json_path=args.json,
+        plot_path=args.plot,
+        model_dir=args.model,
+        setups=args.setups.split(",") if args.setups else None,
+    )
+    return 0 if all("error" not in r for r in out["results"]) else 1
+
+
 def _model_make_tiny(args: argparse.Namespace) -> int:
     import os
 
@@ -103,6 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("--lengths", help="comma-separated prompt lengths (default 500,1000,2000)")
     tt.add_argument("--kvmesh-config", help="JSON of kvmesh config keys for every kvmesh setup")
     tt.set_defaults(func=_bench_ttft)
+
+    br = bsub.add_parser("router", help="vllm-router / LMCache / kvmesh routing side by side on 2 replicas")
+    br.add_argument("--quick", action="store_true", help="6 tenants x 2 turns, 1 repeat")
+    br.add_argument("--json", help="write results here")
+    br.add_argument("--plot", help="write a PNG plot here")
+    br.add_argument("--model", help="model directory (default .cache/models/tiny, built if missing)")
+    br.add_argument(
+        "--setups",
+        help="comma-separated subset of vllm-router:round_robin,vllm-router:cache_aware,"
+        "vllm-router:kv_aware,vllm-router:kv_aware+lmcache,kvmesh:round-robin,kvmesh:kvmesh",
+    )
+    br.set_defaults(func=_bench_router)
 
     model = sub.add_parser("model", help="build local test models")
     msub = model.add_subparsers(dest="model", required=True)

@@ -87,7 +87,11 @@ class Replica:
     cpu: int | None = None
     num_blocks: int | None = None  # --num-gpu-blocks-override: caps the replica's own KV cache
     kv_transfer: dict[str, Any] | None = None
-    events_port: int | None = None  # publish vLLM KV events on tcp://127.0.0.1:PORT
+    # KV events: vLLM *binds* wildcard and ipc:// endpoints and *connects* to any other, so a
+    # local replica publishes on an ipc:// path that subscribers connect to (events_ipc), or
+    # connects to tcp://127.0.0.1:events_port where a relay must bind.
+    events_ipc: str | None = None
+    events_port: int | None = None
     max_model_len: int = 4096
     log_path: str | None = None
     env_extra: dict[str, str] = field(default_factory=dict)
@@ -102,6 +106,8 @@ class Replica:
 
     @property
     def events_endpoint(self) -> str | None:
+        if self.events_ipc:
+            return self.events_ipc
         return f"tcp://127.0.0.1:{self.events_port}" if self.events_port else None
 
     def command(self) -> list[str]:
@@ -117,13 +123,9 @@ class Replica:
             args += ["--num-gpu-blocks-override", str(self.num_blocks)]
         if self.kv_transfer is not None:
             args += ["--kv-transfer-config", json.dumps(self.kv_transfer)]
-        if self.events_port:
-            events = {
-                "enable_kv_cache_events": True,
-                "publisher": "zmq",
-                "endpoint": f"tcp://127.0.0.1:{self.events_port}",
-                "topic": "kv",
-            }
+        endpoint = self.events_ipc or (f"tcp://127.0.0.1:{self.events_port}" if self.events_port else None)
+        if endpoint:
+            events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
             args += ["--kv-events-config", json.dumps(events)]
         return args
 

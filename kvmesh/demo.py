@@ -20,7 +20,7 @@ from typing import Any
 from kvmesh.bench.report import print_table, write_json, write_plot
 from kvmesh.bench.workload import Workload, replay
 from kvmesh.cluster import Replica, install_signal_handlers, start_replicas
-from kvmesh.services import RedisServer, free_port
+from kvmesh.services import RedisServer
 
 DEFAULT_MODEL = os.path.join(".cache", "models", "tiny")
 
@@ -101,7 +101,7 @@ def run(
                 cpu=i,
                 num_blocks=num_blocks,
                 kv_transfer=connector_config(remote_url),
-                events_port=free_port(),
+                events_ipc=f"ipc://{os.path.abspath(workdir)}/events{i}.sock",
                 log_path=os.path.join(workdir, f"replica{i}.log"),
             )
             for i in range(2)

@@ -36,6 +36,24 @@ else
     echo "installed ${PKGS[*]} into $PEERS_DIR"
 fi
 
+# ==== vllm-router (owner: kvmesh bench router) ===========================================
+# vllm-router 0.1.17 (PyPI, Rust) in a venv of its own, .cache/peers-vllm-router (~130 MB):
+# `kvmesh bench router` runs .cache/peers-vllm-router/bin/vllm-router (KVMESH_VLLM_ROUTER
+# overrides). Idempotent: skipped when that venv already answers `vllm-router --help`.
+# Env: VLLM_ROUTER_VENV (default .cache/peers-vllm-router).
+VLLM_ROUTER_VENV=${VLLM_ROUTER_VENV:-.cache/peers-vllm-router}
+VLLM_ROUTER_PKG=vllm-router==0.1.17
+VLLM_ROUTER_STAMP="$VLLM_ROUTER_VENV/.kvmesh-vllm-router-v1"
+if [[ -f "$VLLM_ROUTER_STAMP" ]] && "$VLLM_ROUTER_VENV/bin/vllm-router" --help >/dev/null 2>&1; then
+    echo "vllm-router already installed in $VLLM_ROUTER_VENV"
+else
+    [[ -x "$VLLM_ROUTER_VENV/bin/python" ]] || python3 -m venv "$VLLM_ROUTER_VENV"
+    "$VLLM_ROUTER_VENV/bin/python" -m pip install -q "$VLLM_ROUTER_PKG"
+    "$VLLM_ROUTER_VENV/bin/vllm-router" --help >/dev/null  # the stamp only after it runs
+    echo "$VLLM_ROUTER_PKG" >"$VLLM_ROUTER_STAMP"
+    echo "installed $VLLM_ROUTER_PKG into $VLLM_ROUTER_VENV"
+fi
+
 [[ "${1:-}" == "--no-check" ]] && exit 0
 
 # Verify: the server (loopback only) starts and answers GET /healthcheck, then stops.
@@ -64,21 +82,3 @@ done
 echo "lmcache server did not answer /healthcheck within 60 s; log $LOG" >&2
 tail -30 "$LOG" >&2
 exit 1
-
-# ==== vllm-router (owner: kvmesh bench router) ===========================================
-# vllm-router 0.1.17 (PyPI, Rust) in a venv of its own, .cache/peers-vllm-router (~130 MB):
-# `kvmesh bench router` runs .cache/peers-vllm-router/bin/vllm-router (KVMESH_VLLM_ROUTER
-# overrides). Idempotent: skipped when that venv already answers `vllm-router --help`.
-# Env: VLLM_ROUTER_VENV (default .cache/peers-vllm-router).
-VLLM_ROUTER_VENV=${VLLM_ROUTER_VENV:-.cache/peers-vllm-router}
-VLLM_ROUTER_PKG=vllm-router==0.1.17
-VLLM_ROUTER_STAMP="$VLLM_ROUTER_VENV/.kvmesh-vllm-router-v1"
-if [[ -f "$VLLM_ROUTER_STAMP" ]] && "$VLLM_ROUTER_VENV/bin/vllm-router" --help >/dev/null 2>&1; then
-    echo "vllm-router already installed in $VLLM_ROUTER_VENV"
-else
-    [[ -x "$VLLM_ROUTER_VENV/bin/python" ]] || python3 -m venv "$VLLM_ROUTER_VENV"
-    "$VLLM_ROUTER_VENV/bin/python" -m pip install -q "$VLLM_ROUTER_PKG"
-    "$VLLM_ROUTER_VENV/bin/vllm-router" --help >/dev/null  # the stamp only after it runs
-    echo "$VLLM_ROUTER_PKG" >"$VLLM_ROUTER_STAMP"
-    echo "installed $VLLM_ROUTER_PKG into $VLLM_ROUTER_VENV"
-fi

@@ -1,0 +1,185 @@
+"""Pure parts of ``kvmesh bench router`` (no vLLM, no router processes)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from kvmesh.bench import router
+from kvmesh.bench.router import SETUP_NAMES, SETUPS, Setup, aggregate, compute_targets, run_seed
+from kvmesh.bench.router_peers import lmcache_server_command, vllm_router_command, with_pythonpath
+
+
+def _row(rt: str, policy: str, cache: str, hit: float, p90: float) -> dict[str, object]:
+    return {"router": rt, "policy": policy, "cache": cache, "hit_rate": hit, "ttft_p50_s": p90 / 2,
+            "ttft_p90_s": p90, "requests_per_s": 1.0}  # fmt: skip
+
+
+def test_setups_cover_the_brief_in_group_order() -> None:
+    assert [(s.router, s.policy, s.cache) for s in SETUPS] == [
+        ("vllm-router", "round_robin", "none"),
+        ("vllm-router", "cache_aware", "none"),
+        ("vllm-router", "kv_aware", "none"),
+        ("vllm-router", "kv_aware", "lmcache"),
+        ("kvmesh", "round-robin", "kvmesh"),
+        ("kvmesh", "kvmesh", "kvmesh"),
+    ]
+    assert len(set(SETUP_NAMES)) == len(SETUPS)
+    groups = [s.cache for s in SETUPS]
+    assert groups == sorted(groups, key=router.GROUPS.index)  # each group's setups run together
+
+
+def test_select_setups_keeps_run_order_and_rejects_unknown() -> None:
+    assert router.select_setups(None) == list(SETUPS)
+    picked = router.select_setups(["kvmesh:kvmesh", "vllm-router:round_robin"])
+    assert [s.name for s in picked] == ["vllm-router:round_robin", "kvmesh:kvmesh"]
+    with pytest.raises(ValueError, match=r"unknown setup.*valid: vllm-router:round_robin"):
+        router.select_setups(["nope"])
+
+
+def test_every_run_gets_its_own_seed() -> None:
+    seeds = {run_seed(s, r) for s in SETUPS for r in range(5)}
+    assert len(seeds) == len(SETUPS) * 5
+
+
+def test_quick_keeps_cache_pressure() -> None:
+    # each tenant prefix is ~2,200 tokens; 2 replicas hold 2 x 40 x 128 tokens
+    for quick in (True, False):
+        p = router.params(quick)
+        assert p.tenants * 2200 > 2 * router.NUM_BLOCKS * 128
+    full = router.params(False)
+    assert (full.tenants, full.users, full.turns, full.concurrency) == (12, 2, 3, 4)
+    assert router.params(True).repeats == 1
+
+
+def test_aggregate_takes_medians_and_counts_failed_requests() -> None:
+    setup = Setup("vllm-router", "kv_aware", "none")
+    runs = [
+        {"hit_rate": 0.2, "ttft_p50_s": 1.0, "ttft_p90_s": 3.0, "requests_per_s": 1.0, "errors": 0},
+        {"hit_rate": 0.4, "ttft_p50_s": 2.0, "ttft_p90_s": 5.0, "requests_per_s": 3.0, "errors": 1},
+        {"hit_rate": 0.3, "ttft_p50_s": 3.0, "ttft_p90_s": 4.0, "requests_per_s": 2.0, "errors": 0},
+    ]
+    row = aggregate(setup, runs)
+    assert row == {"router": "vllm-router", "policy": "kv_aware", "cache": "none", "hit_rate": 0.3,
+                   "ttft_p50_s": 2.0, "ttft_p90_s": 4.0, "requests_per_s": 2.0, "errors": 1}  # fmt: skip
+
+
+def test_aggregate_of_runs_without_a_success_is_an_error() -> None:
+    row = aggregate(SETUPS[0], [{"ttft_p50_s": None, "errors": 3, "error": "HTTP 503: busy"}])
+    assert row == {
+        "router": "vllm-router",
+        "policy": "round_robin",
+        "cache": "none",
+        "error": "HTTP 503: busy",
+    }
+
+
+def test_targets_compare_kvmesh_with_the_best_vllm_router_setup() -> None:
+    results = [
+        _row("vllm-router", "round_robin", "none", 0.1, 4.0),
+        _row("vllm-router", "kv_aware", "none", 0.5, 2.0),
+        _row("vllm-router", "kv_aware", "lmcache", 0.6, 3.0),
+        {"router": "vllm-router", "policy": "cache_aware", "cache": "none", "error": "boom"},
+        _row("kvmesh", "round-robin", "kvmesh", 0.9, 0.1),  # not the kvmesh policy: ignored
+        _row("kvmesh", "kvmesh", "kvmesh", 0.7, 1.5),
+    ]
+    t = compute_targets(results, overhead_ms=1.2, index_p99_ms=1.5)
+    assert t == {
+        "ttft_p90_kvmesh_over_best_vllm_router": 0.75,
+        "ttft_p90_ratio_le_0_8": True,
+        "hit_rate_kvmesh_ge_best_vllm_router": True,
+        "overhead_le_2ms": True,
+        "index_p99_le_1ms": False,
+    }
+
+
+def test_targets_are_none_when_a_side_is_missing() -> None:
+    t = compute_targets([_row("kvmesh", "kvmesh", "kvmesh", 0.7, 1.5)], None, None)
+    assert set(t.values()) == {None}
+
+
+def test_overhead_and_index_summaries() -> None:
+    shapes = {"a": {"added_ms_median": 0.4}, "b": {"added_ms_median": 1.1}}
+    assert router.overhead_from({"shapes": shapes}) == 1.1
+    lookup = {"hit": {"cpu_p99_ms": 0.5, "wall_p99_ms": 4.0}, "miss": {"cpu_p99_ms": 0.3, "wall_p99_ms": 0.3}}
+    assert router.index_p99_from(lookup) == 0.5
+
+
+def test_vllm_router_command_follows_the_peers_recipe() -> None:
+    urls = ["http://127.0.0.1:8100", "http://127.0.0.1:8101"]
+    events = {urls[0]: "tcp://127.0.0.1:5600", urls[1]: "tcp://127.0.0.1:5601"}
+    cmd = vllm_router_command("vr", 8190, urls, "kv_aware", events)
+    text = " ".join(cmd)
+    assert cmd[0] == "vr"
+    assert "--host 127.0.0.1 --port 8190" in text
+    assert f"--worker-urls {urls[0]} {urls[1]} --policy kv_aware" in text
+    assert f"--kv-event-source {urls[0]}=tcp://127.0.0.1:5600" in text
+    assert f"--kv-event-source {urls[1]}=tcp://127.0.0.1:5601" in text
+    assert "--kv-event-block-size 128 --kv-event-model tiny" in text
+    # other policies do not read events
+    assert "--kv-event-source" not in vllm_router_command("vr", 1, urls, "cache_aware", events)
+    with pytest.raises(ValueError, match="missing"):
+        vllm_router_command("vr", 1, urls, "kv_aware", {urls[0]: "tcp://x:1"})
+    with pytest.raises(ValueError, match="unknown vllm-router policy"):
+        vllm_router_command("vr", 1, urls, "kvmesh")
+
+
+def test_lmcache_server_command_is_loopback_with_auto_transfer_mode() -> None:
+    cmd = lmcache_server_command("py", 5555, 18080, "shm1")
+    text = " ".join(cmd)
+    assert text.startswith("py -m lmcache.cli.main server --host 127.0.0.1 --port 5555")
+    assert "--http-host 127.0.0.1 --http-port 18080" in text
+    assert "--supported-transfer-mode auto" in text
+    assert "--chunk-size 256 --eviction-policy LRU" in text
+    assert cmd[-2:] == ["--shm-name", "shm1"]
+
+
+def test_with_pythonpath_prepends() -> None:
+    assert with_pythonpath("/p", {"PYTHONPATH": "/q"})["PYTHONPATH"] == "/p:/q"
+    assert with_pythonpath("/p", {})["PYTHONPATH"] == "/p"
+    assert "PYTHONPATH" not in with_pythonpath("", {})
+
+
+def test_replica_command_gets_the_extra_arguments() -> None:
+    r = router.BenchReplica("/m", port=1234, extra_args=["--enable-scale-out"])
+    cmd = r.command()
+    assert cmd[-1] == "--enable-scale-out"
+    assert "--disable-hybrid-kv-cache-manager" in cmd  # the cluster's fairness settings stay
+
+
+def test_replica_events_are_read_from_the_forwarder() -> None:
+    r = router.BenchReplica("/m", port=1234, events_port=5000, events_out=6000)
+    assert r.events_endpoint == "tcp://127.0.0.1:6000"
+    cmd = r.command()
+    cfg = cmd[cmd.index("--kv-events-config") + 1]
+    assert '"endpoint": "tcp://127.0.0.1:5000"' in cfg  # vLLM connects to the forwarder
+    assert router.BenchReplica("/m", port=1, events_port=5000).events_endpoint == "tcp://127.0.0.1:5000"
+
+
+def test_event_forwarder_republishes_on_loopback() -> None:
+    import time
+
+    import zmq
+
+    from kvmesh.bench.router_peers import EventForwarder
+
+    with EventForwarder() as fwd:
+        ctx = zmq.Context()
+        pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
+        try:
+            pub.connect(f"tcp://127.0.0.1:{fwd.in_port}")  # as vLLM's publisher does
+            sub.connect(f"tcp://127.0.0.1:{fwd.out_port}")
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.setsockopt(zmq.RCVTIMEO, 200)
+            deadline = time.monotonic() + 10
+            got = None
+            while got is None and time.monotonic() < deadline:  # until the subscription is through
+                pub.send_multipart([b"kv", b"\0" * 8, b"payload"])
+                with contextlib.suppress(zmq.Again):
+                    got = sub.recv_multipart()
+            assert got == [b"kv", b"\0" * 8, b"payload"]
+        finally:
+            pub.close(0)
+            sub.close(0)
+            ctx.term()
