@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -260,21 +261,48 @@ class CacheEngine:
         """Read ``key`` from the first lower tier holding a valid copy and promote it.
         Returns ``(tier, view, pool object the caller must release or None)``."""
         for name, tier in self.lower.items():
+            # The tier reads straight into a pool slot (the promotion target): no fresh
+            # memory to fault in, no second copy.
+            slots: list[MemoryObj] = []
+            into = partial(self._slot_for_read, slots)
             try:
-                got = tier.get([key])[0]
+                got = tier.get([key], into=into)[0]
             except TierError:
                 self.metrics[name].inc("errors")
-                continue
-            if got is None:
-                continue
-            if got.layout != self.layout or not np.array_equal(got.tokens, expect_tokens):
+                got = None
+            if got is not None and (
+                got.layout != self.layout or not np.array_equal(got.tokens, expect_tokens)
+            ):
                 # A hash collision or a foreign writer: never serve it.
                 self.metrics[name].inc("corrupt")
                 self._safe_delete(tier, name, [key])
+                got = None
+            if got is None:
+                for obj in slots:
+                    obj.release()
                 continue
-            view, obj = self._promote(key, got)
-            return name, view, obj
+            if slots and np.shares_memory(
+                np.frombuffer(got.data, dtype=np.uint8), slots[0].byte_view().numpy()
+            ):
+                obj = slots[0]
+                obj.layout, obj.tokens = self.layout, np.array(got.tokens, dtype=np.uint32)
+                self.cpu.put(key, obj.ref_up())  # the tier takes one reference, the reader keeps one
+                return name, obj.tensor(), obj
+            for obj in slots:
+                obj.release()
+            view, promoted = self._promote(key, got)
+            return name, view, promoted
         return None
+
+    def _slot_for_read(self, slots: list[MemoryObj], nbytes: int) -> memoryview | None:
+        """``Tier.get(into=...)``: one pool slot per read, remembered in ``slots``."""
+        if not self.config.promote_on_hit or slots or nbytes > self.chunk_bytes:
+            return None
+        obj = self.cpu.allocate(nbytes)
+        if obj is None:
+            return None
+        slots.append(obj)
+        return obj.raw()
 
     def _promote(self, key: ChunkKey, got: ChunkData) -> tuple[torch.Tensor, MemoryObj | None]:
         data = got.data

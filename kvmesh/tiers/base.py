@@ -12,7 +12,9 @@ A lower tier (disk, Redis, shared filesystem) stores serialized chunks (see
   turns any :class:`~kvmesh.errors.TierError` into a miss, never into a failed request.
 * **Threads.** Every method may be called from several threads at once.
 * **Buffers.** ``put`` does not keep references to the buffers it was given once it
-  returns; ``get`` returns buffers the caller owns.
+  returns; ``get`` returns buffers the caller owns. With ``into``, ``get`` reads a raw
+  payload into the buffer ``into(nbytes)`` returns (memory the caller preallocated:
+  fresh pages cost more to fault in here than the copy itself).
 * **Verification.** ``get`` verifies the header (key) and the payload checksum; the caller
   checks the chunk's own tokens against what it asked for.
 
@@ -31,9 +33,13 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from kvmesh.core.keys import ChunkKey, KVLayout
-from kvmesh.core.serde import Buffer, ChunkHeader
+from kvmesh.core.serde import Buffer, ChunkHeader, empty_buffer
 from kvmesh.errors import ConfigError
 from kvmesh.metrics import TierMetrics
+
+Into = Callable[[int], memoryview | None]
+"""``into(nbytes)``: a buffer for a raw payload of ``nbytes`` (the engine hands out pool
+slots, so a read lands in preallocated memory), or ``None`` to let the tier allocate."""
 
 
 @dataclass
@@ -73,7 +79,7 @@ class Tier(Protocol):
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
 
-    def get(self, keys: Sequence[ChunkKey]) -> list[ChunkData | None]: ...
+    def get(self, keys: Sequence[ChunkKey], into: Into | None = None) -> list[ChunkData | None]: ...
 
     def put(self, keys: Sequence[ChunkKey], chunks: Sequence[ChunkData]) -> list[bool]: ...
 
@@ -86,6 +92,16 @@ class Tier(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def payload_buffer(into: Into | None, nbytes: int, codec: str) -> memoryview:
+    """Where a tier reads a stored payload: the caller's buffer for raw chunks when offered,
+    else fresh memory. (A zstd payload is decoded into new memory anyway.)"""
+    if into is not None and codec == "raw":
+        buf = into(nbytes)
+        if buf is not None:
+            return buf
+    return empty_buffer(nbytes)
 
 
 def counted_read(

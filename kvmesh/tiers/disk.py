@@ -30,12 +30,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TextIO
 
+import numpy as np
 import xxhash
 
 from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey
 from kvmesh.errors import CorruptChunkError, TierUnavailableError
-from kvmesh.tiers.base import ChunkData, TierOptions, register_tier, url_path
+from kvmesh.tiers.base import ChunkData, Into, TierOptions, payload_buffer, register_tier, url_path
 
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
@@ -93,10 +94,10 @@ class DiskTier:
         with self._lock:
             return [k.text in self._entries for k in keys]
 
-    def get(self, keys: Sequence[ChunkKey]) -> list[ChunkData | None]:
+    def get(self, keys: Sequence[ChunkKey], into: Into | None = None) -> list[ChunkData | None]:
         self._check_open()
         with self.metrics.timed("get"):
-            return [self._get_one(k) for k in keys]
+            return [self._get_one(k, into) for k in keys]
 
     def put(self, keys: Sequence[ChunkKey], chunks: Sequence[ChunkData]) -> list[bool]:
         self._check_open()
@@ -174,13 +175,13 @@ class DiskTier:
         with self._lock:
             return self._used
 
-    def _get_one(self, key: ChunkKey) -> ChunkData | None:
+    def _get_one(self, key: ChunkKey, into: Into | None = None) -> ChunkData | None:
         text = key.text
         with self._lock:
             ent = self._entries.get(text)
             gen = ent.gen if ent is not None else 0
             stamp = self._stamp()
-        loaded = self._load(text, gen, stamp) if ent is not None else None
+        loaded = self._load(text, gen, stamp, into) if ent is not None else None
         if loaded is None:
             self.metrics.inc("misses")
             return None
@@ -193,7 +194,7 @@ class DiskTier:
         return ChunkData(key, header.layout, header.tokens, raw, header.codec, stored)
 
     def _load(
-        self, text: str, gen: int, stamp: int | None
+        self, text: str, gen: int, stamp: int | None, into: Into | None = None
     ) -> tuple[serde.ChunkHeader, serde.Buffer, int] | None:
         """Read and verify one file: ``(header, raw bytes, bytes read)``, or ``None`` for a miss.
         Stamps the file's mtime with ``stamp`` so recency survives a restart."""
@@ -202,7 +203,7 @@ class DiskTier:
                 header = self._read_header(f, text)
                 if os.fstat(f.fileno()).st_size < header.header_size + header.payload_len:
                     raise CorruptChunkError(f"chunk file {text} is shorter than its header says")
-                body = serde.empty_buffer(header.payload_len)
+                body = payload_buffer(into, header.payload_len, header.codec)
                 got = 0
                 while got < len(body):
                     n = f.readinto(body[got:])
@@ -295,9 +296,11 @@ class DiskTier:
                     # mmap kept per thread, padded; the header's payload_len marks the end.
                     size = -(-n // ALIGN) * ALIGN
                     mv = self._aligned(size)
-                    mv[: len(head)] = head
-                    mv[len(head) : n] = memoryview(body).cast("B")
-                    mv[n:size] = bytes(size - n)
+                    # numpy copies at memcpy speed (memoryview slice assignment does not).
+                    buf = np.frombuffer(mv, dtype=np.uint8, count=size)
+                    buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+                    buf[len(head) : n] = np.frombuffer(body, dtype=np.uint8)
+                    buf[n:size] = 0
                     self._write_all(fd, mv[:size])
                 else:
                     size = n

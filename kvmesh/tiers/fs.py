@@ -30,7 +30,15 @@ from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey
 from kvmesh.core.serde import Buffer, ChunkHeader
 from kvmesh.errors import ConfigError, CorruptChunkError
-from kvmesh.tiers.base import ChunkData, TierOptions, counted_read, register_tier, url_path
+from kvmesh.tiers.base import (
+    ChunkData,
+    Into,
+    TierOptions,
+    counted_read,
+    payload_buffer,
+    register_tier,
+    url_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +73,10 @@ class FsTier:
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         return [os.path.exists(self.path(k)) for k in keys]
 
-    def get(self, keys: Sequence[ChunkKey]) -> list[ChunkData | None]:
+    def get(self, keys: Sequence[ChunkKey], into: Into | None = None) -> list[ChunkData | None]:
         out: list[ChunkData | None] = []
         for k in keys:
-            out.append(counted_read(self.metrics, k, self._read(k)))
+            out.append(counted_read(self.metrics, k, self._read(k, into)))
         return out
 
     def put(self, keys: Sequence[ChunkKey], chunks: Sequence[ChunkData]) -> list[bool]:
@@ -160,13 +168,13 @@ class FsTier:
 
     # ---- files --------------------------------------------------------------------------
 
-    def _read(self, key: ChunkKey) -> tuple[ChunkHeader, Buffer, int] | None:
+    def _read(self, key: ChunkKey, into: Into | None = None) -> tuple[ChunkHeader, Buffer, int] | None:
         path = self.path(key)
         try:
             with open(path, "rb", buffering=0) as f:
                 st = os.fstat(f.fileno())
                 try:
-                    header, body = _read_chunk(f, st.st_size, key)
+                    header, body = _read_chunk(f, st.st_size, key, into)
                     raw = serde.decode_payload(header, body)
                 except CorruptChunkError as exc:
                     self._discard_corrupt(path, st, exc)
@@ -241,7 +249,9 @@ class FsTier:
         log.debug("kvmesh tier %s: %s failed: %s", self.name, op, exc)
 
 
-def _read_chunk(f: io.FileIO, size: int, key: ChunkKey) -> tuple[ChunkHeader, memoryview]:
+def _read_chunk(
+    f: io.FileIO, size: int, key: ChunkKey, into: Into | None = None
+) -> tuple[ChunkHeader, memoryview]:
     """Header and stored payload of an open chunk file, verified against ``size``."""
     prefix = _read_exact(f, serde.PREFIX_SIZE)
     hlen = serde.header_length(prefix)
@@ -251,7 +261,7 @@ def _read_chunk(f: io.FileIO, size: int, key: ChunkKey) -> tuple[ChunkHeader, me
             f"file is {size} bytes, header says {header.header_size + header.payload_len}"
         )
     # Read straight into the buffer the caller will own: no intermediate copy.
-    body = serde.empty_buffer(header.payload_len)
+    body = payload_buffer(into, header.payload_len, header.codec)
     view = body
     pos = 0
     while pos < len(body):

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey
 from kvmesh.errors import CorruptChunkError, TierUnavailableError
-from kvmesh.tiers.base import ChunkData, TierOptions, register_tier
+from kvmesh.tiers.base import ChunkData, Into, TierOptions, register_tier
 
 _STORES: dict[str, dict[str, bytes]] = {}
 _STORES_LOCK = threading.Lock()
@@ -41,7 +41,7 @@ class MemoryTier:
         with self._lock:
             return [k.text in self._data for k in keys]
 
-    def get(self, keys: Sequence[ChunkKey]) -> list[ChunkData | None]:
+    def get(self, keys: Sequence[ChunkKey], into: Into | None = None) -> list[ChunkData | None]:
         self._check()
         out: list[ChunkData | None] = []
         for k in keys:

@@ -151,6 +151,24 @@ def test_missing_part_is_a_counted_miss(redis_server, redis_url, open_redis) -> 
     assert tier.contains(keys) == [False, True]
 
 
+def test_chunk_without_header_is_a_write_in_progress_not_corruption(
+    redis_server, redis_url, open_redis
+) -> None:
+    """Parts are written before the header: a reader in between sees a plain miss and
+    leaves the writer's parts alone."""
+    tier = open_redis(redis_url, part_bytes=1024)
+    keys, chunks = make_chunks(KB, 1)
+    assert all(tier.put(keys, chunks))
+    client = redis_server.client()
+    header = client.hget(keys[0].text, "h")
+    client.hdel(keys[0].text, "h")
+    assert tier.get(keys) == [None]
+    assert tier.metrics.snapshot()["corrupt"] == 0
+    assert client.hlen(keys[0].text) > 0  # not deleted
+    client.hset(keys[0].text, "h", header)  # the writer finishes
+    assert_same(tier.get(keys)[0], chunks[0])
+
+
 @pytest.mark.parametrize("field", ["0", "h"])
 def test_flipped_byte_is_a_miss(redis_server, redis_url, open_redis, field) -> None:
     tier = open_redis(redis_url, part_bytes=1024)
