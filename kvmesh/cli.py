@@ -142,11 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     mt.add_argument("--if-missing", action="store_true", help="do nothing if OUT already holds a model")
     mt.set_defaults(func=_model_make_tiny)
 
+    from kvmesh.admin.cli import add_cache_parser
     from kvmesh.integrations.vllm.prewarm import add_prewarm_parser
     from kvmesh.router.cli import add_router_parser
 
     add_router_parser(sub)
     add_prewarm_parser(sub)
+    add_cache_parser(sub)
 
     dm = sub.add_parser(
         "demo", help="2 vLLM replicas + kvmesh router: round-robin vs kvmesh on a multi-tenant chat"

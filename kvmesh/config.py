@@ -57,6 +57,28 @@ class CacheConfig(BaseModel):
         0.0, ge=0, description="how long store may wait for pool space or queue room before skipping"
     )
     promote_on_hit: bool = Field(True, description="copy lower-tier hits up into the cpu tier")
+    # -- admin endpoint (see kvmesh.admin and docs/controller.md) --
+    admin_enabled: bool | None = Field(
+        None,
+        description="serve the admin HTTP API: None = off for a bare CacheEngine, on in the vLLM connector",
+    )
+    admin_host: str = Field(
+        "127.0.0.1", description="admin API address; off loopback, read-only calls need the token too"
+    )
+    admin_port: int = Field(
+        0, ge=0, le=65535, description="admin API port (0 = a free port; tensor-parallel rank r adds r)"
+    )
+    admin_token: str | None = Field(
+        None,
+        repr=False,
+        description="bearer token of the admin API (or KVMESH_ADMIN_TOKEN); None = mutating calls refused",
+    )
+    admin_name: str | None = Field(
+        None, description="name this engine registers under with the controller (default: host:port)"
+    )
+    controller_url: str | None = Field(
+        None, description="router base URL to register with and heartbeat to, e.g. http://router:8080"
+    )
 
     @field_validator("remote_serde", "disk_serde")
     @classmethod

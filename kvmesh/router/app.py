@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvmesh.events import EventSubscriber
 from kvmesh.index import BlockIndex
 from kvmesh.router.config import RouterConfig
+from kvmesh.router.controller import Controller
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.picker import build_picker
 from kvmesh.router.pool import Pool, Replica
@@ -91,6 +92,7 @@ class RouterService:
         self._short_timeout = aiohttp.ClientTimeout(total=config.connect_timeout_s + config.health_timeout_s)
         if self.tokenizer is None and config.tokenizer == "local":
             log.warning("no --model given: requests are routed by load and session only, not by prefix")
+        self.controller = Controller.for_service(self)  # the cache controller, /kvmesh/v1/
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes)
@@ -100,6 +102,7 @@ class RouterService:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/kvmesh/state", self._state)
+        self.controller.mount(app)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app

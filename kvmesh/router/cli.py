@@ -41,6 +41,9 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--tokenizer", choices=("local", "remote"), help="tokenize here or via a replica's /tokenize"
     )
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    from kvmesh.router.controller import add_controller_arguments
+
+    add_controller_arguments(p)
     p.set_defaults(func=run_router)
     return p
 
@@ -72,10 +75,12 @@ def run_router(args: argparse.Namespace) -> int:
         print(f"kvmesh router: {exc}", file=sys.stderr)
         return 2
     from kvmesh.router.app import RouterService
+    from kvmesh.router.controller import Controller, controller_config_from_args
     from kvmesh.router.server import run_forever
 
     try:
         service = RouterService(cfg)
+        service.controller = Controller.for_service(service, controller_config_from_args(args))
     except (OSError, ValueError) as exc:
         print(f"kvmesh router: {exc}", file=sys.stderr)
         return 2
