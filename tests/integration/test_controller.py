@@ -440,7 +440,7 @@ def test_two_vllm_replicas_behind_the_router(tmp_path: Path) -> None:
     for i in range(2):
         extra = {
             "chunk_size": 256,
-            "max_local_cpu_size": 0.25,
+            "max_local_cpu_size": 0.01,  # ~10 chunks of the tiny model: a flood evicts
             "remote_url": f"fs://{shared}",
             "local_disk": str(tmp_path / f"disk{i}"),
             "admin_token": TOKEN,
@@ -551,6 +551,24 @@ def test_two_vllm_replicas_behind_the_router(tmp_path: Path) -> None:
             router.url + V1 + "clear", json={}, headers={"Authorization": "Bearer x"}, timeout=10
         )
         assert bad.status_code == 401
+
+        # pin survives a flood of other prompts that evicts an unpinned one
+        reset_prefix_cache(served_url)
+        complete(served_url, text)  # back into the cpu pool (from the shared tier)
+        ctl("pin", {"prompt": text, "replicas": [served]})
+        control = " ".join(_WORDS[(i * 11 + 3) % len(_WORDS)] for i in range(400))
+        complete(served_url, control)
+        ctl("check_finish", {"wait": True, "timeout_s": 60})
+        assert ctl("lookup", {"prompt": control})[served]["result"]["tiers"]["cpu"]["tokens"] >= 256
+        for k in range(8):
+            flood = f"flood {k} " + " ".join(_WORDS[(i * 13 + 5 * k) % len(_WORDS)] for i in range(500))
+            complete(served_url, flood)
+            ctl("check_finish", {"wait": True, "timeout_s": 60})
+        look = ctl("lookup", {"prompt": text})[served]["result"]["tiers"]
+        assert look["cpu"]["tokens"] >= chunked
+        assert ctl("lookup", {"prompt": control})[served]["result"]["tiers"]["cpu"]["tokens"] == 0
+        assert ctl("stats", {"replicas": [served]})[served]["result"]["tiers"]["cpu"]["evictions"] > 0
+        ctl("unpin", {"prompt": text, "replicas": [served]})
 
         # a killed replica shows as down; the other still answers
         replicas[1 - idx].stop()
