@@ -51,6 +51,10 @@ class Pair:
     ours: list[float] = field(default_factory=list)  # seconds per repeat
     limit: list[float] = field(default_factory=list)
 
+    def add(self, ours_s: float, limit_s: float) -> None:
+        self.ours.append(ours_s)
+        self.limit.append(limit_s)
+
     def row(self) -> dict[str, Any]:
         gbps = statistics.median(self.nbytes / t / 1e9 for t in self.ours)
         limit = statistics.median(self.nbytes / t / 1e9 for t in self.limit)
@@ -128,11 +132,9 @@ def bench_cpu(w: Workload, repeats: int) -> list[Pair]:
             t_get = _timed(partial(engine.retrieve, toks, out=dst))
             t_lim2 = _timed(lambda: dst.copy_(w.kv))
             engine.clear("cpu")
-            if r:
-                store.ours.append(t_store)
-                store.limit.append(t_lim1)
-                get.ours.append(t_get)
-                get.limit.append(t_lim2)
+            if r:  # round 0 is the warm-up
+                store.add(t_store, t_lim1)
+                get.add(t_get, t_lim2)
     finally:
         engine.close()
     return [store, get]
@@ -198,11 +200,9 @@ def bench_disk(w: Workload, repeats: int, directory: str) -> tuple[list[Pair], b
             for i in range(w.n):
                 os.unlink(raw_name(i))
             os.sync()
-            if r:
-                store.ours.append(t_store)
-                store.limit.append(t_lim1)
-                get.ours.append(t_get)
-                get.limit.append(t_lim2)
+            if r:  # round 0 is the warm-up
+                store.add(t_store, t_lim1)
+                get.add(t_get, t_lim2)
     finally:
         tier.close()
     return [store, get], dropped
@@ -240,11 +240,9 @@ def bench_redis(w: Workload, repeats: int, url: str) -> list[Pair]:
             t_lim2 = _timed(raw_get)
             tier.delete(keys)
             client.delete(*names)
-            if r:
-                store.ours.append(t_store)
-                store.limit.append(t_lim1)
-                get.ours.append(t_get)
-                get.limit.append(t_lim2)
+            if r:  # round 0 is the warm-up
+                store.add(t_store, t_lim1)
+                get.add(t_get, t_lim2)
     finally:
         tier.close()
         client.close()
