@@ -35,8 +35,9 @@ def _stop_all() -> None:
 atexit.register(_stop_all)
 
 
-def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
-    """SIGTERM the process group, then SIGKILL what is left."""
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 15.0) -> None:
+    """SIGTERM the process group ``proc`` leads (started in a new session), then SIGKILL
+    what is left of it — also the children of a leader that has already exited."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -46,6 +47,8 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
     if proc in _LIVE:
         _LIVE.remove(proc)
 

@@ -75,27 +75,22 @@ def _pin_targets(engine: CacheEngine, tier: str | None) -> list[str]:
     return [n for n in names if n == "cpu" or hasattr(engine.lower.get(n), "pin")]
 
 
-def pin(engine: CacheEngine, tokens: Sequence[int] | None, tier: str | None = None) -> dict[str, Any]:
-    """Pin the chunks of ``tokens`` (counted: each pin needs its own unpin)."""
+def _set_pins(engine: CacheEngine, tokens: Sequence[int] | None, tier: str | None, op: str) -> dict[str, Any]:
+    """``op`` ("pin" or "unpin") the chunks of ``tokens`` in every tier that knows pins."""
     keys = engine.keys.keys_for_array(_tokens(tokens))
     done = _pin_targets(engine, tier)
     for name in done:
-        if name == "cpu":
-            engine.cpu.pin(keys)
-        else:
-            engine.lower[name].pin(keys)  # type: ignore[attr-defined]
+        getattr(engine.cpu if name == "cpu" else engine.lower[name], op)(keys)
     return {"chunks": len(keys), "tiers": done}
+
+
+def pin(engine: CacheEngine, tokens: Sequence[int] | None, tier: str | None = None) -> dict[str, Any]:
+    """Pin the chunks of ``tokens`` (counted: each pin needs its own unpin)."""
+    return _set_pins(engine, tokens, tier, "pin")
 
 
 def unpin(engine: CacheEngine, tokens: Sequence[int] | None, tier: str | None = None) -> dict[str, Any]:
-    keys = engine.keys.keys_for_array(_tokens(tokens))
-    done = _pin_targets(engine, tier)
-    for name in done:
-        if name == "cpu":
-            engine.cpu.unpin(keys)
-        else:
-            engine.lower[name].unpin(keys)  # type: ignore[attr-defined]
-    return {"chunks": len(keys), "tiers": done}
+    return _set_pins(engine, tokens, tier, "unpin")
 
 
 def move(engine: CacheEngine, tokens: Sequence[int] | None, tier: str) -> dict[str, Any]:

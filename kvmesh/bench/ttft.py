@@ -31,7 +31,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.bench.report import print_table, write_json
+from kvmesh.cluster import stop_process
 from kvmesh.services import RedisServer, free_port
 
 SETUPS = ("recompute", "example_connector", "lmcache_mp", "kvmesh_cpu", "kvmesh_disk", "kvmesh_redis")
@@ -289,24 +289,6 @@ def _env_with_path(extra_path: str | None, base: Mapping[str, str] | None = None
     return env
 
 
-def _stop_group(proc: subprocess.Popen[Any], grace: float = 15.0) -> None:
-    """SIGTERM the process group ``proc`` leads (it was started in a new session), then SIGKILL."""
-    if proc.poll() is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # leftovers of an exited leader
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(5)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
 @contextlib.contextmanager
 def lmcache_server(workdir: str, pythonpath: str, timeout: float = 120.0) -> Iterator[int]:
     """A ``lmcache server`` on loopback (PEERS.md recipe); yields its ZMQ port."""
@@ -337,7 +319,7 @@ def lmcache_server(workdir: str, pythonpath: str, timeout: float = 120.0) -> Ite
             time.sleep(0.5)
         yield port
     finally:
-        _stop_group(proc)
+        stop_process(proc)
 
 
 _LOG_PREFIX = re.compile(r"^\((?:EngineCore|Worker)[^)]*\)\s+(?:[A-Z]+\s+[\d-]+ [\d:]+ \[[^\]]*\]\s+)?")
@@ -391,7 +373,7 @@ def run_worker(spec: SetupSpec, workdir: str, extra_path: str | None, timeout: f
 
         def expire() -> None:
             expired.set()
-            _stop_group(proc, grace=5.0)
+            stop_process(proc, timeout=5.0)
 
         timer = threading.Timer(timeout, expire)
         timer.start()
@@ -403,7 +385,7 @@ def run_worker(spec: SetupSpec, workdir: str, extra_path: str | None, timeout: f
             proc.wait()
         finally:
             timer.cancel()
-            _stop_group(proc, grace=10)  # whatever vLLM left behind in our process group
+            stop_process(proc, timeout=10)  # whatever vLLM left behind in our process group
     if expired.is_set():
         return {"error": f"TimeoutError: the {spec.setup} worker ran past {timeout:.0f} s", "log": log_path}
     try:
