@@ -81,6 +81,8 @@ def _demo(args: argparse.Namespace) -> int:
         users=args.users,
         turns=args.turns,
         concurrency=args.concurrency,
+        num_blocks=args.num_blocks,
+        repeats=args.repeats,
     )
     return 0 if all(r["errors"] == 0 for r in out["runs"]) else 1
 
@@ -160,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--users", type=int, default=2, help="users per tenant")
     dm.add_argument("--turns", type=int, default=3, help="turns per conversation")
     dm.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    dm.add_argument(
+        "--num-blocks",
+        type=int,
+        default=200,
+        help="each replica's own KV cache in 128-token blocks (default: about 60%% of the workload)",
+    )
+    dm.add_argument("--repeats", type=int, default=2, help="runs per policy (medians are reported)")
     dm.set_defaults(func=_demo)
     return parser
 

@@ -2,11 +2,12 @@
 
 It builds the tiny model if missing, starts Redis (or uses a shared directory when
 redis-server is not installed) as the shared tier, starts two vLLM replicas — one core
-each, their own KV cache capped so that the tenants' prefixes do not fit in one — with the
-kvmesh connector and KV events, then runs the same multi-tenant workload once per policy
-through the router and compares prefix hit rate, TTFT and throughput. Each policy gets its
-own tenant texts (same shape), so no run profits from the one before. Every process it
-started is stopped on exit or Ctrl-C.
+each, their own KV cache capped at about 60% of the workload's conversations, so one replica
+cannot hold every tenant but the two together can when each tenant stays on one — with the
+kvmesh connector and KV events, then runs the same multi-tenant workload per policy
+(``repeats`` times, alternating the order) through the router and compares the medians of
+prefix hit rate, TTFT and throughput. Every run gets its own tenant texts (same shape), so
+no run profits from the one before. Every process it started is stopped on exit or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvmesh.bench.report import print_table, write_json, write_plot
-from kvmesh.bench.workload import Workload, replay
+from kvmesh.bench.workload import Workload, median_summary, replay
 from kvmesh.cluster import Replica, install_signal_handlers, start_replicas
 from kvmesh.services import RedisServer
 
@@ -72,6 +73,31 @@ def warm_up(urls: list[str], model: str = "tiny") -> None:
             httpx.post(url + "/v1/completions", json=body, timeout=300.0).raise_for_status()
 
 
+def summarize(policy: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row of the comparison: the medians over the repeats, plus each repeat's figures."""
+    return {
+        "policy": policy,
+        **median_summary(summaries),
+        "requests": sum(int(s["requests"]) for s in summaries),
+        "errors": sum(int(s["errors"]) for s in summaries),
+        "repeats": summaries,
+    }
+
+
+def verdict(runs: list[dict[str, Any]]) -> str:
+    """One line comparing the kvmesh policy with round-robin (empty if either is missing)."""
+    by = {r["policy"]: r for r in runs}
+    base, ours = by.get("round-robin"), by.get("kvmesh")
+    if not base or not ours or not base.get("ttft_p50_s") or not ours.get("ttft_p50_s"):
+        return ""
+    return (
+        f"kvmesh vs round-robin: hit rate {ours['hit_rate']:.3f} vs {base['hit_rate']:.3f}; "
+        f"TTFT p50 x{ours['ttft_p50_s'] / base['ttft_p50_s']:.2f}, "
+        f"p90 x{ours['ttft_p90_s'] / base['ttft_p90_s']:.2f}; "
+        f"requests/s x{ours['requests_per_s'] / base['requests_per_s']:.2f}"
+    )
+
+
 def run(
     model_dir: str = DEFAULT_MODEL,
     json_path: str | None = None,
@@ -81,7 +107,8 @@ def run(
     users: int = 2,
     turns: int = 3,
     concurrency: int = 4,
-    num_blocks: int = 40,
+    num_blocks: int = 200,
+    repeats: int = 2,
     workdir: str | None = None,
 ) -> dict[str, Any]:
     from tqdm import tqdm
@@ -92,7 +119,7 @@ def run(
     install_signal_handlers()
     model_dir = ensure_model(model_dir)
     workdir = workdir or tempfile.mkdtemp(prefix="kvmesh-demo-")
-    runs: list[dict[str, Any]] = []
+    per_policy: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
     with shared_tier(workdir) as remote_url:
         print(f"shared tier: {remote_url}")
         replicas = [
@@ -110,27 +137,32 @@ def run(
         try:
             start_replicas(replicas)
             warm_up([r.url for r in replicas])
-            for seed, policy in enumerate(policies):
-                workload = Workload.multi_tenant(tenants, users, turns, seed=seed + 1)
-                config = RouterConfig(
-                    model=model_dir,
-                    replicas=tuple(
-                        ReplicaConfig(url=r.url, events=r.events_endpoint, name=f"replica{i}")
-                        for i, r in enumerate(replicas)
-                    ),
-                    policy=policy,
-                    port=0,
-                )
-                with (
-                    Router(config) as router,
-                    tqdm(total=workload.num_requests, desc=policy, unit="req") as bar,
-                ):
-                    result = replay(workload, router.url, "tiny", concurrency, on_done=bar.update)
-                summary = {"policy": policy, **result.summary()}
-                runs.append(summary)
+            for repeat in range(repeats):
+                # Alternate the order so drift on a shared machine favours no policy.
+                order = policies if repeat % 2 == 0 else tuple(reversed(policies))
+                for policy in order:
+                    seed = 1 + policies.index(policy) + len(policies) * repeat
+                    workload = Workload.multi_tenant(tenants, users, turns, seed=seed)
+                    config = RouterConfig(
+                        model=model_dir,
+                        replicas=tuple(
+                            ReplicaConfig(url=r.url, events=r.events_endpoint, name=f"replica{i}")
+                            for i, r in enumerate(replicas)
+                        ),
+                        policy=policy,
+                        port=0,
+                    )
+                    desc = f"{policy} [{repeat + 1}/{repeats}]"
+                    with (
+                        Router(config) as router,
+                        tqdm(total=workload.num_requests, desc=desc, unit="req") as bar,
+                    ):
+                        result = replay(workload, router.url, "tiny", concurrency, on_done=bar.update)
+                    per_policy[policy].append(result.summary())
         finally:
             for r in replicas:
                 r.stop()
+    runs = [summarize(policy, summaries) for policy, summaries in per_policy.items()]
     out = {
         "runs": runs,
         "workload": {
@@ -139,9 +171,11 @@ def run(
             "turns": turns,
             "concurrency": concurrency,
             "replica_kv_blocks": num_blocks,
+            "repeats": repeats,
         },
     }
     print_table(runs, ["policy", "hit_rate", "ttft_p50_s", "ttft_p90_s", "requests_per_s", "errors"])
+    print(verdict(runs))
     if json_path:
         write_json(json_path, out)
     if plot_path:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import statistics
 import tempfile
 import time
 import urllib.error
@@ -40,7 +39,7 @@ from typing import Any
 
 from kvmesh.bench.report import print_table, write_json, write_plot
 from kvmesh.bench.router_peers import EventForwarder
-from kvmesh.bench.workload import Workload, replay
+from kvmesh.bench.workload import METRICS, Workload, median_summary, replay
 from kvmesh.cluster import Replica, install_signal_handlers, start_replicas
 
 MODEL_NAME = "tiny"
@@ -49,7 +48,6 @@ NUM_BLOCKS = 40  # 5,120 tokens per replica: fewer than the tenants' prefixes
 TTFT_RATIO_TARGET = 0.8
 OVERHEAD_TARGET_MS = 2.0
 INDEX_P99_TARGET_MS = 1.0
-METRICS = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "requests_per_s")
 
 
 @dataclass(frozen=True)
@@ -111,14 +109,12 @@ def run_seed(setup: Setup, repeat: int) -> int:
 def aggregate(setup: Setup, runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One result row: the median of each metric over the repeats (``RunResult.summary()``s)."""
     row: dict[str, Any] = {"router": setup.router, "policy": setup.policy, "cache": setup.cache}
-    good = [r for r in runs if r.get("ttft_p50_s") is not None]
-    if not good:
+    medians = median_summary(runs)
+    if not medians:
         detail = "; ".join(str(r["error"]) for r in runs if r.get("error")) or "no request succeeded"
         row["error"] = detail
         return row
-    for key in METRICS:
-        values = [float(r[key]) for r in good if r.get(key) is not None]
-        row[key] = round(statistics.median(values), 4) if values else None
+    row.update(medians)
     errors = sum(int(r.get("errors", 0)) for r in runs)
     if errors:
         row["errors"] = errors  # failed requests (the metrics cover the others)

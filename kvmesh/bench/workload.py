@@ -15,7 +15,7 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +96,8 @@ class Sample:
     cached_tokens: int
     ok: bool
     error: str = ""
+    session: str = ""  # which conversation and turn, for per-request analysis
+    turn: int = 0
 
 
 @dataclass
@@ -115,6 +117,22 @@ class RunResult:
             "ttft_p90_s": round(percentile(ttfts, 0.9), 4) if ttfts else None,
             "requests_per_s": round(len(ok) / self.wall_s, 3) if self.wall_s else 0.0,
         }
+
+
+METRICS = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "requests_per_s")
+
+
+def median_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The median of each of :data:`METRICS` over repeated runs' ``RunResult.summary()``s
+    (runs where no request succeeded are left out; ``{}`` when none is left)."""
+    good = [r for r in runs if r.get("ttft_p50_s") is not None]
+    if not good:
+        return {}
+    row: dict[str, Any] = {}
+    for key in METRICS:
+        values = [float(r[key]) for r in good if r.get(key) is not None]
+        row[key] = round(statistics.median(values), 4) if values else None
+    return row
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -189,12 +207,13 @@ async def _replay(
 
         async def conversation(conv: Conversation) -> None:
             messages = [{"role": "system", "content": conv.system}]
-            for q in conv.questions:
+            for turn, q in enumerate(conv.questions):
                 messages.append({"role": "user", "content": q})
                 async with sem:
                     sample, answer = await _one(
                         client, url, model, messages, conv.session_id, workload.max_tokens
                     )
+                sample.session, sample.turn = conv.session_id, turn
                 result.samples.append(sample)
                 if on_done:
                     on_done()
