@@ -158,17 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--model", default=".cache/models/tiny", help="model directory (built if missing)")
     dm.add_argument("--json", help="write the comparison here")
     dm.add_argument("--plot", help="write a PNG plot here")
-    dm.add_argument("--tenants", type=int, default=12)
-    dm.add_argument("--users", type=int, default=2, help="users per tenant")
+    dm.add_argument("--tenants", type=int, default=8)
+    dm.add_argument("--users", type=int, default=4, help="users per tenant")
     dm.add_argument("--turns", type=int, default=3, help="turns per conversation")
     dm.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     dm.add_argument(
         "--num-blocks",
         type=int,
         default=200,
-        help="each replica's own KV cache in 128-token blocks (default: about 60%% of the workload)",
+        help="each replica's own KV cache in 128-token blocks (default: ~3/4 of the workload's)",
     )
-    dm.add_argument("--repeats", type=int, default=2, help="runs per policy (medians are reported)")
+    dm.add_argument("--repeats", type=int, default=3, help="runs per policy (medians are reported)")
     dm.set_defaults(func=_demo)
     return parser
 

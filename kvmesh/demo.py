@@ -2,8 +2,9 @@
 
 It builds the tiny model if missing, starts Redis (or uses a shared directory when
 redis-server is not installed) as the shared tier, starts two vLLM replicas — one core
-each, their own KV cache capped at about 60% of the workload's conversations, so one replica
-cannot hold every tenant but the two together can when each tenant stays on one — with the
+each, their own KV cache capped at about three quarters of the workload's (200 blocks of 128
+tokens against ~264), so one replica cannot hold every tenant but the two together can when
+each tenant stays on one — with the
 kvmesh connector and KV events, then runs the same multi-tenant workload per policy
 (``repeats`` times, alternating the order) through the router and compares the medians of
 prefix hit rate, TTFT and throughput. Every run gets its own tenant texts (same shape), so
@@ -103,12 +104,12 @@ def run(
     json_path: str | None = None,
     plot_path: str | None = None,
     policies: tuple[str, ...] = ("round-robin", "kvmesh"),
-    tenants: int = 12,
-    users: int = 2,
+    tenants: int = 8,
+    users: int = 4,
     turns: int = 3,
     concurrency: int = 4,
     num_blocks: int = 200,
-    repeats: int = 2,
+    repeats: int = 3,
     workdir: str | None = None,
 ) -> dict[str, Any]:
     from tqdm import tqdm

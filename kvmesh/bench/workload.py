@@ -11,13 +11,14 @@ cached tokens over prompt tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -197,19 +198,27 @@ async def _one(
     return sample, "".join(text)
 
 
+Arrival = Literal["sessions", "turns"]
+
+
 async def _replay(
-    workload: Workload, url: str, model: str, concurrency: int, on_done: Callable[[], None] | None
+    workload: Workload,
+    url: str,
+    model: str,
+    concurrency: int,
+    on_done: Callable[[], None] | None,
+    arrival: Arrival,
 ) -> RunResult:
     result = RunResult()
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
 
-        async def conversation(conv: Conversation) -> None:
+        async def turns(conv: Conversation, per_turn: bool) -> None:
             messages = [{"role": "system", "content": conv.system}]
             for turn, q in enumerate(conv.questions):
                 messages.append({"role": "user", "content": q})
-                async with sem:
+                async with sem if per_turn else contextlib.nullcontext():
                     sample, answer = await _one(
                         client, url, model, messages, conv.session_id, workload.max_tokens
                     )
@@ -219,14 +228,34 @@ async def _replay(
                     on_done()
                 messages.append({"role": "assistant", "content": answer or "ok"})
 
+        async def session(conv: Conversation) -> None:
+            async with sem:
+                await turns(conv, per_turn=False)
+
         t0 = time.perf_counter()
-        await asyncio.gather(*(conversation(c) for c in workload.conversations))
+        if arrival == "sessions":
+            await asyncio.gather(*(session(c) for c in workload.conversations))
+        else:
+            await asyncio.gather(*(turns(c, per_turn=True) for c in workload.conversations))
         result.wall_s = time.perf_counter() - t0
     return result
 
 
 def replay(
-    workload: Workload, url: str, model: str, concurrency: int = 4, on_done: Callable[[], None] | None = None
+    workload: Workload,
+    url: str,
+    model: str,
+    concurrency: int = 4,
+    on_done: Callable[[], None] | None = None,
+    arrival: Arrival = "sessions",
 ) -> RunResult:
-    """Run ``workload`` against an OpenAI-compatible server at ``url``."""
-    return asyncio.run(_replay(workload, url, model, concurrency, on_done))
+    """Run ``workload`` against an OpenAI-compatible server at ``url``, ``concurrency``
+    requests in flight.
+
+    ``arrival="sessions"``: ``concurrency`` conversations are active at a time, each sending
+    its turns back to back (a user reads the answer, asks the next question), and the next
+    conversation starts when one ends — so new tenants keep arriving among follow-ups, as in
+    production. ``"turns"``: every conversation starts at once and a semaphore admits
+    requests, so all first turns come before any second turn.
+    """
+    return asyncio.run(_replay(workload, url, model, concurrency, on_done, arrival))

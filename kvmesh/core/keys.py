@@ -158,27 +158,28 @@ def as_token_array(tokens: object) -> np.ndarray:
             arr = np.asarray(tokens, dtype=np.int64)
         except OverflowError as exc:
             raise ValueError(f"token id out of range [0, 2**32): {exc}") from None
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 2**32):
+    # uint8/16/32 ids are in range by their type: no need to look at them (the router's case).
+    in_range = arr.dtype.kind == "u" and arr.dtype.itemsize <= 4
+    if arr.size and not in_range and (int(arr.min()) < 0 or int(arr.max()) >= 2**32):
         raise ValueError("token ids must lie in [0, 2**32)")
     return np.ascontiguousarray(arr, dtype="<u4")
 
 
 def chain_hashes(tokens: np.ndarray, block_size: int, root: bytes, partial: bool = False) -> list[bytes]:
     """Chained 128-bit hashes, one per ``block_size`` tokens (plus the tail if ``partial``)."""
-    n_full = len(tokens) // block_size
-    ends = [(i + 1) * block_size for i in range(n_full)]
-    if partial and len(tokens) % block_size:
-        ends.append(len(tokens))
+    # One bytes copy of the whole array, then one-shot digests of (parent || block bytes):
+    # the same value as updating a hasher with both, at a third of the cost per block.
+    data = tokens.tobytes()
+    step = block_size * tokens.itemsize
+    full = len(tokens) // block_size * step
+    digest = xxhash.xxh3_128_digest
     out: list[bytes] = []
     prev = root
-    start = 0
-    for end in ends:
-        h = xxhash.xxh3_128()
-        h.update(prev)
-        h.update(tokens[start:end].tobytes())
-        prev = h.digest()
+    for start in range(0, full, step):
+        prev = digest(prev + data[start : start + step])
         out.append(prev)
-        start = end
+    if partial and full < len(data):
+        out.append(digest(prev + data[full:]))
     return out
 
 

@@ -35,13 +35,12 @@ from kvmesh.events.codec import AllBlocksCleared, BlockHash, BlockRemoved, Block
 from kvmesh.index.prefix import (
     Medium,
     PrefixMatch,
+    PromptKeys,
     chain,
     chain_root,
     combine_ranges,
     extra_bytes,
     parse_medium,
-    query_chain,
-    query_tokens,
 )
 from kvmesh.index.speculative import SpeculativeTable
 
@@ -302,10 +301,13 @@ class BlockIndex:
         lora_name: str | None = None,
         cache_salt: str | None = None,
     ) -> None:
-        """Count ``tokens`` as on ``replica``'s GPU for ``ttl_s`` (a request just routed there)."""
-        arr = query_tokens(tokens)
+        """Count ``tokens`` as on ``replica``'s GPU for ``ttl_s`` (a request just routed there).
+
+        ``tokens``: token ids, or a :class:`PromptKeys` (then its keys are reused, not rehashed).
+        """
+        prompt = PromptKeys.of(tokens, lora_name, cache_salt)
         sizes = (block_size,) if block_size else (self._sizes() or (self.default_block_size,))
-        chains = [(bs, tuple(query_chain(arr, bs, lora_name, cache_salt))) for bs in sizes]
+        chains = [(bs, prompt.chain(bs)) for bs in sizes]
         with self._lock:
             rid = self._rid(replica)
             now = self._clock()
@@ -327,11 +329,12 @@ class BlockIndex:
 
         Every block size seen in events is tried (or only ``block_size``); per replica the
         results are combined into token ranges. Replicas without a match are left out.
+        ``tokens``: token ids, or a :class:`PromptKeys` (its keys are hashed once, then reused).
         """
-        arr = query_tokens(tokens)
+        prompt = PromptKeys.of(tokens, lora_name, cache_salt)
         sizes = (block_size,) if block_size else self._sizes()
         # Hashing is the bulk of the work and needs no lock.
-        chains = [(bs, query_chain(arr, bs, lora_name, cache_salt)) for bs in sizes]
+        chains = [(bs, prompt.chain(bs)) for bs in sizes]
         per_rid: dict[int, list[list[tuple[int, int, Medium]]]] = {}
         with self._lock:
             now = self._clock()
@@ -352,17 +355,17 @@ class BlockIndex:
     def _match_chain(
         self, bs: int, keys: Sequence[bytes], wanted: int, now: float
     ) -> dict[int, list[tuple[int, int, Medium]]]:
-        blocks, spec, low = self._blocks, self._spec, self._low
-        spec_live = len(spec) > 0
+        blocks, low = self._blocks, self._low
+        spec = [(1 << (_BITS * rid + Medium.GPU), m) for rid, m in self._spec.maps()]
         alive = wanted
         masks: list[int] = []
         alives: list[int] = []
         for key in keys:
             entry = blocks.get(key)
             mask = entry[0] if entry is not None else 0
-            if spec_live:
-                for rid in spec.holders(key, now):
-                    mask |= 1 << (_BITS * rid + Medium.GPU)
+            for bit, m in spec:
+                if m.get(key, now) > now:
+                    mask |= bit
             # Bit 4*rid is a REMOTE holding: shared, so it makes the block count for everyone.
             present = low if mask & low else (mask >> 1 | mask >> 2 | mask >> 3) & low
             alive &= present

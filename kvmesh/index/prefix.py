@@ -122,13 +122,13 @@ def chain(
     """Keys of consecutive full blocks after ``prev``; ``extras`` (one per block) if any."""
     if extras is None:
         return chain_hashes(tokens, block_size, prev)
+    data = tokens.tobytes()
+    step = block_size * tokens.itemsize
+    digest = xxhash.xxh3_128_digest
     out: list[bytes] = []
     for i, extra in enumerate(extras):
-        h = xxhash.xxh3_128(prev)
-        h.update(tokens[i * block_size : (i + 1) * block_size].tobytes())
-        if extra is not None:
-            h.update(b"\x00extra\x00" + extra)
-        prev = h.digest()
+        block = prev + data[i * step : (i + 1) * step]
+        prev = digest(block if extra is None else block + b"\x00extra\x00" + extra)
         out.append(prev)
     return out
 
@@ -143,6 +143,55 @@ def query_chain(
     extras: list[bytes | None] = [None] * (len(tokens) // block_size)
     extras[0] = extra_bytes((cache_salt,))  # vLLM puts the salt into the first block's keys only
     return chain(tokens, block_size, root, extras)
+
+
+class PromptKeys:
+    """A prompt's block keys, hashed once per block size and shared by every index call.
+
+    The router asks the index for a request's matches and then adds a speculative entry for
+    the replica it picked: both need the same keys, and hashing is most of their work. Pass
+    a ``PromptKeys`` instead of the tokens to :meth:`BlockIndex.match` and
+    :meth:`BlockIndex.add_speculative` and each block size is hashed once per request.
+    Tokens are validated when it is made. Owned by one request: not for sharing between
+    threads (nothing breaks, a block size may be hashed twice).
+    """
+
+    __slots__ = ("_chains", "cache_salt", "lora_name", "tokens")
+
+    def __init__(self, tokens: object, lora_name: str | None = None, cache_salt: str | None = None) -> None:
+        self.tokens = query_tokens(tokens)
+        self.lora_name = lora_name
+        self.cache_salt = cache_salt
+        self._chains: dict[int, tuple[bytes, ...]] = {}
+
+    @classmethod
+    def of(cls, tokens: object, lora_name: str | None = None, cache_salt: str | None = None) -> PromptKeys:
+        """``tokens`` itself if it is a ``PromptKeys`` for the same LoRA and salt, else a new one.
+
+        ``None`` means "not given" for a ``PromptKeys``: it keeps its own LoRA name and salt.
+        """
+        if not isinstance(tokens, PromptKeys):
+            return cls(tokens, lora_name, cache_salt)
+        if (lora_name is not None and lora_name != tokens.lora_name) or (
+            cache_salt is not None and cache_salt != tokens.cache_salt
+        ):
+            raise ValueError(
+                f"the PromptKeys were made for lora_name={tokens.lora_name!r}, "
+                f"cache_salt={tokens.cache_salt!r}, not {lora_name!r}, {cache_salt!r}"
+            )
+        return tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def chain(self, block_size: int) -> tuple[bytes, ...]:
+        """Keys of the prompt's full ``block_size`` blocks (see :func:`query_chain`)."""
+        keys = self._chains.get(block_size)
+        if keys is None:
+            keys = self._chains[block_size] = tuple(
+                query_chain(self.tokens, block_size, self.lora_name, self.cache_salt)
+            )
+        return keys
 
 
 def query_tokens(tokens: object) -> np.ndarray:

@@ -13,8 +13,10 @@ Errors use OpenAI's shape (see :mod:`kvmesh.router.proxy`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,15 +28,16 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvmesh.events import EventSubscriber
-from kvmesh.index import BlockIndex
+from kvmesh.index import BlockIndex, PromptKeys
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.controller import Controller
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.picker import build_picker
 from kvmesh.router.pool import Pool, Replica
 from kvmesh.router.proxy import ERROR_TYPES, RETRYABLE, end_to_end, error_response, relay
-from kvmesh.router.scorers import RoutingRequest, SessionTable, prompt_key
+from kvmesh.router.scorers import RoutingRequest, SessionTable, prefill_cost, prompt_key
 from kvmesh.router.tokenize import PromptTokenizer, TokenArray, TokenizeError, tokens_of
+from kvmesh.router.upstream import Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,7 @@ class RouterService:
         self.sessions = SessionTable(config.session_capacity)
         self.picker = build_picker(config.policy, self.index, self.sessions, config)
         self.metrics = metrics if metrics is not None else RouterMetrics()
+        self._children: dict[tuple[object, ...], Any] = {}  # see _child
         self.pool = Pool(
             config.replicas,
             health_interval_s=config.health_interval_s,
@@ -90,6 +94,8 @@ class RouterService:
         )
         # For the router's own small calls (/v1/models, /tokenize): never the generation timeout.
         self._short_timeout = aiohttp.ClientTimeout(total=config.connect_timeout_s + config.health_timeout_s)
+        # The proxied POSTs: a lean HTTP/1.1 client of its own (see kvmesh.router.upstream).
+        self._upstream = Upstream(config.connect_timeout_s, config.read_timeout_s)
         if self.tokenizer is None and config.tokenizer == "local":
             log.warning("no --model given: requests are routed by load and session only, not by prefix")
         self.controller = Controller.for_service(self)  # the cache controller, /kvmesh/v1/
@@ -139,10 +145,18 @@ class RouterService:
         self._subscribers = []
         if self._client is not None:
             await self._client.close()
+        await self._upstream.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _health_changed(self, replica: Replica) -> None:
         self.metrics.healthy.labels(replica.name).set(1.0 if replica.healthy else 0.0)
+        if not replica.healthy:
+            # Its events have stopped with it, and a restarted vLLM comes back with an empty
+            # cache but does not say so until its first event: entries kept now would route
+            # follow-ups to blocks that are gone. An empty index only costs affinity until the
+            # replica's next events. Shared (REMOTE) blocks stay; the replica stays registered.
+            self.index.clear_replica(replica.name)
+            self.sessions.forget_replica(replica.name)
 
     # -- OpenAI endpoints ---------------------------------------------------------------------------
 
@@ -171,8 +185,13 @@ class RouterService:
         if not self.pool.candidates():
             return self._unavailable(path)
         tokens = await self._tokens(body, chat, len(raw))
-        key = prompt_key(tokens) if len(tokens) else xxhash.xxh3_64_intdigest(raw)
-        req = RoutingRequest(tokens, session_id=request.headers.get(self.config.session_header), key=key)
+        if len(tokens):
+            # The block keys are hashed once, for the match and the speculative entry both.
+            key, prompt = prompt_key(tokens), PromptKeys(tokens)
+        else:
+            key, prompt = xxhash.xxh3_64_intdigest(raw), None
+        session = request.headers.get(self.config.session_header)
+        req = RoutingRequest(tokens, session_id=session, key=key, prompt=prompt)
         candidates = self.pool.candidates()
         if not candidates:
             return self._unavailable(path)
@@ -189,10 +208,9 @@ class RouterService:
         req: RoutingRequest,
         t0: float,
     ) -> web.StreamResponse:
-        client = self._client
-        if client is None:
+        if self._client is None:
             raise RuntimeError("the router application was not started")
-        headers = end_to_end(request.headers)
+        headers = end_to_end(request.headers).items()
         attempts = 0
         for name in ranked:
             replica = self.pool.replicas.get(name)
@@ -206,29 +224,33 @@ class RouterService:
             else:
                 self.metrics.retries.inc()
             self._acquire(name, req)
+            # This request's prefill work queues on the replica until its first byte is back.
+            cost = prefill_cost(req, name, self.config.prefill_load_cost) if len(req.tokens) else 0.0
+            self.pool.add_prefill(name, cost)
+            settle = functools.partial(self._settle_once, name, [cost])
             sent = time.perf_counter()
             try:
-                resp = await client.post(replica.url + path, data=raw, headers=headers)
+                resp = await self._upstream.post(replica.url, path, raw, headers)
             except RETRYABLE as exc:
-                self._release(name)
+                self._release(name, settle)
                 self.pool.mark_failed(name, f"POST {path} failed: {exc!r}")
                 self.metrics.errors.labels("upstream_connect").inc()
                 continue
             except TimeoutError:
-                self._release(name)
+                self._release(name, settle)
                 return self._refuse(path, 504, f"replica {name} did not answer in time")
-            except aiohttp.ClientError as exc:
-                self._release(name)
+            except UpstreamError as exc:
+                self._release(name, settle)
                 return self._refuse(path, 502, f"replica {name} failed: {exc}")
             try:
-                self.metrics.upstream_latency.labels(name).observe(time.perf_counter() - sent)
+                self._child(self.metrics.upstream_latency, name).observe(time.perf_counter() - sent)
                 if resp.status < 400:
                     self._record(name, req)
-                self.metrics.requests.labels(path, str(resp.status)).inc()
-                return await relay(request, resp, stream, name, self._broken)
+                self._child(self.metrics.requests, path, str(resp.status)).inc()
+                return await relay(request, resp, stream, name, self._broken, settle)
             finally:
                 resp.release()
-                self._release(name)
+                self._release(name, settle)
         if attempts:
             return self._unavailable(path, f"could not connect to {attempts} replica(s); retry later")
         return self._unavailable(path)
@@ -237,32 +259,47 @@ class RouterService:
 
     def _acquire(self, name: str, req: RoutingRequest) -> None:
         self.pool.acquire(name)
-        self.metrics.in_flight.labels(name).inc()
+        self._child(self.metrics.in_flight, name).inc()
         ttl = self.config.speculative_ttl_s
         if ttl > 0 and len(req.tokens) and not _on_gpu(req, name, self.config.block_size):
             # Runs as soon as the proxy awaits the upstream: off the critical path.
-            asyncio.get_running_loop().call_soon(self._speculate, name, req.tokens, ttl)
+            prompt = req.prompt if req.prompt is not None else req.tokens
+            asyncio.get_running_loop().call_soon(self._speculate, name, prompt, ttl)
 
-    def _speculate(self, name: str, tokens: TokenArray, ttl: float) -> None:
+    def _speculate(self, name: str, tokens: PromptKeys | TokenArray, ttl: float) -> None:
         try:
             self.index.add_speculative(name, tokens, ttl_s=ttl)
         except Exception:  # an index bug must not fail requests; it is logged
             log.exception("speculative index entry for %s failed", name)
 
-    def _release(self, name: str) -> None:
+    def _settle_once(self, name: str, cost: list[float]) -> None:
+        if cost[0]:
+            self.pool.settle_prefill(name, cost[0])
+            cost[0] = 0.0
+
+    def _release(self, name: str, settle: Callable[[], None]) -> None:
+        settle()
         self.pool.release(name)
-        self.metrics.in_flight.labels(name).dec()
+        self._child(self.metrics.in_flight, name).dec()
 
     def _record(self, name: str, req: RoutingRequest) -> None:
         if req.session_id:
             self.sessions.record(req.session_id, name)
-        self.metrics.decisions.labels(self.picker.policy, name).inc()
+        self._child(self.metrics.decisions, self.picker.policy, name).inc()
         n = len(req.tokens)
         self.metrics.prompt_tokens.inc(n)
         match = req.matches.get(name) if req.matches else None
         if match is not None:
             for start, end, medium in match.ranges:
-                self.metrics.hit_tokens.labels(getattr(medium, "name", str(medium))).inc(end - start)
+                self._child(self.metrics.hit_tokens, getattr(medium, "name", str(medium))).inc(end - start)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, kept: prometheus_client takes a lock and builds tuples per call."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def _broken(self) -> None:
         self.metrics.errors.labels("upstream_broken").inc()

@@ -72,6 +72,7 @@ class Weights(BaseModel):
     queue: float = Field(default=1.0, ge=0)
     kv_util: float = Field(default=0.5, ge=0)
     session: float = Field(default=0.5, ge=0)
+    prefill: float = Field(default=3.0, ge=0)
 
 
 class MediumWeights(BaseModel):
@@ -107,6 +108,12 @@ class RouterConfig(BaseModel):
     overload_abs: float = Field(default=8.0, ge=0, description="requests above the least-loaded replica")
     overload_rel: float = Field(default=1.5, ge=1, description="times the least-loaded replica's load")
     queue_smoothing: float = Field(default=4.0, gt=0, description="damps the queue score at low load")
+    prefill_load_cost: float = Field(
+        default=0.1, ge=0, le=1, description="prefill cost of a CPU/disk/shared-tier hit, vs recomputing"
+    )
+    prefill_smoothing_tokens: float = Field(
+        default=256.0, gt=0, description="damps the prefill score when little work is queued"
+    )
 
     tokenizer: Literal["local", "remote"] = Field(
         default="local", description="local: tokenize here like the engine; remote: ask a replica's /tokenize"

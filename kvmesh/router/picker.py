@@ -3,7 +3,8 @@
 Policies by name (see :func:`build_picker`):
 
 ========================  =================================================================
-``kvmesh`` (default)      prefix + queue + KV utilisation + session, weighted; overload filter
+``kvmesh`` (default)      prefix + queue + KV utilisation + session + prefill work, weighted;
+                          overload filter
 ``prefix``                prefix only (the naive baseline: it piles a hot prefix on one replica)
 ``least-loaded``          queue only
 ``round-robin``           in turn
@@ -25,6 +26,7 @@ import xxhash
 from kvmesh.router.config import POLICIES, RouterConfig
 from kvmesh.router.scorers import (
     KVUtilScorer,
+    PrefillScorer,
     PrefixScorer,
     PrefixSource,
     QueueScorer,
@@ -131,6 +133,7 @@ def build_picker(
                 (QueueScorer(cfg.queue_smoothing), w.queue),
                 (KVUtilScorer(), w.kv_util),
                 (SessionScorer(table), w.session),
+                (PrefillScorer(cfg.prefill_load_cost, cfg.prefill_smoothing_tokens), w.prefill),
             ],
             overload=(cfg.overload_abs, cfg.overload_rel) if w.queue > 0 else None,
         )

@@ -83,6 +83,7 @@ class Replica:
             "waiting": s.waiting,
             "running": s.running,
             "in_flight": s.in_flight,
+            "prefill_tokens": round(s.prefill_tokens, 1),
             "kv_usage": s.kv_usage,
             "models": list(self.models),
             "last_error": self.last_error,
@@ -140,6 +141,18 @@ class Pool:
         replica = self.replicas.get(name)
         if replica is not None:
             replica.state.in_flight = max(0, replica.state.in_flight - 1)
+
+    def add_prefill(self, name: str, tokens: float) -> None:
+        """``tokens`` of prompt work now queued on ``name`` (a request sent, no byte back yet)."""
+        replica = self.replicas.get(name)
+        if replica is not None:
+            replica.state.prefill_tokens += tokens
+
+    def settle_prefill(self, name: str, tokens: float) -> None:
+        """That work is done (its first byte came back) or gone (the request ended)."""
+        replica = self.replicas.get(name)
+        if replica is not None:
+            replica.state.prefill_tokens = max(0.0, replica.state.prefill_tokens - tokens)
 
     def mark_failed(self, name: str, reason: str) -> None:
         replica = self.replicas.get(name)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
-import aiohttp
 from aiohttp import web
+
+from kvmesh.router.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse
 
 _HOP_BY_HOP = frozenset(
     h.lower()
@@ -23,9 +24,10 @@ _HOP_BY_HOP = frozenset(
 )  # fmt: skip
 
 
-def end_to_end(headers: Mapping[str, str]) -> dict[str, str]:
+def end_to_end(headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> dict[str, str]:
     """The headers a proxy passes on (RFC 9110 §7.6.1: hop-by-hop ones stay behind)."""
-    return {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP}
+    pairs = headers.items() if isinstance(headers, Mapping) else headers
+    return {k: v for k, v in pairs if k.lower() not in _HOP_BY_HOP}
 
 
 ERROR_TYPES = {
@@ -37,12 +39,7 @@ ERROR_TYPES = {
     504: "GatewayTimeoutError",
 }
 # Connect-level failures: the request never reached a replica's handler, so another may take it.
-RETRYABLE = (
-    aiohttp.ClientConnectorError,
-    aiohttp.ConnectionTimeoutError,
-    aiohttp.ServerDisconnectedError,
-    aiohttp.ClientOSError,
-)
+RETRYABLE = (UpstreamConnectError,)
 
 
 def error_body(status: int, message: str, param: str | None = None) -> bytes:
@@ -61,30 +58,38 @@ def error_response(status: int, message: str, param: str | None = None, **header
 
 async def relay(
     request: web.Request,
-    resp: aiohttp.ClientResponse,
+    resp: UpstreamResponse,
     stream: bool,
     name: str,
     on_broken: Callable[[], None],
+    on_first_chunk: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
-    """Answer ``request`` with the upstream's ``resp``: whole, or an SSE stream chunk by chunk."""
+    """Answer ``request`` with the upstream's ``resp``: whole, or an SSE stream chunk by chunk.
+
+    ``on_first_chunk`` is called when a stream's first chunk arrives: the replica has
+    finished the prompt's prefill (vLLM streams nothing before the first token).
+    """
     headers = end_to_end(resp.headers)
     headers["x-kvmesh-replica"] = name
     if not (stream and resp.status == 200 and resp.content_type == "text/event-stream"):
         try:
             body = await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (UpstreamError, TimeoutError) as exc:
             on_broken()
             return error_response(502, f"replica {name} broke off its answer: {exc!r}")
         return web.Response(status=resp.status, body=body, headers=headers)
     out = web.StreamResponse(status=resp.status, headers=headers)
     await out.prepare(request)
     try:
-        async for chunk in resp.content.iter_any():
+        while chunk := await resp.read_chunk():
+            if on_first_chunk is not None:
+                on_first_chunk()
+                on_first_chunk = None
             await out.write(chunk)
         await out.write_eof()
     except ConnectionResetError:
         pass  # the client left (aiohttp's write error is one); releasing resp ends the upstream stream
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except (UpstreamError, TimeoutError) as exc:
         # Headers are gone already; say it in the stream, as vLLM does for its own errors.
         on_broken()
         with contextlib.suppress(ConnectionResetError):

@@ -42,6 +42,9 @@ class RoutingRequest:
 
     ``matches`` is filled by the prefix scorer (or the caller) once per request, so the index
     is asked once and the router can report hit tokens per medium without asking again.
+    ``prompt``, when set, is what the prefix scorer hands the prefix source instead of
+    ``tokens``: the router puts the index's :class:`kvmesh.index.PromptKeys` there, so the
+    prompt's block keys are hashed once for the match and the speculative entry together.
     """
 
     tokens: Any  # 1-D uint32 numpy array (or a sequence of ints)
@@ -49,6 +52,7 @@ class RoutingRequest:
     key: int = 0  # stable per prompt; orders ties, so equal prompts break ties alike
     lora_name: str | None = None
     matches: Mapping[str, MatchLike] | None = None
+    prompt: Any = None  # the tokens as the prefix source wants them (e.g. PromptKeys), if not tokens
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +67,7 @@ class ReplicaState:
     waiting: float = 0.0  # vllm:num_requests_waiting (scraped)
     running: float = 0.0  # vllm:num_requests_running (scraped)
     in_flight: int = 0  # this router's requests not yet finished (live)
+    prefill_tokens: float = 0.0  # prompt work this router's requests still queue there (live)
     kv_usage: float | None = None  # vllm:kv_cache_usage_perc in [0, 1]; None before a scrape
     healthy: bool = True
     extra: dict[str, float] = field(default_factory=dict)
@@ -106,7 +111,8 @@ class PrefixScorer:
     def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]:
         n = request.num_tokens
         if request.matches is None:
-            request.matches = self.source.match(request.tokens, lora_name=request.lora_name) if n else {}
+            query = request.tokens if request.prompt is None else request.prompt
+            request.matches = self.source.match(query, lora_name=request.lora_name) if n else {}
         out = dict.fromkeys((r.name for r in replicas), 0.0)
         if not n:
             return out
@@ -116,6 +122,49 @@ class PrefixScorer:
                 hit = sum((end - start) * self.medium_weight(med) for start, end, med in m.ranges)
                 out[name] = min(1.0, hit / n)
         return out
+
+
+def prefill_cost(request: RoutingRequest, replica: str, load_cost: float) -> float:
+    """The prompt tokens ``replica`` must compute for ``request``, in recompute-token units:
+    a block in its GPU cache is free, one in a lower or shared tier costs ``load_cost`` (a
+    load, not a recompute), anything else costs 1. Needs ``request.matches`` (else: all)."""
+    n = float(request.num_tokens)
+    m = request.matches.get(replica) if request.matches else None
+    if m is None:
+        return n
+    for start, end, medium in m.ranges:
+        gpu = str(getattr(medium, "name", medium)).upper() == "GPU"
+        n -= (end - start) * (1.0 if gpu else 1.0 - load_cost)
+    return max(0.0, n)
+
+
+class PrefillScorer:
+    """Less prefill work ahead of this request's first token scores higher.
+
+    A replica's estimate is the prompt tokens still to compute for the requests this router
+    already sent it (``ReplicaState.prefill_tokens``, cleared at each one's first byte) plus
+    this request's own :func:`prefill_cost` there; the score is ``(min + s) / (estimate + s)``
+    over the candidates. Request counts treat a 2,000-token miss and a 50-token follow-up
+    alike; this term keeps a follow-up from queueing behind someone else's long prefill when
+    another replica can load the prefix, and spreads misses by the work they bring.
+    """
+
+    name = "prefill"
+
+    def __init__(self, load_cost: float = 0.1, smoothing_tokens: float = 256.0) -> None:
+        if not 0.0 <= load_cost <= 1.0:
+            raise ValueError(f"load_cost must be in [0, 1], got {load_cost}")
+        if smoothing_tokens <= 0:
+            raise ValueError(f"smoothing_tokens must be positive, got {smoothing_tokens}")
+        self.load_cost = load_cost
+        self.smoothing = smoothing_tokens
+
+    def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]:
+        if not replicas:
+            return {}
+        est = {r.name: r.prefill_tokens + prefill_cost(request, r.name, self.load_cost) for r in replicas}
+        low = min(est.values()) + self.smoothing
+        return {name: low / (e + self.smoothing) for name, e in est.items()}
 
 
 class QueueScorer:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import socket
 import time
@@ -225,6 +226,58 @@ def test_health_checks_remove_and_readd(
     wait_for(lambda: pool.replicas["b"].healthy)
     seen = {served_by(complete(client, router, words(300 + i, 30))) for i in range(20)}
     assert seen == {"a", "b"}
+
+
+def test_replica_going_down_drops_its_entries_but_not_shared_ones(
+    make_router: MakeRouter, fakes: dict[str, FakeVLLM], tok_dir: Path, client: httpx.Client
+) -> None:
+    router = make_router(speculative_ttl_s=0)
+    pt = PromptTokenizer.from_dir(tok_dir)
+    own, shared = (pt.encode(words(seed, 300), True) for seed in (21, 22))
+    _hold(router, "b", own)
+    _hold(router, "a", shared, medium="REMOTE")
+    assert "b" in router.index.match(own)
+    assert {"a", "b"} <= set(router.index.match(shared))
+    fakes["b"].healthy = False
+    pool = router.service.pool
+    wait_for(lambda: not pool.replicas["b"].healthy)
+    # Its KV may be gone (a restarted vLLM does not say so until its next event): forgotten.
+    assert "b" not in router.index.match(own)
+    assert {"a", "b"} <= set(router.index.match(shared))  # shared blocks still count for it
+    fakes["b"].healthy = True
+    wait_for(lambda: pool.replicas["b"].healthy)
+    assert "b" not in router.index.match(own)
+
+
+def test_prefill_work_is_counted_until_the_first_chunk(
+    make_router: MakeRouter, fakes: dict[str, FakeVLLM], client: httpx.Client
+) -> None:
+    for f in fakes.values():
+        f.delay_s, f.chunks, f.chunk_delay_s = 0.6, 3, 0.6
+    router = make_router()
+    states = router.service.pool.replicas
+
+    def queued() -> dict[str, float]:
+        return {n: r.state.prefill_tokens for n, r in states.items() if r.state.prefill_tokens}
+
+    body = {"model": "tiny", "prompt": words(31, 200), "stream": True}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        # Before the replica answers, the whole prompt counts as work queued on it.
+        pending = pool.submit(lambda: complete(client, router, words(30, 200)))
+        wait_for(lambda: len(queued()) == 1, timeout_s=0.5)
+        assert next(iter(queued().values())) > 100
+        assert pending.result().status_code == 200
+    assert queued() == {}
+    with client.stream("POST", router.url + "/v1/completions", json=body) as resp:
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")
+        name = served_by(resp)
+        assert queued() == {} and states[name].state.in_flight == 1  # prefill done, still decoding
+        list(lines)
+    # A non-streamed answer counts until it is whole, and nothing is left after either.
+    fakes["a"].delay_s = fakes["b"].delay_s = 0.0
+    assert complete(client, router, words(32, 50)).status_code == 200
+    assert queued() == {}
 
 
 def test_client_leaving_mid_stream_releases_the_replica(

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kvmesh.index import BlockIndex, Medium, PrefixMatch
+from kvmesh.index import BlockIndex, Medium, PrefixMatch, PromptKeys
+from kvmesh.index.speculative import SpeculativeTable
 
 G, C, D, R = Medium.GPU, Medium.CPU, Medium.DISK, Medium.REMOTE
 TOKENS = tuple(range(100, 612))  # 512 tokens
@@ -179,6 +180,58 @@ def test_speculative_entries_expire() -> None:
     assert ranges(idx) == {"b": ((0, 128, C),)}
     assert idx.stats()["speculative_blocks"] == 0
     assert idx._sizes() == (128,)
+
+
+def test_prompt_keys_are_hashed_once_and_match_like_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router hashes a prompt once for its match and its speculative entry together."""
+    import kvmesh.index.prefix as prefix
+
+    clock = Clock()
+    idx = BlockIndex(clock=clock)
+    idx.apply("a", stored([1, 2], TOKENS[:32]))
+    idx.apply("a", stored([3], TOKENS[:128], bs=128, medium="CPU"))
+    calls: list[int] = []
+    real = prefix.query_chain
+    monkeypatch.setattr(prefix, "query_chain", lambda t, bs, *a: calls.append(bs) or real(t, bs, *a))
+    prompt = PromptKeys(np.array(TOKENS, dtype=np.uint32))
+    assert ranges(idx, prompt) == ranges(idx, TOKENS) == {"a": ((0, 32, G), (32, 128, C))}
+    idx.add_speculative("b", prompt, ttl_s=1.0)
+    assert ranges(idx, prompt)["b"] == ((0, 512, G),)
+    assert sorted(calls) == [16, 16, 128, 128]  # twice per size: once for the tuple TOKENS
+    assert len(prompt) == 512
+    # A LoRA name or salt given with a PromptKeys must be the one it was made for.
+    salted = PromptKeys(TOKENS[:32], cache_salt="s")
+    assert PromptKeys.of(salted) is salted and PromptKeys.of(salted, cache_salt="s") is salted
+    with pytest.raises(ValueError, match="cache_salt"):
+        idx.match(salted, cache_salt="t")
+    with pytest.raises(ValueError, match="lora_name"):
+        idx.add_speculative("b", salted, lora_name="ad")
+    idx.add_speculative("c", salted)
+    assert ranges(idx, TOKENS[:32], cache_salt="s") == {"c": ((0, 32, G),)}
+    with pytest.raises(TypeError):
+        PromptKeys("hello")
+
+
+def test_speculative_table_sweeps_expired_keys_and_keeps_the_latest_expiry() -> None:
+    table = SpeculativeTable()
+    keys = [bytes([i]) * 16 for i in range(40)]
+    table.add(0, 16, tuple(keys[:10]), 5.0)
+    table.add(0, 16, tuple(keys[:5]), 3.0)  # earlier than what key 0-4 have: they keep 5.0
+    table.expire(4.0)
+    assert sorted(table.holders(keys[0], 4.0)) == [0] and table.sizes[16] == 1
+    # A batch every 10 ms living 1 s: expired keys are swept in bulk, so the table stays near
+    # its ~200 live keys (bounded by twice that plus a slack) instead of growing to 2,000.
+    for t in range(2000):
+        now = 10.0 + t * 0.01
+        table.expire(now)
+        table.add(1, 16, (keys[t % 40], t.to_bytes(16, "little")), now + 1.0)
+    assert len(table) < 700
+    assert list(table.holders(keys[0], 30.0)) == [1]  # rid 0's batches expired at 3.0 and 5.0
+    assert list(table.holders(keys[5], 30.6)) == [1]  # last added at t=1965: held until 30.65
+    assert list(table.holders(keys[5], 30.7)) == []
+    table.drop(1)
+    table.expire(100.0)
+    assert len(table) == 0 and table.sizes == {16: 0}
 
 
 def test_token_validation() -> None:

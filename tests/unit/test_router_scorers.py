@@ -17,12 +17,14 @@ from kvmesh.router.picker import build_picker
 from kvmesh.router.pool import parse_vllm_gauges
 from kvmesh.router.scorers import (
     KVUtilScorer,
+    PrefillScorer,
     PrefixScorer,
     QueueScorer,
     ReplicaState,
     RoutingRequest,
     SessionScorer,
     SessionTable,
+    prefill_cost,
     prompt_key,
 )
 
@@ -106,6 +108,28 @@ def test_kv_util_scorer_prefers_free_cache() -> None:
     assert got == pytest.approx({"a": 0.1, "b": 0.9, "c": 0.5})
 
 
+def test_prefill_cost_gpu_is_free_lower_tiers_are_a_load(index: BlockIndex) -> None:
+    toks = prompt(4, 512)
+    hold(index, "a", toks[:256])
+    hold(index, "b", toks[:128], medium="CPU")
+    req = request(toks)
+    PrefixScorer(index).score(req, states("a", "b", "c"))  # fills req.matches
+    assert prefill_cost(req, "a", 0.1) == pytest.approx(256)
+    assert prefill_cost(req, "b", 0.1) == pytest.approx(384 + 12.8)
+    assert prefill_cost(req, "c", 0.1) == 512  # nothing held: all of it
+    assert prefill_cost(request(toks), "a", 0.1) == 512  # no matches asked: all of it
+    with pytest.raises(ValueError, match="load_cost"):
+        PrefillScorer(load_cost=1.5)
+
+
+def test_prefill_scorer_adds_queued_work_to_own_cost() -> None:
+    req = request(prompt(5, 400))
+    reps = states("a", "b")
+    reps[0].prefill_tokens = 2000.0
+    got = PrefillScorer(smoothing_tokens=100).score(req, reps)
+    assert got["b"] == 1.0 and got["a"] == pytest.approx((400 + 100) / (2400 + 100))
+
+
 def test_session_scorer_and_table_bound() -> None:
     table = SessionTable(capacity=2)
     table.record("s1", "b")
@@ -138,6 +162,34 @@ def test_prefix_beats_a_small_queue_but_not_a_long_one(index: BlockIndex) -> Non
     d = picker.pick(request(toks), states("a", "b", a=30, b=3))
     assert d.replica == "b" and d.overloaded == ["a"]
     assert d.ranked == ["b", "a"]  # a is still a fallback
+
+
+def test_follow_up_leaves_a_holder_busy_with_a_long_prefill(index: BlockIndex) -> None:
+    """GPU holder a is computing someone's 2,400-token miss; b can load the prefix from the
+    shared tier: the follow-up goes to b. Behind a short follow-up it stays on a."""
+    toks = prompt(23, 2048)
+    hold(index, "a", toks[:1920])
+    hold(index, "b", toks[:1920], medium="REMOTE")
+    sessions = SessionTable()
+    sessions.record("user-1", "a")
+    picker = build_picker("kvmesh", index, sessions)
+    busy = states("a", "b")
+    busy[0].in_flight, busy[0].prefill_tokens = 1, 2400.0
+    assert picker.pick(request(toks, "user-1"), busy).replica == "b"
+    short = states("a", "b")
+    short[0].in_flight, short[0].prefill_tokens = 1, 300.0
+    assert picker.pick(request(toks, "user-1"), short).replica == "a"
+    # Request counts alone (the queue term) cannot tell the two cases apart.
+    queue_only = QueueScorer()
+    assert queue_only.score(request(toks), busy) == queue_only.score(request(toks), short)
+
+
+def test_misses_spread_by_the_work_queued_not_the_request_count(index: BlockIndex) -> None:
+    picker = build_picker("kvmesh", index)
+    reps = states("a", "b")
+    reps[0].in_flight, reps[0].prefill_tokens = 1, 50.0  # a short follow-up
+    reps[1].in_flight, reps[1].prefill_tokens = 1, 2400.0  # a long miss
+    assert {picker.pick(request(prompt(s, 2048)), reps).replica for s in range(20)} == {"a"}
 
 
 def test_prefix_only_policy_piles_onto_the_holder(index: BlockIndex) -> None:
@@ -208,7 +260,9 @@ def test_weights_come_from_config(index: BlockIndex) -> None:
     assert build_picker("kvmesh", index, config=load_only).pick(request(toks), reps).replica == "b"
     with pytest.raises(ValueError, match="no scorer with a positive weight"):
         build_picker(
-            "kvmesh", index, config=RouterConfig(weights=Weights(prefix=0, queue=0, kv_util=0, session=0))
+            "kvmesh",
+            index,
+            config=RouterConfig(weights=Weights(prefix=0, queue=0, kv_util=0, session=0, prefill=0)),
         )
 
 

@@ -122,6 +122,35 @@ def test_long_prompts_share_cached_leading_pieces(pt: PromptTokenizer) -> None:
     assert pt.cache_stats()["piece_misses"] - before <= 2
 
 
+def test_new_prompts_are_assembled_from_cached_words(pt: PromptTokenizer) -> None:
+    """A new prompt of words seen before costs no tokenizers call, only look-ups."""
+    assert pt._use_words
+    rng = random.Random(5)
+    pt.encode(" ".join(_WORDS) + " " + _text(rng, 400), True)
+    calls: list[list[str]] = []
+    real = pt._encode_many
+    pt._encode_many = lambda texts, add: calls.append(texts) or real(texts, add)  # type: ignore[method-assign]
+    for i in range(20):
+        text = f"{i}: " + " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 1200)))
+        text += " café" if i % 2 else ""
+        for add in (True, False):
+            assert pt.encode(text, add).tolist() == pt._tok.encode(text, add_special_tokens=add).ids
+    # Only the new heads ("0:", "1:", …) went to tokenizers, as whole words, and " café" once.
+    new = [t for texts in calls for t in texts]
+    assert len(new) == len(set(new)) and set(new) <= {f"{i}:" for i in range(20)} | {" café"}
+
+
+def test_a_full_word_cache_is_cleared_and_ids_stay_right(tok_dir: Path) -> None:
+    small = PromptTokenizer.from_dir(tok_dir, cache_bytes=64_000)  # room for ~100 words
+    assert small._use_words and small._max_words == 100
+    rng = random.Random(6)
+    for _ in range(60):
+        text = _text(rng, rng.randint(0, 400)) + " " + "".join(rng.choice("xyzw") for _ in range(6))
+        assert small.encode(text, True).tolist() == small._tok.encode(text).ids
+        assert len(small._words) + len(small._heads) <= 100
+    assert small.cache_stats()["word_misses"] > 100
+
+
 def test_shortcuts_turn_off_when_they_would_change_ids(tmp_path: Path) -> None:
     """A Metaspace 'first' pre-tokenizer treats the first piece specially: no splitting allowed."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -134,7 +163,7 @@ def test_shortcuts_turn_off_when_they_would_change_ids(tmp_path: Path) -> None:
     )
     tok.train_from_iterator([_text(random.Random(i), 30) for i in range(200)], trainer=trainer)
     pt = PromptTokenizer(tok, None, {})
-    assert pt._split_re is None and pt._chunk_chars == 0
+    assert pt._split_re is None and pt._chunk_chars == 0 and not pt._use_words
     text = "<s>" + _text(random.Random(9), 400) + "</s> more"
     assert pt.encode(text, False).tolist() == tok.encode(text, add_special_tokens=False).ids
     with pytest.raises(TokenizeError, match="no chat template"):
@@ -213,6 +242,7 @@ def test_self_check_on_other_tokenizer_families(kind: str, cuts: bool) -> None:
     tok = _trained(kind)
     pt = PromptTokenizer(tok, None, {})
     assert (pt._chunk_chars > 0) is cuts
+    assert pt._use_words is cuts
     rng = random.Random(4)
     for _ in range(40):
         text = _text(rng, rng.randint(0, 800))
