@@ -48,6 +48,7 @@ def _bench_router(args: argparse.Namespace) -> int:
         plot_path=args.plot,
         model_dir=args.model,
         setups=args.setups.split(",") if args.setups else None,
+        arrival=args.arrival,
     )
     return 0 if all("error" not in r for r in out["results"]) else 1
 
@@ -128,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--setups",
         help="comma-separated subset of vllm-router:round_robin,vllm-router:cache_aware,"
         "vllm-router:kv_aware,vllm-router:kv_aware+lmcache,kvmesh:round-robin,kvmesh:kvmesh",
+    )
+    br.add_argument(
+        "--arrival",
+        choices=["turns", "sessions"],
+        default="turns",
+        help="turns: every conversation starts at once, first turns before second ones (default); "
+        "sessions: 4 conversations active at a time, new ones starting as others end",
     )
     br.set_defaults(func=_bench_router)
 

@@ -39,7 +39,7 @@ from typing import Any
 
 from kvmesh.bench.report import print_table, write_json, write_plot
 from kvmesh.bench.router_peers import EventForwarder
-from kvmesh.bench.workload import METRICS, Workload, median_summary, replay
+from kvmesh.bench.workload import METRICS, Arrival, Workload, median_summary, replay
 from kvmesh.cluster import Replica, install_signal_handlers, start_replicas
 
 MODEL_NAME = "tiny"
@@ -81,13 +81,14 @@ class Params:
     concurrency: int
     repeats: int
     overhead_n: int
+    arrival: Arrival = "turns"
 
 
-def params(quick: bool) -> Params:
+def params(quick: bool, arrival: Arrival = "turns") -> Params:
     # quick keeps the cache pressure: 6 tenants x ~2,200 prefix tokens > 2 x 5,120 tokens
     if quick:
-        return Params(tenants=6, users=2, turns=2, concurrency=4, repeats=1, overhead_n=100)
-    return Params(tenants=12, users=2, turns=3, concurrency=4, repeats=3, overhead_n=200)
+        return Params(tenants=6, users=2, turns=2, concurrency=4, repeats=1, overhead_n=100, arrival=arrival)
+    return Params(tenants=12, users=2, turns=3, concurrency=4, repeats=3, overhead_n=200, arrival=arrival)
 
 
 # -- pure helpers (unit-tested) --------------------------------------------------------------
@@ -355,7 +356,7 @@ def run_once(
         for i in range(len(replicas)):  # the router's own first requests (short: no full block)
             _chat(url, f"router warm-up {i}")
         with tqdm(total=workload.num_requests, desc=f"  {setup.name}", unit="req", leave=False) as bar:
-            result = replay(workload, url, MODEL_NAME, p.concurrency, on_done=bar.update)
+            result = replay(workload, url, MODEL_NAME, p.concurrency, on_done=bar.update, arrival=p.arrival)
         if setup.router == "kvmesh":
             print(f"    kvmesh router: {kvmesh_router_note(url)}", flush=True)
     summary = result.summary()
@@ -386,25 +387,27 @@ def run(
     plot_path: str | None = None,
     model_dir: str | None = None,
     setups: Sequence[str] | None = None,
+    arrival: Arrival = "turns",
 ) -> dict[str, Any]:
     """Run the router benchmark; returns (and optionally writes) ``{"results",
     "overhead_ms_median", "index_lookup_p99_ms", "targets"}``. ``setups``: names from
-    :data:`SETUP_NAMES` (default: all)."""
+    :data:`SETUP_NAMES` (default: all). ``arrival``: see :func:`kvmesh.bench.workload.replay`
+    (``turns``: every conversation starts at once; ``sessions``: 4 at a time)."""
     from kvmesh.demo import ensure_model
 
     def log(msg: str) -> None:
         print(msg, flush=True)
 
     chosen = select_setups(setups)
-    p = params(quick)
+    p = params(quick, arrival)
     install_signal_handlers()
     model_dir = ensure_model(model_dir or DEFAULT_MODEL)
     workdir = tempfile.mkdtemp(prefix="kvmesh-bench-router-")
     t_start = time.monotonic()
     log(
         f"kvmesh bench router{' --quick' if quick else ''}: {len(chosen)} setups; {p.tenants} tenants x "
-        f"{p.users} users x {p.turns} turns, {p.concurrency} in flight, {p.repeats} repeat(s); 2 replicas "
-        f"x {NUM_BLOCKS} KV blocks; logs in {workdir}"
+        f"{p.users} users x {p.turns} turns, {p.concurrency} in flight ({p.arrival} arrival), "
+        f"{p.repeats} repeat(s); 2 replicas x {NUM_BLOCKS} KV blocks; logs in {workdir}"
     )
 
     runs: dict[Setup, list[dict[str, Any]]] = {s: [] for s in chosen}
@@ -471,6 +474,15 @@ def run(
         "overhead_ms_median": overhead_ms,
         "index_lookup_p99_ms": index_p99_ms,
         "targets": compute_targets(results, overhead_ms, index_p99_ms),
+        "workload": {
+            "tenants": p.tenants,
+            "users": p.users,
+            "turns": p.turns,
+            "concurrency": p.concurrency,
+            "arrival": p.arrival,
+            "repeats": p.repeats,
+            "replica_kv_blocks": NUM_BLOCKS,
+        },
     }
     log("")
     print_table([_fmt(r) for r in results], ["setup", "cache", *METRICS, "note"])
