@@ -27,6 +27,18 @@ from kvmesh.services import RedisServer
 DEFAULT_MODEL = os.path.join(".cache", "models", "tiny")
 
 
+# The router's medium weights say what a prefix block in each place saves. The defaults
+# (GPU 1.0, CPU 0.8, DISK 0.5, REMOTE 0.3) suit GPU servers, where loading a block from a
+# shared tier costs a good part of recomputing it. On this CPU machine a load is ~2-4% of a
+# recompute (`kvmesh bench ttft`: 2,000 tokens recomputed in ~1.25 s, loaded from Redis in
+# ~0.05 s), so a block any replica can load is worth nearly as much as one in its own cache,
+# and routing should mostly balance work. A deployment sets these from its own measurements.
+ROUTER_TUNING: dict[str, Any] = {
+    "medium_weights": {"GPU": 1.0, "CPU": 0.95, "DISK": 0.9, "REMOTE": 0.9},
+    "prefill_load_cost": 0.02,
+}
+
+
 def connector_config(remote_url: str, chunk_size: int = 256, cpu_gb: float = 0.5) -> dict[str, Any]:
     """The ``--kv-transfer-config`` of a kvmesh replica."""
     return {
@@ -152,6 +164,7 @@ def run(
                         ),
                         policy=policy,
                         port=0,
+                        **ROUTER_TUNING,
                     )
                     desc = f"{policy} [{repeat + 1}/{repeats}]"
                     with (
