@@ -23,6 +23,7 @@ MAX_TOKENS = 4_000_000
 MAX_WAIT_S = 3600.0
 ENGINE_PREFIX = "/kvmesh/admin/v1/"
 CONTROLLER_PREFIX = "/kvmesh/v1/"
+TOKEN_ENV = "KVMESH_ADMIN_TOKEN"  # the bearer token of both APIs, when not configured
 
 
 class _Body(BaseModel):

@@ -31,6 +31,7 @@ from kvmesh.admin.schema import (
     CONTROLLER_PREFIX,
     ENGINE_PREFIX,
     OPS,
+    TOKEN_ENV,
     BodyError,
     allowed,
     error_body,
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_BODY = 64 << 20
-TOKEN_ENV = "KVMESH_ADMIN_TOKEN"
 
 
 class AdminServer:

@@ -223,11 +223,7 @@ class RouterService:
                 self.metrics.overhead.observe(time.perf_counter() - t0)
             else:
                 self.metrics.retries.inc()
-            self._acquire(name, req)
-            # This request's prefill work queues on the replica until its first byte is back.
-            cost = prefill_cost(req, name, self.config.prefill_load_cost) if len(req.tokens) else 0.0
-            self.pool.add_prefill(name, cost)
-            settle = functools.partial(self._settle_once, name, [cost])
+            settle = self._acquire(name, req)
             sent = time.perf_counter()
             try:
                 resp = await self._upstream.post(replica.url, path, raw, headers)
@@ -257,14 +253,19 @@ class RouterService:
 
     # -- bookkeeping ---------------------------------------------------------------------------------
 
-    def _acquire(self, name: str, req: RoutingRequest) -> None:
-        self.pool.acquire(name)
+    def _acquire(self, name: str, req: RoutingRequest) -> Callable[[], None]:
+        """Count the request on ``name``; returns what settles its prefill work (callable twice:
+        at its first byte, and at its release)."""
+        # Its prefill work queues on the replica until its first byte is back.
+        cost = prefill_cost(req, name, self.config.prefill_load_cost)
+        self.pool.acquire(name, cost)
         self._child(self.metrics.in_flight, name).inc()
         ttl = self.config.speculative_ttl_s
         if ttl > 0 and len(req.tokens) and not _on_gpu(req, name, self.config.block_size):
             # Runs as soon as the proxy awaits the upstream: off the critical path.
             prompt = req.prompt if req.prompt is not None else req.tokens
             asyncio.get_running_loop().call_soon(self._speculate, name, prompt, ttl)
+        return functools.partial(self._settle_once, name, [cost])
 
     def _speculate(self, name: str, tokens: PromptKeys | TokenArray, ttl: float) -> None:
         try:

@@ -43,6 +43,7 @@ from kvmesh.admin.schema import (
     CONTROLLER_OPS,
     CONTROLLER_PREFIX,
     ENGINE_PREFIX,
+    TOKEN_ENV,
     BodyError,
     allowed,
     error_body,
@@ -58,7 +59,6 @@ if TYPE_CHECKING:
     from kvmesh.router.app import RouterService
 
 log = logging.getLogger(__name__)
-TOKEN_ENV = "KVMESH_ADMIN_TOKEN"
 URLS_ENV = "KVMESH_ADMIN_URLS"
 _TARGET_FIELDS = {"replicas", "prompt", "messages"}
 RemoteTokens = Callable[[dict[str, Any], bool], Awaitable[TokenArray]]

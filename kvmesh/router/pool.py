@@ -134,19 +134,17 @@ class Pool:
 
     # -- passive signals from the proxy -------------------------------------------------------
 
-    def acquire(self, name: str) -> None:
-        self.replicas[name].state.in_flight += 1
+    def acquire(self, name: str, prefill_tokens: float = 0.0) -> None:
+        """A request sent to ``name``, bringing ``prefill_tokens`` of prompt work (see
+        :meth:`settle_prefill`)."""
+        state = self.replicas[name].state
+        state.in_flight += 1
+        state.prefill_tokens += prefill_tokens
 
     def release(self, name: str) -> None:
         replica = self.replicas.get(name)
         if replica is not None:
             replica.state.in_flight = max(0, replica.state.in_flight - 1)
-
-    def add_prefill(self, name: str, tokens: float) -> None:
-        """``tokens`` of prompt work now queued on ``name`` (a request sent, no byte back yet)."""
-        replica = self.replicas.get(name)
-        if replica is not None:
-            replica.state.prefill_tokens += tokens
 
     def settle_prefill(self, name: str, tokens: float) -> None:
         """That work is done (its first byte came back) or gone (the request ended)."""
