@@ -161,11 +161,13 @@ def test_answers_that_end_their_connection_are_not_kept() -> None:
 
 
 def test_a_kept_connection_the_replica_closed_is_replaced_silently() -> None:
-    served: dict[int, int] = {}
+    # keyed by the writer itself (holding it), not id(w): a closed connection's writer can be
+    # collected and a new one given the same id, which made this test hang up on a fresh connection
+    served: dict[asyncio.StreamWriter, int] = {}
 
     async def first_only(r: asyncio.StreamReader, w: asyncio.StreamWriter, head: bytes, body: bytes) -> bool:
-        served[id(w)] = served.get(id(w), 0) + 1
-        if served[id(w)] > 1:
+        served[w] = served.get(w, 0) + 1
+        if served[w] > 1:
             return False  # an idle timeout racing the next request: hang up without answering
         w.write(ok(b"{}"))
         return True
