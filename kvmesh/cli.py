@@ -49,6 +49,7 @@ def _bench_router(args: argparse.Namespace) -> int:
         model_dir=args.model,
         setups=args.setups.split(",") if args.setups else None,
         arrival=args.arrival,
+        prefix_words=args.prefix_words,
     )
     return 0 if all("error" not in r for r in out["results"]) else 1
 
@@ -121,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     tt.set_defaults(func=_bench_ttft)
 
     br = bsub.add_parser("router", help="vllm-router / LMCache / kvmesh routing side by side on 2 replicas")
-    br.add_argument("--quick", action="store_true", help="6 tenants x 2 turns, 1 repeat")
+    br.add_argument("--quick", action="store_true", help="2 turns per conversation, 1 repeat")
     br.add_argument("--json", help="write results here")
     br.add_argument("--plot", help="write a PNG plot here")
     br.add_argument("--model", help="model directory (default .cache/models/tiny, built if missing)")
@@ -133,9 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument(
         "--arrival",
         choices=["turns", "sessions"],
-        default="turns",
-        help="turns: every conversation starts at once, first turns before second ones (default); "
-        "sessions: 4 conversations active at a time, new ones starting as others end",
+        default="sessions",
+        help="sessions: 4 conversations active at a time, new ones starting as others end (default); "
+        "turns: every conversation starts at once, first turns before second ones",
+    )
+    br.add_argument(
+        "--prefix-words",
+        type=int,
+        default=0,
+        help="words in each tenant's system prompt (default 250, about 1,000 tokens)",
     )
     br.set_defaults(func=_bench_router)
 

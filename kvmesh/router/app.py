@@ -196,6 +196,16 @@ class RouterService:
         if not candidates:
             return self._unavailable(path)
         decision = self.picker.pick(req, candidates)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "route %d tokens (session %s) -> %s; scores %s; parts %s; states %s",
+                len(tokens),
+                session,
+                decision.ranked,
+                decision.scores,
+                decision.parts,
+                [(r.name, r.load, r.prefill_tokens, r.kv_usage) for r in candidates],
+            )
         return await self._forward(request, path, raw, bool(body.get("stream")), decision.ranked, req, t0)
 
     async def _forward(

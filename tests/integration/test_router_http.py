@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import logging
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -122,6 +123,22 @@ def test_non_streaming_pass_through(
     resp = client.post(router.url + "/v1/chat/completions", json=chat)
     assert resp.status_code == 200 and resp.content == fakes[served_by(resp)].responses[-1]
     assert resp.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_debug_log_explains_each_decision(
+    make_router: MakeRouter, client: httpx.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    router = make_router()
+    with caplog.at_level(logging.DEBUG, logger="kvmesh.router.app"):
+        body = {"model": "tiny", "prompt": words(2, 40), "max_tokens": 2}
+        resp = client.post(router.url + "/v1/completions", json=body, headers={"x-session-id": "s-7"})
+        assert resp.status_code == 200
+        wait_for(lambda: any("route " in r.getMessage() for r in caplog.records))
+    line = next(r.getMessage() for r in caplog.records if "route " in r.getMessage())
+    assert "(session s-7)" in line
+    assert f"-> ['{served_by(resp)}'" in line  # the ranking, winner first
+    for scorer in ("prefix", "queue", "kv_util", "session", "prefill"):
+        assert f"'{scorer}'" in line
 
 
 def test_streaming_arrives_chunk_by_chunk(

@@ -44,13 +44,16 @@ def test_every_run_gets_its_own_seed() -> None:
 
 
 def test_quick_keeps_cache_pressure() -> None:
-    # each tenant prefix is ~2,200 tokens; 2 replicas hold 2 x 40 x 128 tokens
+    # a tenant prefix is ~4 tokens per word; 2 replicas hold 2 x 40 x 128 tokens
     for quick in (True, False):
         p = router.params(quick)
-        assert p.tenants * 2200 > 2 * router.NUM_BLOCKS * 128
+        assert p.tenants * p.prefix_words * 4 > 2 * router.NUM_BLOCKS * 128
+        assert p.arrival == "sessions"
     full = router.params(False)
     assert (full.tenants, full.users, full.turns, full.concurrency) == (12, 2, 3, 4)
     assert router.params(True).repeats == 1
+    assert router.params(False, "turns", 600).prefix_words == 600
+    assert router.params(False, "turns", 600).arrival == "turns"
 
 
 def test_aggregate_takes_medians_and_counts_failed_requests() -> None:
