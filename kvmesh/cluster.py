@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -53,10 +54,16 @@ def stop_process(proc: subprocess.Popen[Any], timeout: float = 15.0) -> None:
         _LIVE.remove(proc)
 
 
-def spawn(args: list[str], env: dict[str, str], log_path: str | None = None) -> subprocess.Popen[bytes]:
-    """Start ``args`` in a new process group, tracked for cleanup."""
+def spawn(
+    args: list[str], env: dict[str, str], log_path: str | None = None, cpus: set[int] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``args`` in a new process group, tracked for cleanup; ``cpus``: the cores it and
+    every process it starts may run on (default: any)."""
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
-    proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    pin = None if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus)
+    proc = subprocess.Popen(
+        args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin
+    )
     _LIVE.append(proc)
     return proc
 
@@ -98,6 +105,10 @@ class Replica:
     max_model_len: int = 4096
     log_path: str | None = None
     env_extra: dict[str, str] = field(default_factory=dict)
+    # With ``cpu``: run every process of the replica (API server, engine core, worker) on that
+    # core, not only the worker's compute thread. vLLM's engine core busy-polls while the
+    # replica is active; unpinned, it takes CPU from the other replicas' workers.
+    pin_process: bool = False
     proc: subprocess.Popen[bytes] | None = None
 
     def __post_init__(self) -> None:
@@ -133,7 +144,8 @@ class Replica:
         return args
 
     def start(self) -> Replica:
-        self.proc = spawn(self.command(), vllm_env(self.cpu, self.env_extra), self.log_path)
+        cpus = {self.cpu} if self.pin_process and self.cpu is not None else None
+        self.proc = spawn(self.command(), vllm_env(self.cpu, self.env_extra), self.log_path, cpus)
         return self
 
     def wait_ready(self, timeout: float = 600.0) -> None:

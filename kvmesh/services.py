@@ -5,6 +5,7 @@ Everything listens on loopback only.
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import socket
@@ -25,10 +26,21 @@ def drop_page_cache() -> bool:
         return False
 
 
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=256)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on now, and not one this process handed out recently:
+    services are often given several ports before any of them binds, and the kernel may offer
+    a port again until someone binds it (two LMCache servers once got each other's ports)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            break
+    _HANDED_OUT.append(port)
+    return port
 
 
 def wait_for_port(port: int, timeout: float = 10.0, host: str = "127.0.0.1") -> None:

@@ -1,7 +1,9 @@
 """``kvmesh bench router``: routers side by side on one multi-tenant chat workload.
 
-Two vLLM replicas (one core each, their own KV cache capped at ``num_blocks`` blocks, so one
-replica holds only a few of the tenants' prefixes) serve the same workload shape
+Two vLLM replicas (one core each: every process of a replica is pinned to its core, since
+vLLM's engine core busy-polls and would otherwise take CPU from the other replica's worker;
+their own KV cache capped at ``num_blocks`` blocks, so one replica holds only a few of the
+tenants' prefixes) serve the same workload shape
 (:meth:`Workload.multi_tenant`: tenants with a long shared system prompt, users in
 multi-turn conversations, several requests in flight) through each setup:
 
@@ -295,6 +297,7 @@ def replica_group(
                 log_path=os.path.join(workdir, f"{cache}-replica{i}.log"),
                 env_extra=env_extra,
                 extra_args=list(REPLICA_ARGS),
+                pin_process=True,
             )
             for i in range(2)
         ]

@@ -8,6 +8,7 @@ answers its health check. The command builders are pure and unit-tested.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -207,7 +208,7 @@ class _Service:
             try:
                 if self._ready():
                     return self
-            except OSError:
+            except (OSError, http.client.HTTPException):  # not listening yet, or not HTTP there yet
                 pass
             if time.monotonic() > deadline:
                 self.stop()

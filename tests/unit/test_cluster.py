@@ -1,0 +1,69 @@
+"""Process helpers of kvmesh.cluster: pinning a process tree to cores (real processes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvmesh.cluster import Replica, spawn
+
+CHILD = "import os, sys; print(sorted(os.sched_getaffinity(0)), flush=True); sys.stdin.read()"
+
+
+def _allowed(pid: int) -> set[int]:
+    return set(os.sched_getaffinity(pid))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to tell pinned from not")
+def test_spawn_pins_the_process_and_what_it_starts() -> None:
+    core = max(os.sched_getaffinity(0))
+    # the parent starts a grandchild, as vLLM's API server starts its engine core and worker
+    script = (
+        "import subprocess, sys; "
+        f"c = subprocess.Popen([sys.executable, '-c', {CHILD!r}], stdin=subprocess.PIPE); "
+        "print(c.pid, flush=True); sys.stdin.read()"
+    )
+    proc = spawn([sys.executable, "-c", script], dict(os.environ), cpus={core})
+    try:
+        assert _allowed(proc.pid) == {core}
+        out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True, timeout=10)
+        for _ in range(50):
+            if out.stdout.strip():
+                break
+            out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True, timeout=10)
+        child = int(out.stdout.split()[0])
+        assert _allowed(child) == {core}
+    finally:
+        proc.kill()
+        proc.wait()
+    free = spawn([sys.executable, "-c", "import sys; sys.stdin.read()"], dict(os.environ))
+    try:
+        assert _allowed(free.pid) == set(os.sched_getaffinity(0))  # not pinned unless asked
+    finally:
+        free.kill()
+        free.wait()
+
+
+def test_replica_pins_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[set[int] | None] = []
+
+    def fake_spawn(
+        args: list[str], env: dict[str, str], log_path: str | None = None, cpus: set[int] | None = None
+    ) -> None:
+        seen.append(cpus)
+        assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+
+    monkeypatch.setattr("kvmesh.cluster.spawn", fake_spawn)
+    Replica("model", cpu=1).start()
+    Replica("model", cpu=1, pin_process=True).start()
+    assert seen == [None, {1}]
+
+
+def test_free_ports_are_not_handed_out_twice() -> None:
+    from kvmesh.services import free_port
+
+    ports = [free_port() for _ in range(64)]
+    assert len(set(ports)) == len(ports)
