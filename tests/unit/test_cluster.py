@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+import time
 
 import pytest
 
@@ -15,6 +15,24 @@ CHILD = "import os, sys; print(sorted(os.sched_getaffinity(0)), flush=True); sys
 
 def _allowed(pid: int) -> set[int]:
     return set(os.sched_getaffinity(pid))
+
+
+def _first_child(parent: int, timeout_s: float = 10.0) -> int:
+    """The pid of a process whose parent is ``parent`` (read from /proc; no pgrep needed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat[stat.rfind(")") + 2 :].split()[1]) == parent:
+                return int(entry)
+        time.sleep(0.05)
+    raise TimeoutError(f"process {parent} started no child")
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to tell pinned from not")
@@ -29,12 +47,7 @@ def test_spawn_pins_the_process_and_what_it_starts() -> None:
     proc = spawn([sys.executable, "-c", script], dict(os.environ), cpus={core})
     try:
         assert _allowed(proc.pid) == {core}
-        out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True, timeout=10)
-        for _ in range(50):
-            if out.stdout.strip():
-                break
-            out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True, timeout=10)
-        child = int(out.stdout.split()[0])
+        child = _first_child(proc.pid)
         assert _allowed(child) == {core}
     finally:
         proc.kill()
