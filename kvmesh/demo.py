@@ -1,14 +1,15 @@
 """``kvmesh demo``: two vLLM replicas with the kvmesh connector behind the kvmesh router.
 
 It builds the tiny model if missing, starts Redis (or uses a shared directory when
-redis-server is not installed) as the shared tier, starts two vLLM replicas — one core
-each, their own KV cache capped at about three quarters of the workload's (200 blocks of 128
-tokens against ~264), so one replica cannot hold every tenant but the two together can when
-each tenant stays on one — with the
-kvmesh connector and KV events, then runs the same multi-tenant workload per policy
-(``repeats`` times, alternating the order) through the router and compares the medians of
-prefix hit rate, TTFT and throughput. Every run gets its own tenant texts (same shape), so
-no run profits from the one before. Every process it started is stopped on exit or Ctrl-C.
+redis-server is not installed) as the shared tier, and starts two vLLM replicas with the
+kvmesh connector and KV events. Each replica gets one core (every process of it pinned
+there, as in ``kvmesh bench router``) and its own KV cache capped at about three quarters
+of the workload's (200 blocks of 128 tokens against ~264), so one replica cannot hold every
+tenant but the two together can when each tenant stays on one. It then runs the same
+multi-tenant workload per policy (``repeats`` times, alternating the order) through the
+router and compares the medians of prefix hit rate, TTFT and throughput. Every run gets its
+own tenant texts (same shape), so no run profits from the one before. Every process it
+started is stopped on exit or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -143,6 +144,7 @@ def run(
                 kv_transfer=connector_config(remote_url),
                 events_ipc=f"ipc://{os.path.abspath(workdir)}/events{i}.sock",
                 log_path=os.path.join(workdir, f"replica{i}.log"),
+                pin_process=True,
             )
             for i in range(2)
         ]

@@ -232,6 +232,7 @@ async def _replay(
             async with sem:
                 await turns(conv, per_turn=False)
 
+        await _warm(client, url, concurrency)
         t0 = time.perf_counter()
         if arrival == "sessions":
             await asyncio.gather(*(session(c) for c in workload.conversations))
@@ -239,6 +240,15 @@ async def _replay(
             await asyncio.gather(*(turns(c, per_turn=True) for c in workload.conversations))
         result.wall_s = time.perf_counter() - t0
     return result
+
+
+async def _warm(client: httpx.AsyncClient, url: str, n: int) -> None:
+    """Open the client's connections before the clock starts: httpx's first request on a
+    new client carries its own set-up (tens of ms, more on a busy machine), which would
+    otherwise land on the first requests' TTFT for every setup alike. ``GET /v1/models``
+    touches no engine; whatever it answers, the connection is open."""
+    with contextlib.suppress(httpx.HTTPError):
+        await asyncio.gather(*(client.get(url + "/v1/models") for _ in range(n)))
 
 
 def replay(
@@ -259,3 +269,31 @@ def replay(
     requests, so all first turns come before any second turn.
     """
     return asyncio.run(_replay(workload, url, model, concurrency, on_done, arrival))
+
+
+async def _idle_ttfts(workload: Workload, url: str, model: str, n: int) -> list[float]:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+        await _warm(client, url, 1)
+        out = []
+        for conv in workload.conversations[:n]:
+            messages = [
+                {"role": "system", "content": conv.system},
+                {"role": "user", "content": conv.questions[0]},
+            ]
+            sample, _ = await _one(client, url, model, messages, conv.session_id, workload.max_tokens)
+            if not sample.ok:
+                raise RuntimeError(f"a lone first turn failed: {sample.error}")
+            out.append(sample.ttft_s)
+    return out
+
+
+def idle_ttfts(workload: Workload, url: str, model: str, n: int = 8) -> list[float]:
+    """TTFTs of the first turns of ``workload``'s first ``n`` conversations, sent one at a
+    time: each a full miss (a new tenant's system prompt) on a server doing nothing else.
+
+    A physical floor for the replayed workload's TTFT p90: whenever more than a tenth of its
+    requests are first-touch misses (``tenants / num_requests > 0.1``), its p90 cannot be
+    below the fastest of them, and each costs at least this much with nothing in its way.
+    Give it a workload of its own (its own seed), so no cache already holds its prompts.
+    """
+    return asyncio.run(_idle_ttfts(workload, url, model, n))

@@ -72,7 +72,7 @@ class Weights(BaseModel):
     queue: float = Field(default=1.0, ge=0)
     kv_util: float = Field(default=0.5, ge=0)
     session: float = Field(default=0.5, ge=0)
-    prefill: float = Field(default=3.0, ge=0)
+    prefill: float = Field(default=8.0, ge=0)
 
 
 class MediumWeights(BaseModel):

@@ -186,3 +186,29 @@ def test_event_forwarder_republishes_on_loopback() -> None:
             pub.close(0)
             sub.close(0)
             ctx.term()
+
+
+def test_idle_miss_floor_splits_lone_first_turns_over_both_replicas() -> None:
+    from typing import Any, cast
+
+    from kvmesh.router.testing import FakeVLLM
+
+    fakes = [FakeVLLM("a").start(), FakeVLLM("b").start()]
+    try:
+        for f in fakes:
+            f.delay_s = 0.03
+        lines: list[str] = []
+        floor = router.measure_idle_miss(cast(Any, fakes), router.params(True), "kvmesh", lines.append)
+        assert floor >= 0.03
+        counts = [sum(path == "/v1/chat/completions" for path, _, _ in f.requests) for f in fakes]
+        assert counts == [router.IDLE_MISSES // 2] * 2
+        assert lines and "idle-miss TTFT" in lines[0]
+    finally:
+        for f in fakes:
+            f.stop()
+
+
+def test_idle_miss_prompts_differ_by_group_and_from_every_run() -> None:
+    seeds = {router.floor_seed(c) for c in router.GROUPS}
+    assert len(seeds) == len(router.GROUPS)
+    assert not seeds & {run_seed(s, r) for s in SETUPS for r in range(10)}
