@@ -8,9 +8,11 @@ import time
 
 import pytest
 
-from kvmesh.cluster import Replica, spawn
+from kvmesh.cluster import Replica, spawn, stop_process
 
-CHILD = "import os, sys; print(sorted(os.sched_getaffinity(0)), flush=True); sys.stdin.read()"
+# Sleep rather than read stdin: the test runner's stdin may be /dev/null (CI, nohup), and a
+# parent that exits at once leaves its child to init before the test can find it.
+CHILD = "import time; time.sleep(120)"
 
 
 def _allowed(pid: int) -> set[int]:
@@ -41,8 +43,8 @@ def test_spawn_pins_the_process_and_what_it_starts() -> None:
     # the parent starts a grandchild, as vLLM's API server starts its engine core and worker
     script = (
         "import subprocess, sys; "
-        f"c = subprocess.Popen([sys.executable, '-c', {CHILD!r}], stdin=subprocess.PIPE); "
-        "print(c.pid, flush=True); sys.stdin.read()"
+        f"c = subprocess.Popen([sys.executable, '-c', {CHILD!r}]); "
+        "import time; time.sleep(120)"
     )
     proc = spawn([sys.executable, "-c", script], dict(os.environ), cpus={core})
     try:
@@ -50,14 +52,12 @@ def test_spawn_pins_the_process_and_what_it_starts() -> None:
         child = _first_child(proc.pid)
         assert _allowed(child) == {core}
     finally:
-        proc.kill()
-        proc.wait()
-    free = spawn([sys.executable, "-c", "import sys; sys.stdin.read()"], dict(os.environ))
+        stop_process(proc)  # the whole process group: the grandchild too
+    free = spawn([sys.executable, "-c", CHILD], dict(os.environ))
     try:
         assert _allowed(free.pid) == set(os.sched_getaffinity(0))  # not pinned unless asked
     finally:
-        free.kill()
-        free.wait()
+        stop_process(free)
 
 
 def test_replica_pins_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
