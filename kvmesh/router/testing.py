@@ -86,7 +86,8 @@ class FakeVLLM:
     Settable at any time: ``waiting``, ``running``, ``kv_usage`` (the scraped gauges),
     ``healthy`` (``/health`` answers 503 when False), ``delay_s`` (before answering),
     ``chunks`` (SSE chunks per streamed answer), ``chunk_delay_s`` (between them),
-    ``abort_after_chunks`` (cut the connection after that many chunks, like a crash).
+    ``abort_after_chunks`` (cut the connection after that many chunks, like a crash),
+    ``gauges`` (False: ``/metrics`` without vLLM's gauges; ``metrics_requests`` counts scrapes).
     ``requests`` holds ``(path, raw body, headers)``; ``responses`` the bytes sent back.
     """
 
@@ -101,6 +102,8 @@ class FakeVLLM:
         self.chunks = 3
         self.chunk_delay_s = 0.0
         self.abort_after_chunks: int | None = None  # drop the connection mid-stream (a crash)
+        self.gauges = True  # False: /metrics without vLLM's gauges (--disable-log-stats)
+        self.metrics_requests = 0
         self.requests: list[tuple[str, bytes, dict[str, str]]] = []
         self.responses: list[bytes] = []
         self._port = port
@@ -230,6 +233,9 @@ class FakeVLLM:
         return web.Response(status=200 if self.healthy else 503)
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        self.metrics_requests += 1
+        if not self.gauges:  # like vLLM started with --disable-log-stats
+            return web.Response(text="# TYPE process_cpu_seconds_total counter\n", content_type="text/plain")
         labels = f'{{engine="0",model_name="{self.model}"}}'
         lines = [
             "# HELP vllm:num_requests_running Number of requests in model execution batches.",

@@ -447,3 +447,25 @@ def test_replica_dying_mid_stream_ends_the_stream_with_an_error_event(
     assert (
         'kvmesh_router_errors_total{kind="upstream_broken"} 1.0' in client.get(router.url + "/metrics").text
     )
+
+
+def test_a_replica_without_load_gauges_is_scraped_less_often(
+    make_router: MakeRouter, fakes: dict[str, FakeVLLM]
+) -> None:
+    """vLLM with --disable-log-stats serves a /metrics page without its gauges: each scrape
+    costs its API server CPU for nothing, so the router backs off, and resumes when they return."""
+    fakes["b"].gauges = False
+    fakes["a"].waiting = 3.0
+    router = make_router()  # scrapes every 0.05 s
+    states = router.service.pool.replicas
+    wait_for(lambda: states["a"].state.waiting == 3.0)
+    start = {n: f.metrics_requests for n, f in fakes.items()}
+    time.sleep(1.0)
+    got = {n: f.metrics_requests - start[n] for n, f in fakes.items()}
+    assert got["a"] >= 10, got  # ~20 at 0.05 s
+    assert got["b"] <= 2, got  # backed off to every 20 intervals (1 s)
+    fakes["b"].gauges, fakes["b"].waiting = True, 5.0
+    wait_for(lambda: states["b"].state.waiting == 5.0, timeout_s=3.0)
+    start_b = fakes["b"].metrics_requests
+    time.sleep(0.5)
+    assert fakes["b"].metrics_requests - start_b >= 5  # back to the normal pace
