@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import tempfile
 import time
 import urllib.error
@@ -395,14 +396,12 @@ def measure_idle_miss(
     p90 here. 12 of the 72 requests are such first-touch misses, no cache can serve them,
     and the p90 is at least the fifth-fastest of them; under load each is slower than alone.
     Stores the prompts in whatever cache the group has; the runs reset and reseed."""
-    import statistics
-
     workload = Workload.multi_tenant(IDLE_MISSES, 1, 1, prefix_words=p.prefix_words, seed=floor_seed(cache))
     half = IDLE_MISSES // 2
     ttfts: list[float] = []
     for i, replica in enumerate(replicas[:2]):
         part = Workload(workload.conversations[i * half : (i + 1) * half], workload.max_tokens)
-        ttfts += idle_ttfts(part, replica.url, MODEL_NAME, half)
+        ttfts += idle_ttfts(part, replica.url, MODEL_NAME)
     floor = round(statistics.median(ttfts), 4)
     log(f"  idle-miss TTFT (lone first turns, no router): median {floor} s, min {min(ttfts):.4f} s")
     return floor

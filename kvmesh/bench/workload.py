@@ -271,11 +271,11 @@ def replay(
     return asyncio.run(_replay(workload, url, model, concurrency, on_done, arrival))
 
 
-async def _idle_ttfts(workload: Workload, url: str, model: str, n: int) -> list[float]:
+async def _idle_ttfts(workload: Workload, url: str, model: str) -> list[float]:
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
         await _warm(client, url, 1)
         out = []
-        for conv in workload.conversations[:n]:
+        for conv in workload.conversations:
             messages = [
                 {"role": "system", "content": conv.system},
                 {"role": "user", "content": conv.questions[0]},
@@ -287,13 +287,9 @@ async def _idle_ttfts(workload: Workload, url: str, model: str, n: int) -> list[
     return out
 
 
-def idle_ttfts(workload: Workload, url: str, model: str, n: int = 8) -> list[float]:
-    """TTFTs of the first turns of ``workload``'s first ``n`` conversations, sent one at a
-    time: each a full miss (a new tenant's system prompt) on a server doing nothing else.
-
-    A physical floor for the replayed workload's TTFT p90: whenever more than a tenth of its
-    requests are first-touch misses (``tenants / num_requests > 0.1``), its p90 cannot be
-    below the fastest of them, and each costs at least this much with nothing in its way.
-    Give it a workload of its own (its own seed), so no cache already holds its prompts.
-    """
-    return asyncio.run(_idle_ttfts(workload, url, model, n))
+def idle_ttfts(workload: Workload, url: str, model: str) -> list[float]:
+    """TTFTs of the first turns of ``workload``'s conversations, sent one at a time: with one
+    conversation per tenant, each is a full miss on a server doing nothing else (the floor
+    of a replay's TTFT; see :func:`kvmesh.bench.router.measure_idle_miss`). Give it a
+    workload of its own (its own seed), so no cache already holds its prompts."""
+    return asyncio.run(_idle_ttfts(workload, url, model))

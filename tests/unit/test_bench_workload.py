@@ -46,8 +46,8 @@ def test_replay_of_a_dead_server_reports_errors_not_a_crash() -> None:
 
 def test_idle_ttfts_sends_new_tenants_first_turns_one_at_a_time(fake: FakeVLLM) -> None:
     fake.delay_s = 0.05
-    wl = Workload.multi_tenant(tenants=4, users=2, turns=3, prefix_words=20, seed=3)
-    ttfts = idle_ttfts(wl, fake.url, "tiny", n=3)
+    wl = Workload.multi_tenant(tenants=3, users=1, turns=3, prefix_words=20, seed=3)
+    ttfts = idle_ttfts(wl, fake.url, "tiny")
     assert len(ttfts) == 3 and all(t >= 0.05 for t in ttfts)
     bodies = [json.loads(raw) for path, raw, _ in fake.requests if path == "/v1/chat/completions"]
     assert len(bodies) == 3
@@ -59,4 +59,4 @@ def test_idle_ttfts_sends_new_tenants_first_turns_one_at_a_time(fake: FakeVLLM) 
 def test_idle_ttfts_raises_when_a_request_fails(fake: FakeVLLM) -> None:
     wl = Workload.multi_tenant(tenants=1, users=1, turns=1, prefix_words=5, seed=4)
     with pytest.raises(RuntimeError, match="lone first turn failed"):
-        idle_ttfts(wl, fake.url, "not-the-model", n=1)
+        idle_ttfts(wl, fake.url, "not-the-model")
