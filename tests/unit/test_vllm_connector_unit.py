@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -326,6 +327,7 @@ def test_worker_save_then_load_into_other_blocks(worker: WorkerSide) -> None:
     tokens = list(range(1000, 1000 + 1025))
     src = list(range(0, 9))
     worker.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", tokens[:1024], src[:8], 0, list(range(8)))]))
+    assert worker.wait_for_writes(10)  # the saver thread finishes the save
     assert worker.engine.lookup(tokens) == 1024
     assert worker.lookup("b", 1, tokens[:1024]) == 1024
     assert worker.engine.stats()["cpu"]["pinned"] == 4
@@ -340,9 +342,48 @@ def test_worker_save_then_load_into_other_blocks(worker: WorkerSide) -> None:
     assert stats["loads"] == 1 and stats["load_tokens"] == 1024 - 128 and stats["saved_tokens"] == 1024
 
 
+def test_worker_save_keeps_the_kv_of_its_step_when_the_blocks_are_reused(worker: WorkerSide) -> None:
+    """The saver thread finishes a save after its step: what it stores must be the KV the
+    step computed, even if the next forward overwrites those blocks first."""
+    gate = threading.Event()
+    worker._saver.submit(gate.wait, 0)  # hold the saver so the save below stays queued
+    tokens = list(range(3000, 3000 + 512))
+    src = [0, 1, 2, 3]
+    want = [layer[src].clone() for layer in worker.layers]
+    worker.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", tokens, src, 0)]))
+    for layer in worker.layers:
+        layer[src] = torch.randn_like(layer[src])  # the next step reuses the blocks
+    gate.set()
+    assert worker.wait_for_writes(10)
+    assert worker.lookup("b", 1, tokens) == 512
+    dst = [10, 11, 12, 13]
+    worker.start_step(KVMeshConnectorMetadata(loads=[LoadSpec("b", 1, tokens, dst, 0)]))
+    assert worker.take_load_errors() == set()
+    for layer, before in zip(worker.layers, want, strict=True):
+        assert torch.equal(layer[dst], before)
+
+
+def test_worker_save_copies_only_the_chunks_the_pool_lacks(worker: WorkerSide) -> None:
+    tokens = list(range(4000, 4000 + 768))
+    worker.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", tokens[:512], [0, 1, 2, 3], 0)]))
+    assert worker.wait_for_writes(10)
+    # A follow-up re-sends the first two chunks from other blocks holding other KV: the pool
+    # keeps its copies and only the third chunk is new.
+    worker.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("b", tokens, [6, 7, 8, 9, 4, 5], 0)]))
+    assert worker.wait_for_writes(10)
+    assert worker.stats()["connector"]["saved_tokens"] == 768
+    with worker.engine.retrieve_chunks(np.asarray(tokens), max_tokens=768) as chunks:
+        got = [c.kv.clone() for c in chunks]
+    reference = torch.empty_like(got[0])
+    for i, blocks in enumerate([[0, 1], [2, 3], [4, 5]]):
+        paged_to_chunk(worker.layers, blocks, reference)
+        assert torch.equal(got[i], reference)
+
+
 def test_worker_events_use_vllm_hashes(worker: WorkerSide) -> None:
     tokens = list(range(5000, 5000 + 512))
     worker.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", tokens, [0, 1, 2, 3], 0, [11, 12, 13, 14])]))
+    assert worker.wait_for_writes(10)  # the saver thread finishes the save
     events = worker.events.take()
     assert events == [
         BlockStored(
@@ -361,6 +402,7 @@ def test_worker_events_use_vllm_hashes(worker: WorkerSide) -> None:
 def test_worker_failed_load_reports_blocks_and_saves_nothing_after_them(worker: WorkerSide) -> None:
     tokens = list(range(7000, 7000 + 1025))
     worker.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", tokens[:1024], list(range(8)), 0)]))
+    assert worker.wait_for_writes(10)  # the saver thread finishes the save
     assert worker.lookup("b", 1, tokens[:1024]) == 1024
     # Chunk 2 vanishes between lookup and load (a pin does not survive a forced clear).
     key = worker.engine.keys.keys(tokens[:768])[2]
@@ -372,6 +414,7 @@ def test_worker_failed_load_reports_blocks_and_saves_nothing_after_them(worker: 
     worker.start_step(meta)
     assert worker.take_load_errors() == set(dst[4:])  # tokens 512.. (chunk 2 on) were not loaded
     worker.end_step(meta)  # what the forward computed from 512 on used bad KV: not saved
+    assert worker.wait_for_writes(10)  # the saver thread finishes the save
     assert worker.engine.lookup(tokens[:1024]) == 512
     assert worker.stats()["connector"]["load_failures"] == 1
     assert worker.engine.stats()["cpu"]["pinned"] == 0
@@ -380,6 +423,7 @@ def test_worker_failed_load_reports_blocks_and_saves_nothing_after_them(worker: 
 def test_worker_release_ignores_an_older_lookup(worker: WorkerSide) -> None:
     tokens = list(range(1, 600))
     worker.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", tokens[:512], [0, 1, 2, 3], 0)]))
+    assert worker.wait_for_writes(10)  # the saver thread finishes the save
     worker.lookup("r", 1, tokens[:512])
     worker.lookup("r", 2, tokens[:512])  # replaces lookup 1 (its pins released)
     assert worker.engine.stats()["cpu"]["pinned"] == 2
@@ -543,6 +587,7 @@ def test_worker_tail_save_and_load_reproduce_the_kv() -> None:
         tokens = list(range(7000, 7000 + 600))
         src = [0, 1, 2, 3, 4]
         w.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", tokens, src, 0)]))
+        assert w.wait_for_writes(10)  # the saver thread finishes the save
         assert engine.lookup(tokens) == 600
         assert w.lookup("b", 1, tokens) == 600
         dst = [10, 11, 12, 13, 14]

@@ -2,10 +2,13 @@
 worker process, answers the scheduler's lookups, and moves KV between the paged cache and
 kvmesh.
 
-Loads are synchronous (done in ``start_load_kv``, before the forward that needs them);
-saves gather each step's newly computed prompt chunks once, in ``wait_for_save``, after
-every layer has written its KV. ``store_with`` copies them into the engine's pool and
-queues the disk / remote writes, so the forward pass never waits on I/O.
+Loads are synchronous (done in ``start_load_kv``, before the forward that needs them).
+Saves happen once per step, in ``wait_for_save``, after every layer has written its KV,
+and in two halves: the step itself only snapshots the blocks of the newly computed prompt
+chunks that the pool lacks (one contiguous gather per layer; the next forward may
+overwrite those blocks); the saver thread (saver.py) then copies them into the engine's
+pool, queues the disk / remote writes and announces them. A new prompt's first token thus
+waits neither on I/O nor on the pool copy.
 
 A chunk that cannot be loaded (evicted despite the pin, corrupt, tier down) turns its
 blocks into "load errors": vLLM then recomputes from the first of them (connector policy
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +34,7 @@ from kvmesh.core.keys import as_token_array
 from kvmesh.integrations.vllm.metadata import KVMeshConnectorMetadata, LoadSpec, SaveSpec
 from kvmesh.integrations.vllm.paged import chunk_to_paged, paged_to_chunk
 from kvmesh.integrations.vllm.rpc import Handler
+from kvmesh.integrations.vllm.saver import BackgroundSaver
 from kvmesh.integrations.vllm.tracker import EventTracker
 
 log = logging.getLogger(__name__)
@@ -54,7 +59,8 @@ class WorkerSide:
         self._ledger: dict[str, tuple[int, np.ndarray]] = {}  # req -> (lookup seq, pinned tokens)
         self._load_errors: set[int] = set()
         self._failed_at: dict[str, int] = {}  # this step: req -> first token whose KV is bad
-        self._in_kvmesh: dict[str, int] = {}  # req -> leading tokens known to be in kvmesh
+        self._in_kvmesh: dict[str, int] = {}  # req -> leading tokens loaded from kvmesh
+        self._saver = BackgroundSaver()
         # The admin HTTP API (on unless admin_enabled is false); rank r listens on admin_port + r.
         self.admin: AdminServer | None = start_admin(
             engine,
@@ -101,15 +107,25 @@ class WorkerSide:
         with self._lock:
             connector = dict(self.counters)
             connector["pinned_requests"] = len(self._ledger)
+        connector["save_queue"] = self._saver.pending
+        connector["save_failures"] = self._saver.failed
+        connector["save_waits"] = self._saver.waits
         return {"engine": self.engine.stats(), "connector": connector}
 
     def clear(self, tier: str | None = None, force: bool = False) -> dict[str, int]:
+        self._saver.drain()  # a save still in flight would land after the clear
         out = self.engine.clear(tier, force=force)
         self.events.resync()
         return out
 
     def wait_for_writes(self, timeout: float | None = None) -> bool:
-        return self.engine.wait_for_writes(timeout)
+        """Block until every save handed over so far is in the pool and its tier writes
+        have landed. ``False`` on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._saver.drain(timeout):
+            return False
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self.engine.wait_for_writes(left)
 
     # -- one engine step (worker process) ------------------------------------------------
     def start_step(self, meta: KVMeshConnectorMetadata) -> None:
@@ -167,6 +183,8 @@ class WorkerSide:
             self._failed_at.clear()
 
     def _save(self, spec: SaveSpec) -> None:
+        """Snapshot the blocks of the chunks to save (the next forward may overwrite them
+        once this step ends) and let the saver thread store them."""
         cs, bs = self.chunk_size, self.block_size
         end = len(spec.token_ids)
         bad = self._failed_at.get(spec.req_id)
@@ -176,20 +194,33 @@ class WorkerSide:
         if end <= skip:
             return
         arr = _tokens(spec.token_ids[:end])
-        ids = spec.block_ids
-
-        def fill(s: int, e: int, out: torch.Tensor) -> None:
-            paged_to_chunk(self.layers, ids[s // bs : -(-e // bs)], out)
-
         first = skip // cs
         keys = self.engine.keys.keys_for_array(arr)[first:]
-        before = self.engine.cpu.contains(keys)
-        try:
-            stored = self.engine.store_with(arr, fill, skip_tokens=skip)
-        except Exception:
-            log.exception("kvmesh: saving request %s failed (a cache miss later, nothing worse)", spec.req_id)
+        held = self.engine.cpu.contains(keys)
+        if all(held):
             return
-        self._in_kvmesh[spec.req_id] = max(self._in_kvmesh.get(spec.req_id, 0), stored)
+        # From the first chunk the pool lacks: a follow-up's prompt mostly re-sends chunks
+        # that are already there, and those need no copy.
+        start = (first + held.index(False)) * cs
+        b0 = start // bs
+        ids = torch.as_tensor(spec.block_ids[b0 : -(-end // bs)], dtype=torch.long)
+        snapshot = [layer.index_select(0, ids) for layer in self.layers]
+        nbytes = sum(t.numel() * t.element_size() for t in snapshot)
+        self._saver.submit(lambda: self._store(spec, arr, start, snapshot), nbytes)
+
+    def _store(self, spec: SaveSpec, arr: np.ndarray, start: int, snapshot: list[torch.Tensor]) -> None:
+        """The saver thread's half of a save: chunks ``start..len(arr)`` from ``snapshot``
+        (the blocks from ``start // block_size`` on) into the pool, then their events."""
+        cs, bs = self.chunk_size, self.block_size
+        b0 = start // bs
+
+        def fill(s: int, e: int, out: torch.Tensor) -> None:
+            paged_to_chunk(snapshot, list(range(s // bs - b0, -(-e // bs) - b0)), out)
+
+        first = start // cs
+        keys = self.engine.keys.keys_for_array(arr)[first:]
+        before = self.engine.cpu.contains(keys)
+        stored = self.engine.store_with(arr, fill, skip_tokens=start)
         new = [i for i in range(len(keys)) if not before[i] and (first + i + 1) * cs <= stored]
         with self._lock:
             self.counters["saves"] += 1
@@ -215,5 +246,6 @@ class WorkerSide:
     def close(self, timeout: float = 10.0) -> None:
         if self.admin is not None:
             self.admin.stop()
+        self._saver.close(timeout)
         self.events.close()
         self.engine.close(timeout)

@@ -1,0 +1,109 @@
+"""A background thread that finishes the worker's saves after the step that computed them.
+
+``wait_for_save`` runs inside vLLM's step, before the step's tokens are sampled and sent: a
+new prompt's time to first token includes it. The worker therefore does only what must
+happen before the next forward can overwrite the blocks — one contiguous gather of the
+blocks to save, per layer — and hands the rest (the transposing copy into the pool, the
+pool insert, the write-behind submission, the events) to this thread.
+
+Bounded: jobs hold their block snapshots until done, and a submit that would take the
+pending bytes over ``max_pending_bytes`` waits for the thread to catch up (nothing is
+dropped). The thread runs at a lower CPU priority (``nice``) than the process: on a busy
+core the step's own work goes first.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING_BYTES = 256 << 20
+NICE = 5  # added to the thread's niceness (Linux: per thread)
+
+
+class BackgroundSaver:
+    def __init__(self, max_pending_bytes: int = MAX_PENDING_BYTES, nice: int = NICE) -> None:
+        self.max_pending_bytes = max_pending_bytes
+        self._nice = nice
+        self._cond = threading.Condition()
+        self._jobs: collections.deque[tuple[Callable[[], None], int]] = collections.deque()
+        self._pending_bytes = 0
+        self._busy = False
+        self._closed = False
+        self.done = 0
+        self.failed = 0
+        self.waits = 0  # submits that had to wait for room
+        self._thread = threading.Thread(target=self._run, name="kvmesh-save", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._jobs) + self._busy
+
+    def submit(self, job: Callable[[], None], nbytes: int) -> None:
+        """Queue ``job``; waits while the queue holds more than ``max_pending_bytes`` (a
+        single job larger than that still goes, once the queue is empty)."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the saver is closed")
+            if self._pending_bytes and self._pending_bytes + nbytes > self.max_pending_bytes:
+                self.waits += 1
+                while self._pending_bytes and self._pending_bytes + nbytes > self.max_pending_bytes:
+                    self._cond.wait()
+            self._jobs.append((job, nbytes))
+            self._pending_bytes += nbytes
+            self._cond.notify_all()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Block until every job submitted so far is done. ``False`` on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._jobs or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish the queued jobs (up to ``timeout``), then stop the thread."""
+        self.drain(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        if self._nice and hasattr(os, "setpriority"):
+            try:
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self._nice)
+            except OSError:
+                pass
+        while True:
+            with self._cond:
+                while not self._jobs and not self._closed:
+                    self._cond.wait()
+                if not self._jobs:
+                    return
+                job, nbytes = self._jobs.popleft()
+                self._busy = True
+            try:
+                job()
+                ok = True
+            except Exception:
+                log.exception("kvmesh: a background save failed (a cache miss later, nothing worse)")
+                ok = False
+            with self._cond:
+                self._busy = False
+                self._pending_bytes -= nbytes
+                self.done += ok
+                self.failed += not ok
+                self._cond.notify_all()

@@ -1,0 +1,78 @@
+"""The worker's background saver: order, back-pressure, failures, drain and close."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvmesh.integrations.vllm.saver import BackgroundSaver
+
+
+def test_jobs_run_in_order_and_drain_waits_for_them() -> None:
+    saver = BackgroundSaver()
+    done: list[int] = []
+    try:
+        for i in range(20):
+            saver.submit(lambda i=i: (time.sleep(0.001), done.append(i)), 10)
+        assert saver.drain(10)
+        assert done == list(range(20)) and saver.pending == 0 and saver.done == 20
+    finally:
+        saver.close()
+
+
+def test_a_failing_job_is_counted_and_the_next_still_runs() -> None:
+    saver = BackgroundSaver()
+    done: list[str] = []
+
+    def boom() -> None:
+        raise RuntimeError("disk on fire")
+
+    try:
+        saver.submit(boom, 1)
+        saver.submit(lambda: done.append("next"), 1)
+        assert saver.drain(10)
+        assert done == ["next"] and saver.failed == 1 and saver.done == 1
+    finally:
+        saver.close()
+
+
+def test_submit_waits_while_the_queue_is_over_its_byte_limit() -> None:
+    saver = BackgroundSaver(max_pending_bytes=100)
+    gate = threading.Event()
+    try:
+        saver.submit(gate.wait, 60)
+        returned = threading.Event()
+
+        def second() -> None:
+            saver.submit(lambda: None, 60)  # 120 > 100: must wait for the first job
+            returned.set()
+
+        t = threading.Thread(target=second)
+        t.start()
+        assert not returned.wait(0.2)
+        assert saver.waits == 1
+        gate.set()
+        assert returned.wait(10)
+        t.join()
+        # A job larger than the limit still goes once the queue is empty.
+        saver.submit(lambda: None, 1000)
+        assert saver.drain(10)
+    finally:
+        gate.set()
+        saver.close()
+
+
+def test_drain_times_out_and_close_finishes_queued_jobs() -> None:
+    saver = BackgroundSaver()
+    gate = threading.Event()
+    done: list[int] = []
+    saver.submit(gate.wait, 1)
+    saver.submit(lambda: done.append(1), 1)
+    assert not saver.drain(0.05)
+    gate.set()
+    saver.close()
+    assert done == [1]
+    with pytest.raises(RuntimeError, match="closed"):
+        saver.submit(lambda: None, 1)
