@@ -78,7 +78,12 @@ SETUPS = (
     Setup("kvmesh", "kvmesh", "kvmesh"),
 )
 SETUP_NAMES = tuple(s.name for s in SETUPS)
-GROUPS = ("none", "lmcache", "kvmesh")  # replica groups, in run order
+GROUPS = ("none", "lmcache", "kvmesh")  # replica groups
+# Groups alive at the same time, their setups' repeats interleaved: this machine drifts by
+# 15-20% over minutes, and the ratio that matters (kvmesh against vllm-router over plain
+# replicas) must not depend on which group ran first. An idle vLLM replica costs ~2% of a
+# core and ~2 GB; LMCache's group (plus 2 GB of L1 per server) runs in a phase of its own.
+PHASES: tuple[tuple[str, ...], ...] = (("lmcache",), ("none", "kvmesh"))
 
 
 @dataclass(frozen=True)
@@ -456,40 +461,50 @@ def run(
     runs: dict[Setup, list[dict[str, Any]]] = {s: [] for s in chosen}
     failed: dict[Setup, str] = {}
     idle_miss: dict[str, float] = {}
-    for cache in GROUPS:
-        group = [s for s in chosen if s.cache == cache]
-        if not group:
+    for phase in PHASES:
+        groups = {cache: [s for s in chosen if s.cache == cache] for cache in phase}
+        groups = {cache: setups for cache, setups in groups.items() if setups}
+        if not groups:
             continue
-        log(f"[{cache} replicas] {', '.join(s.name for s in group)}")
-        try:
-            with replica_group(cache, model_dir, workdir, NUM_BLOCKS, log) as replicas:
+        with contextlib.ExitStack() as stack:
+            alive: dict[str, list[BenchReplica]] = {}
+            for cache, group in groups.items():
+                log(f"[{cache} replicas] {', '.join(s.name for s in group)}")
+                try:
+                    alive[cache] = stack.enter_context(
+                        replica_group(cache, model_dir, workdir, NUM_BLOCKS, log)
+                    )
+                except Exception as exc:  # the group's replicas or services did not start
+                    message = f"{type(exc).__name__}: {exc}"
+                    log(f"  {cache} group failed: {message}")
+                    for setup in group:
+                        failed.setdefault(setup, message)
+            for cache, replicas in alive.items():
                 try:
                     idle_miss[cache] = measure_idle_miss(replicas, p, cache, log)
                 except Exception as exc:  # a reference figure: the setups still run
                     log(f"  idle-miss TTFT failed: {type(exc).__name__}: {exc}")
-                for repeat in range(p.repeats):
-                    for setup in group:
-                        if setup in failed:
-                            continue
-                        t0 = time.monotonic()
-                        try:
-                            summary = run_once(setup, replicas, model_dir, workdir, p, repeat)
-                        except Exception as exc:  # a setup that cannot run is a result
-                            failed[setup] = f"{type(exc).__name__}: {exc}"
-                            log(f"  {setup.name}: {failed[setup]}")
-                            continue
-                        runs[setup].append(summary)
-                        log(
-                            f"  {setup.name} [{repeat + 1}/{p.repeats}]: hit {summary['hit_rate']}, "
-                            f"TTFT p50 {summary['ttft_p50_s']} s p90 {summary['ttft_p90_s']} s, "
-                            f"{summary['requests_per_s']} req/s, {summary['errors']} errors "
-                            f"({time.monotonic() - t0:.0f} s)"
-                        )
-        except Exception as exc:  # the group's replicas or services did not start
-            message = f"{type(exc).__name__}: {exc}"
-            log(f"  {cache} group failed: {message}")
-            for setup in group:
-                failed.setdefault(setup, message)
+            order = [s for cache in alive for s in groups[cache]]
+            if len(alive) > 1:
+                log(f"  interleaving {', '.join(s.name for s in order)}; every other repeat in reverse")
+            for repeat in range(p.repeats):
+                for setup in order if repeat % 2 == 0 else order[::-1]:
+                    if setup in failed:
+                        continue
+                    t0 = time.monotonic()
+                    try:
+                        summary = run_once(setup, alive[setup.cache], model_dir, workdir, p, repeat)
+                    except Exception as exc:  # a setup that cannot run is a result
+                        failed[setup] = f"{type(exc).__name__}: {exc}"
+                        log(f"  {setup.name}: {failed[setup]}")
+                        continue
+                    runs[setup].append(summary)
+                    log(
+                        f"  {setup.name} [{repeat + 1}/{p.repeats}]: hit {summary['hit_rate']}, "
+                        f"TTFT p50 {summary['ttft_p50_s']} s p90 {summary['ttft_p90_s']} s, "
+                        f"{summary['requests_per_s']} req/s, {summary['errors']} errors "
+                        f"({time.monotonic() - t0:.0f} s)"
+                    )
     results = [error_row(s, failed[s]) if s in failed else aggregate(s, runs[s]) for s in chosen]
 
     overhead_ms = index_p99_ms = None

@@ -271,11 +271,13 @@ def replay(
     return asyncio.run(_replay(workload, url, model, concurrency, on_done, arrival))
 
 
-async def _idle_ttfts(workload: Workload, url: str, model: str) -> list[float]:
+async def _idle_ttfts(workload: Workload, url: str, model: str, settle_s: float) -> list[float]:
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
         await _warm(client, url, 1)
         out = []
-        for conv in workload.conversations:
+        for i, conv in enumerate(workload.conversations):
+            if i:
+                await asyncio.sleep(settle_s)  # the last one's background saves and writes
             messages = [
                 {"role": "system", "content": conv.system},
                 {"role": "user", "content": conv.questions[0]},
@@ -287,9 +289,11 @@ async def _idle_ttfts(workload: Workload, url: str, model: str) -> list[float]:
     return out
 
 
-def idle_ttfts(workload: Workload, url: str, model: str) -> list[float]:
-    """TTFTs of the first turns of ``workload``'s conversations, sent one at a time: with one
-    conversation per tenant, each is a full miss on a server doing nothing else (the floor
-    of a replay's TTFT; see :func:`kvmesh.bench.router.measure_idle_miss`). Give it a
-    workload of its own (its own seed), so no cache already holds its prompts."""
-    return asyncio.run(_idle_ttfts(workload, url, model))
+def idle_ttfts(workload: Workload, url: str, model: str, settle_s: float = 0.5) -> list[float]:
+    """TTFTs of the first turns of ``workload``'s conversations, sent one at a time,
+    ``settle_s`` apart (what a cache does in the background after a response, such as
+    writing it to a shared tier, is over by the next): with one conversation per tenant,
+    each is a full miss on a server doing nothing else (the floor of a replay's TTFT; see
+    :func:`kvmesh.bench.router.measure_idle_miss`). Give it a workload of its own (its own
+    seed), so no cache already holds its prompts."""
+    return asyncio.run(_idle_ttfts(workload, url, model, settle_s))

@@ -4,6 +4,7 @@ first turns alone for the idle-miss floor."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -47,8 +48,10 @@ def test_replay_of_a_dead_server_reports_errors_not_a_crash() -> None:
 def test_idle_ttfts_sends_new_tenants_first_turns_one_at_a_time(fake: FakeVLLM) -> None:
     fake.delay_s = 0.05
     wl = Workload.multi_tenant(tenants=3, users=1, turns=3, prefix_words=20, seed=3)
-    ttfts = idle_ttfts(wl, fake.url, "tiny")
+    t0 = time.monotonic()
+    ttfts = idle_ttfts(wl, fake.url, "tiny", settle_s=0.2)
     assert len(ttfts) == 3 and all(t >= 0.05 for t in ttfts)
+    assert time.monotonic() - t0 >= 2 * 0.2 + 3 * 0.05  # settled between requests
     bodies = [json.loads(raw) for path, raw, _ in fake.requests if path == "/v1/chat/completions"]
     assert len(bodies) == 3
     systems = [b["messages"][0]["content"] for b in bodies]
