@@ -380,6 +380,16 @@ def test_worker_save_copies_only_the_chunks_the_pool_lacks(worker: WorkerSide) -
         assert torch.equal(got[i], reference)
 
 
+def test_worker_save_that_fails_is_logged_and_the_step_goes_on(worker: WorkerSide) -> None:
+    tokens = list(range(8000, 8000 + 512))
+    bad = SaveSpec("a", tokens, [0, 1, 2, 99], 0)  # block 99 does not exist
+    good = SaveSpec("b", tokens[:256], [4, 5], 0)
+    worker.end_step(KVMeshConnectorMetadata(saves=[bad, good]))
+    assert worker.wait_for_writes(10)
+    assert worker.stats()["connector"]["save_failures"] == 1
+    assert worker.engine.lookup(tokens[:256]) == 256  # the next save of the step still ran
+
+
 def test_worker_events_use_vllm_hashes(worker: WorkerSide) -> None:
     tokens = list(range(5000, 5000 + 512))
     worker.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", tokens, [0, 1, 2, 3], 0, [11, 12, 13, 14])]))

@@ -108,7 +108,7 @@ class WorkerSide:
             connector = dict(self.counters)
             connector["pinned_requests"] = len(self._ledger)
         connector["save_queue"] = self._saver.pending
-        connector["save_failures"] = self._saver.failed
+        connector["save_failures"] = connector.get("save_failures", 0) + self._saver.failed
         connector["save_waits"] = self._saver.waits
         return {"engine": self.engine.stats(), "connector": connector}
 
@@ -178,7 +178,14 @@ class WorkerSide:
     def end_step(self, meta: KVMeshConnectorMetadata) -> None:
         try:
             for spec in meta.saves:
-                self._save(spec)
+                try:
+                    self._save(spec)
+                except Exception:  # a cache problem must never fail vLLM's step
+                    log.exception(
+                        "kvmesh: saving request %s failed (a cache miss later, nothing worse)", spec.req_id
+                    )
+                    with self._lock:
+                        self.counters["save_failures"] += 1
         finally:
             self._failed_at.clear()
 
