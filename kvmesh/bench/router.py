@@ -462,8 +462,7 @@ def run(
     failed: dict[Setup, str] = {}
     idle_miss: dict[str, float] = {}
     for phase in PHASES:
-        groups = {cache: [s for s in chosen if s.cache == cache] for cache in phase}
-        groups = {cache: setups for cache, setups in groups.items() if setups}
+        groups = {cache: g for cache in phase if (g := [s for s in chosen if s.cache == cache])}
         if not groups:
             continue
         with contextlib.ExitStack() as stack:

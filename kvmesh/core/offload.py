@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 
 from kvmesh.core.keys import ChunkKey
@@ -72,15 +71,9 @@ class WriteBehind:
 
     def wait(self, timeout: float | None = None, upto: int | None = None) -> bool:
         """Block until every job submitted so far (or the first ``upto``) has been handled."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             target = self._submitted if upto is None else upto
-            while self._landed < target:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._idle.wait(remaining)
-        return True
+            return self._idle.wait_for(lambda: self._landed >= target, timeout)
 
     def close(self, timeout: float = 30.0) -> None:
         self.wait(timeout)

@@ -18,7 +18,6 @@ import collections
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -53,24 +52,21 @@ class BackgroundSaver:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the saver is closed")
-            if self._pending_bytes and self._pending_bytes + nbytes > self.max_pending_bytes:
+
+            def room() -> bool:
+                return not self._pending_bytes or self._pending_bytes + nbytes <= self.max_pending_bytes
+
+            if not room():
                 self.waits += 1
-                while self._pending_bytes and self._pending_bytes + nbytes > self.max_pending_bytes:
-                    self._cond.wait()
+                self._cond.wait_for(room)
             self._jobs.append((job, nbytes))
             self._pending_bytes += nbytes
             self._cond.notify_all()
 
     def drain(self, timeout: float | None = None) -> bool:
         """Block until every job submitted so far is done. ``False`` on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._jobs or self._busy:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
+            return self._cond.wait_for(lambda: not self._jobs and not self._busy, timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Finish the queued jobs (up to ``timeout``), then stop the thread."""
@@ -89,8 +85,7 @@ class BackgroundSaver:
                 pass
         while True:
             with self._cond:
-                while not self._jobs and not self._closed:
-                    self._cond.wait()
+                self._cond.wait_for(lambda: self._jobs or self._closed)
                 if not self._jobs:
                     return
                 job, nbytes = self._jobs.popleft()

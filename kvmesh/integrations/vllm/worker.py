@@ -30,7 +30,7 @@ import torch
 
 from kvmesh.admin.server import AdminServer, start_admin
 from kvmesh.core.engine import CacheEngine
-from kvmesh.core.keys import as_token_array
+from kvmesh.core.keys import ChunkKey, as_token_array
 from kvmesh.integrations.vllm.metadata import KVMeshConnectorMetadata, LoadSpec, SaveSpec
 from kvmesh.integrations.vllm.paged import chunk_to_paged, paged_to_chunk
 from kvmesh.integrations.vllm.rpc import Handler
@@ -208,16 +208,20 @@ class WorkerSide:
             return
         # From the first chunk the pool lacks: a follow-up's prompt mostly re-sends chunks
         # that are already there, and those need no copy.
-        start = (first + held.index(False)) * cs
+        lacking = held.index(False)
+        start = (first + lacking) * cs
         b0 = start // bs
         ids = torch.as_tensor(spec.block_ids[b0 : -(-end // bs)], dtype=torch.long)
         snapshot = [layer.index_select(0, ids) for layer in self.layers]
         nbytes = sum(t.numel() * t.element_size() for t in snapshot)
-        self._saver.submit(lambda: self._store(spec, arr, start, snapshot), nbytes)
+        self._saver.submit(lambda: self._store(spec, arr, start, keys[lacking:], snapshot), nbytes)
 
-    def _store(self, spec: SaveSpec, arr: np.ndarray, start: int, snapshot: list[torch.Tensor]) -> None:
-        """The saver thread's half of a save: chunks ``start..len(arr)`` from ``snapshot``
-        (the blocks from ``start // block_size`` on) into the pool, then their events."""
+    def _store(
+        self, spec: SaveSpec, arr: np.ndarray, start: int, keys: list[ChunkKey], snapshot: list[torch.Tensor]
+    ) -> None:
+        """The saver thread's half of a save: chunks ``start..len(arr)`` (``keys``) from
+        ``snapshot`` (the blocks from ``start // block_size`` on) into the pool, then their
+        events."""
         cs, bs = self.chunk_size, self.block_size
         b0 = start // bs
 
@@ -225,7 +229,6 @@ class WorkerSide:
             paged_to_chunk(snapshot, list(range(s // bs - b0, -(-e // bs) - b0)), out)
 
         first = start // cs
-        keys = self.engine.keys.keys_for_array(arr)[first:]
         before = self.engine.cpu.contains(keys)
         stored = self.engine.store_with(arr, fill, skip_tokens=start)
         new = [i for i in range(len(keys)) if not before[i] and (first + i + 1) * cs <= stored]
