@@ -10,12 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvmesh.errors import (
+    ClosedError,
     ConfigError,
     CorruptChunkError,
     KVMeshError,
-    PoolExhaustedError,
     TierError,
-    TierFullError,
     TierUnavailableError,
 )
 
@@ -33,13 +32,12 @@ _LAZY = {
 __all__ = [
     "CacheConfig",
     "CacheEngine",
+    "ClosedError",
     "ConfigError",
     "CorruptChunkError",
     "KVLayout",
     "KVMeshError",
-    "PoolExhaustedError",
     "TierError",
-    "TierFullError",
     "TierUnavailableError",
 ]
 __version__ = "0.1.0"

@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.errors import ProcessError
 from kvmesh.services import free_port
 
 _LIVE: list[subprocess.Popen[bytes]] = []
@@ -152,7 +153,7 @@ class Replica:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(
+                raise ProcessError(
                     f"vLLM replica on port {self.port} exited with code {self.proc.returncode}"
                     + (f"; see {self.log_path}" if self.log_path else "")
                 )

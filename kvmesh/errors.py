@@ -3,17 +3,23 @@
 ::
 
     KVMeshError
-    ├── ConfigError            (also a ValueError) bad or unknown configuration key/value
+    ├── ConfigError            (also ValueError) bad or unknown configuration key/value
+    ├── ClosedError            (also RuntimeError) an object used after close() / before start()
     ├── TierError              a tier failed; the engine turns it into a miss and a metric
-    │   ├── TierUnavailableError   the backing service is down / unreachable
-    │   └── TierFullError          no space left (disk full, byte budget exhausted)
+    │   └── TierUnavailableError   the backing service is down, unreachable or too slow
     ├── CorruptChunkError      a stored chunk failed its header, token or checksum check
-    └── PoolExhaustedError     no pool memory could be freed (everything pinned or in use)
+    ├── EventDecodeError       (also ValueError) a KV-event payload is not vLLM's wire shape
+    ├── TokenizeError          (also ValueError) a request cannot be tokenized (client's fault)
+    ├── BodyError              (also ValueError) a request body is wrong: carries field + status
+    ├── UpstreamError          a replica's answer could not be had or read to its end
+    │   └── UpstreamConnectError   nothing came back; the request may go to another replica
+    └── ProcessError           a child process (vLLM, redis-server, a peer) failed to start or died
 
-Input validation errors are the built-in ``TypeError`` / ``ValueError`` (wrong token type,
-wrong KV shape or dtype), because callers already expect those from Python APIs.
+Input validation errors of the Python API are the built-in ``TypeError`` / ``ValueError``
+(wrong token type, wrong KV shape or dtype), because callers already expect those.
 Errors from a lower tier never reach ``CacheEngine.store`` / ``retrieve`` callers: a failing
-tier degrades to a miss.
+tier degrades to a miss. A full tier is not an error: ``Tier.put`` returns ``False``, and an
+exhausted pool makes ``MemoryPool.allocate`` return ``None`` (the engine evicts or skips).
 """
 
 from __future__ import annotations
@@ -27,21 +33,50 @@ class ConfigError(KVMeshError, ValueError):
     """A configuration key is unknown or its value is invalid."""
 
 
+class ClosedError(KVMeshError, RuntimeError):
+    """An object was used after ``close()`` (or before ``start()``): create or start a new one."""
+
+
 class TierError(KVMeshError):
     """A storage tier could not complete an operation."""
 
 
 class TierUnavailableError(TierError):
-    """The service behind a tier (Redis, a mount) cannot be reached."""
-
-
-class TierFullError(TierError):
-    """The tier has no space left for a write."""
+    """The service behind a tier (Redis, a mount) cannot be reached, or missed its deadline."""
 
 
 class CorruptChunkError(KVMeshError):
     """A stored chunk failed verification: it must be treated as a miss."""
 
 
-class PoolExhaustedError(KVMeshError):
-    """The host memory pool has no free slot and nothing evictable."""
+class EventDecodeError(KVMeshError, ValueError):
+    """A KV-event payload does not have the vLLM wire shape; the batch is dropped."""
+
+
+class TokenizeError(KVMeshError, ValueError):
+    """The request cannot be tokenized (bad messages, template error); the client's fault."""
+
+
+class BodyError(KVMeshError, ValueError):
+    """A request the client got wrong: answered with ``status`` and the offending field."""
+
+    def __init__(self, field: str, message: str, status: int = 422) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+        self.status = status
+
+
+class UpstreamError(KVMeshError):
+    """The replica's answer could not be had or read to its end."""
+
+
+class UpstreamConnectError(UpstreamError):
+    """Nothing came back: no connection, or it closed before the answer began.
+
+    The replica did not answer, so the request may go to another one.
+    """
+
+
+class ProcessError(KVMeshError):
+    """A child process kvmesh started (vLLM, redis-server, a peer) failed to start or exited."""

@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvmesh.admin.schema import BodyError
 from kvmesh.core.keys import ChunkKey, as_token_array
-from kvmesh.errors import TierError
+from kvmesh.errors import BodyError, TierError
 
 if TYPE_CHECKING:
     from kvmesh.core.engine import CacheEngine

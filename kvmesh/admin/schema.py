@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from pydantic.json_schema import models_json_schema
 
+from kvmesh.errors import BodyError
+
 TierName = Literal["cpu", "disk", "remote"]
 CodecName = Literal["zstd", "raw"]
 TokenId = Annotated[StrictInt, Field(ge=0, le=0xFFFFFFFF)]
@@ -190,14 +192,6 @@ CONTROLLER_OPS: dict[str, OpSpec] = {
 
 
 # -- errors ------------------------------------------------------------------------------------------
-class BodyError(ValueError):
-    """A request the client got wrong: answered with ``status`` and the offending field."""
-
-    def __init__(self, field: str, message: str, status: int = 422) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-        self.status = status
 
 
 def error_body(message: str, field: str | None = None) -> dict[str, Any]:

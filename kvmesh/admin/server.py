@@ -32,7 +32,6 @@ from kvmesh.admin.schema import (
     ENGINE_PREFIX,
     OPS,
     TOKEN_ENV,
-    BodyError,
     allowed,
     error_body,
     is_loopback,
@@ -40,6 +39,7 @@ from kvmesh.admin.schema import (
     parse_body,
     token_ok,
 )
+from kvmesh.errors import BodyError, ClosedError
 
 if TYPE_CHECKING:
     from kvmesh.core.engine import CacheEngine
@@ -87,7 +87,7 @@ class AdminServer:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> AdminServer:
         if self._httpd is not None:
-            raise RuntimeError("the admin server was already started")
+            raise ClosedError("the admin server was already started")
         httpd = ThreadingHTTPServer((self.host, self.port), _Handler)
         httpd.daemon_threads = True
         httpd.admin = self  # type: ignore[attr-defined]

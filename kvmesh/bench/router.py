@@ -44,6 +44,7 @@ from kvmesh.bench.report import print_table, write_json, write_plot
 from kvmesh.bench.router_peers import EventForwarder
 from kvmesh.bench.workload import METRICS, Arrival, Workload, idle_ttfts, median_summary, replay
 from kvmesh.cluster import Replica, install_signal_handlers, start_replicas
+from kvmesh.errors import ProcessError
 
 MODEL_NAME = "tiny"
 DEFAULT_MODEL = os.path.join(".cache", "models", "tiny")
@@ -274,7 +275,7 @@ def replica_group(
 
             path = lmcache_pythonpath()
             if path is None:
-                raise RuntimeError(
+                raise ProcessError(
                     f"LMCache is not installed (not in {peers_dir()} nor in this venv): "
                     "run scripts/install_peers.sh"
                 )

@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import Any
 
 from kvmesh.cluster import spawn, stop_process
+from kvmesh.errors import ProcessError
 from kvmesh.services import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -204,7 +205,7 @@ class _Service:
         while True:
             if self.proc.poll() is not None:
                 code = self.proc.returncode
-                raise RuntimeError(f"{self.name} exited with code {code}: {log_tail(self.log_path)}")
+                raise ProcessError(f"{self.name} exited with code {code}: {log_tail(self.log_path)}")
             try:
                 if self._ready():
                     return self

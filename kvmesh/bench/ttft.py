@@ -45,6 +45,7 @@ from typing import Any
 
 from kvmesh.bench.report import print_table, write_json
 from kvmesh.cluster import stop_process
+from kvmesh.errors import ProcessError
 from kvmesh.services import RedisServer, free_port
 
 SETUPS = ("recompute", "example_connector", "lmcache_mp", "kvmesh_cpu", "kvmesh_disk", "kvmesh_redis")
@@ -307,7 +308,7 @@ def lmcache_server(workdir: str, pythonpath: str, timeout: float = 120.0) -> Ite
         url = f"http://127.0.0.1:{http_port}/healthcheck"
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"lmcache server exited with {proc.returncode}: {_log_errors(log_path)}")
+                raise ProcessError(f"lmcache server exited with {proc.returncode}: {_log_errors(log_path)}")
             try:
                 with urllib.request.urlopen(url, timeout=1) as resp:
                     if resp.status == 200:
@@ -419,7 +420,7 @@ def _services(setup: str, workdir: str) -> Iterator[dict[str, Any]]:
     if setup == "lmcache_mp":
         path = lmcache_pythonpath()
         if path is None:
-            raise RuntimeError(
+            raise ProcessError(
                 f"LMCache is not installed (not in {peers_dir()} nor in this venv): "
                 "run scripts/install_peers.sh"
             )
@@ -427,7 +428,7 @@ def _services(setup: str, workdir: str) -> Iterator[dict[str, Any]]:
             yield {"lmcache_port": port, "extra_path": path}
     elif setup == "kvmesh_redis":
         if not RedisServer.available():
-            raise RuntimeError("redis-server is not installed (apt-get install -y redis-server)")
+            raise ProcessError("redis-server is not installed (apt-get install -y redis-server)")
         with RedisServer() as server:
             yield {"redis_url": server.url, "extra_path": None}
     else:

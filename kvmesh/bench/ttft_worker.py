@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.bench.ttft import FAIR_ENV, KVMESH_MODULE, logprob_diff, make_prompt
+from kvmesh.errors import ProcessError
 from kvmesh.services import drop_page_cache
 
 
@@ -66,7 +67,7 @@ def measure(spec: dict[str, Any], out: dict[str, Any]) -> None:
     def rpc(op: str, **args: Any) -> Any:
         got = client.call(op, **args) if client is not None else None
         if got is None:
-            raise RuntimeError(f"kvmesh connector rpc {op!r} failed (socket of engine {engine_id}; see log)")
+            raise ProcessError(f"kvmesh connector rpc {op!r} failed (socket of engine {engine_id}; see log)")
         return got
 
     def timed(ids: list[int]) -> tuple[float, Any]:
@@ -80,13 +81,13 @@ def measure(spec: dict[str, Any], out: dict[str, Any]) -> None:
             if llm.reset_prefix_cache():
                 return attempt
             time.sleep(0.05)
-        raise RuntimeError("reset_prefix_cache() still failing after 5 s (blocks held by requests)")
+        raise ProcessError("reset_prefix_cache() still failing after 5 s (blocks held by requests)")
 
     def cycle(ids: list[int]) -> dict[str, Any]:
         cold_s, cold = timed(ids)
         time.sleep(spec["settle_s"])
         if spec["kvmesh_wait_writes"] and not rpc("wait_for_writes", timeout=60.0):
-            raise RuntimeError("kvmesh writes did not land within 60 s")
+            raise ProcessError("kvmesh writes did not land within 60 s")
         retries = reset()
         cleared = rpc("clear", tier="cpu") if spec["kvmesh_clear_cpu"] else None
         dropped = drop_page_cache() if spec["drop_page_cache"] else False

@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 import httpx
 
+from kvmesh.errors import ProcessError
+
 _SYLLABLES = [
     "ka",
     "lo",
@@ -284,7 +286,7 @@ async def _idle_ttfts(workload: Workload, url: str, model: str, settle_s: float)
             ]
             sample, _ = await _one(client, url, model, messages, conv.session_id, workload.max_tokens)
             if not sample.ok:
-                raise RuntimeError(f"a lone first turn failed: {sample.error}")
+                raise ProcessError(f"a lone first turn failed: {sample.error}")
             out.append(sample.ttft_s)
     return out
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvmesh.core.keys import ChunkKey, KVLayout
+from kvmesh.errors import ClosedError
 
 _TORCH_DTYPES = {
     "float32": torch.float32,
@@ -73,14 +74,14 @@ class MemoryObj:
     def ref_up(self) -> MemoryObj:
         with self.pool._lock:
             if self._refs <= 0:
-                raise RuntimeError("ref_up on a released memory object")
+                raise ClosedError("ref_up on a released memory object")
             self._refs += 1
         return self
 
     def release(self) -> None:
         with self.pool._lock:
             if self._refs <= 0:
-                raise RuntimeError("memory object released more often than referenced")
+                raise ClosedError("memory object released more often than referenced")
             self._refs -= 1
             if self._refs == 0:
                 self.pool._free_slot(self.slot)
@@ -101,7 +102,7 @@ class MemoryObj:
     def tensor(self) -> torch.Tensor:
         """Typed view ``[layers, 2, tokens, kv_heads, head_size]`` (no copy)."""
         if self.layout is None or self.tokens is None:
-            raise RuntimeError("memory object has no layout yet")
+            raise ClosedError("memory object has no layout yet")
         shape = self.layout.shape(len(self.tokens))
         return self.byte_view().view(torch_dtype(self.layout.dtype)).view(shape)
 

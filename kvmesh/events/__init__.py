@@ -1,5 +1,6 @@
 """vLLM KV events: wire codec, ZMQ publisher with replay, subscriber with gap repair."""
 
+from kvmesh.errors import EventDecodeError
 from kvmesh.events.codec import (
     AllBlocksCleared,
     BlockHash,
@@ -7,7 +8,6 @@ from kvmesh.events.codec import (
     BlockStored,
     Event,
     EventBatch,
-    EventDecodeError,
     decode_batch,
     encode_batch,
 )

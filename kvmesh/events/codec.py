@@ -27,14 +27,10 @@ from typing import Any, Literal, TypeAlias
 
 import msgspec
 
-from kvmesh.errors import KVMeshError
+from kvmesh.errors import EventDecodeError
 
 BlockHash: TypeAlias = int | bytes
 """An engine block hash: opaque. vLLM sends ints (builtin hash) or bytes (sha256 …)."""
-
-
-class EventDecodeError(KVMeshError, ValueError):
-    """A KV-event payload does not have the vLLM wire shape; the batch is dropped."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from typing import Literal
 
 import zmq
 
+from kvmesh.errors import ClosedError
 from kvmesh.events.codec import Event, EventBatch, encode_batch
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class EventPublisher:
     def publish(self, events: EventBatch | Sequence[Event]) -> None:
         """Queue one batch; it gets the next sequence number when the thread sends it."""
         if self._closed:
-            raise RuntimeError("EventPublisher is closed; create a new one to publish")
+            raise ClosedError("EventPublisher is closed; create a new one to publish")
         if not isinstance(events, EventBatch):
             events = EventBatch(time.time(), tuple(events))
         self._queue.put(events)

@@ -22,7 +22,8 @@ from typing import Literal
 
 import zmq
 
-from kvmesh.events.codec import EventBatch, EventDecodeError, decode_batch
+from kvmesh.errors import EventDecodeError
+from kvmesh.events.codec import EventBatch, decode_batch
 from kvmesh.events.publisher import END_SEQ
 
 log = logging.getLogger(__name__)

@@ -27,6 +27,7 @@ import xxhash
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvmesh.errors import ClosedError, TokenizeError, UpstreamError
 from kvmesh.events import EventSubscriber
 from kvmesh.index import BlockIndex, PromptKeys
 from kvmesh.router.config import RouterConfig
@@ -36,8 +37,8 @@ from kvmesh.router.picker import build_picker
 from kvmesh.router.pool import Pool, Replica
 from kvmesh.router.proxy import ERROR_TYPES, RETRYABLE, end_to_end, error_response, relay
 from kvmesh.router.scorers import RoutingRequest, SessionTable, prefill_cost, prompt_key
-from kvmesh.router.tokenize import PromptTokenizer, TokenArray, TokenizeError, tokens_of
-from kvmesh.router.upstream import Upstream, UpstreamError
+from kvmesh.router.tokenize import PromptTokenizer, TokenArray, tokens_of
+from kvmesh.router.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +220,7 @@ class RouterService:
         t0: float,
     ) -> web.StreamResponse:
         if self._client is None:
-            raise RuntimeError("the router application was not started")
+            raise ClosedError("the router application was not started")
         headers = end_to_end(request.headers).items()
         attempts = 0
         for name in ranked:

@@ -44,7 +44,6 @@ from kvmesh.admin.schema import (
     CONTROLLER_PREFIX,
     ENGINE_PREFIX,
     TOKEN_ENV,
-    BodyError,
     allowed,
     error_body,
     is_loopback,
@@ -52,8 +51,8 @@ from kvmesh.admin.schema import (
     parse_body,
     token_ok,
 )
-from kvmesh.errors import ConfigError
-from kvmesh.router.tokenize import PromptTokenizer, TokenArray, TokenizeError
+from kvmesh.errors import BodyError, ConfigError, TokenizeError
+from kvmesh.router.tokenize import PromptTokenizer, TokenArray
 
 if TYPE_CHECKING:
     from kvmesh.router.app import RouterService

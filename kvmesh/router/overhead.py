@@ -32,6 +32,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvmesh.errors import ProcessError
+
 _ROUTER = """
 import sys
 from kvmesh.router.app import RouterService
@@ -120,7 +122,7 @@ def _post(conn: http.client.HTTPConnection, path: str, body: bytes) -> float:
     resp = conn.getresponse()
     resp.read()
     if resp.status != 200:
-        raise RuntimeError(f"POST {path} answered {resp.status}")
+        raise ProcessError(f"POST {path} answered {resp.status}")
     return time.perf_counter() - t
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import aiohttp
 
+from kvmesh.errors import ClosedError
 from kvmesh.router.config import ReplicaConfig
 from kvmesh.router.scorers import ReplicaState
 
@@ -210,7 +211,7 @@ class Pool:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
-            raise RuntimeError("Pool.start() was not called")
+            raise ClosedError("Pool.start() was not called")
         return self._session
 
     async def _check(self, replica: Replica) -> None:

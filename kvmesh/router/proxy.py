@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 from aiohttp import web
 
-from kvmesh.router.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse
+from kvmesh.errors import UpstreamConnectError, UpstreamError
+from kvmesh.router.upstream import UpstreamResponse
 
 _HOP_BY_HOP = frozenset(
     h.lower()

@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvmesh.errors import ClosedError, ProcessError
 from kvmesh.index import BlockIndex
 from kvmesh.router.app import RouterService
 from kvmesh.router.config import RouterConfig
@@ -75,20 +76,20 @@ class Router:
     @property
     def url(self) -> str:
         if self.port is None:
-            raise RuntimeError("the router is not running; call start() first")
+            raise ClosedError("the router is not running; call start() first")
         host = self.config.host if self.config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         return f"http://{host}:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> Router:
         if self._thread is not None:
-            raise RuntimeError("the router was already started")
+            raise ClosedError("the router was already started")
         self._thread = threading.Thread(target=self._run, name="kvmesh-router", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout_s):
             raise TimeoutError(f"the router did not start within {timeout_s}s")
         if self._error is not None:
             self._thread.join(timeout_s)
-            raise RuntimeError(f"the router failed to start: {self._error!r}") from self._error
+            raise ProcessError(f"the router failed to start: {self._error!r}") from self._error
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -104,7 +105,7 @@ class Router:
     def call(self, fn: Callable[[], Any], timeout_s: float = 10.0) -> Any:
         """Run ``fn()`` on the router's loop and return its result (for tests poking at state)."""
         if self._loop is None:
-            raise RuntimeError("the router is not running")
+            raise ClosedError("the router is not running")
 
         async def run() -> Any:
             return fn()

@@ -42,15 +42,13 @@ import jinja2.sandbox
 import numpy as np
 from tokenizers import Tokenizer
 
+from kvmesh.errors import TokenizeError
+
 TokenArray = np.ndarray  # 1-D uint32, what the index hashes without another conversion
 # Cached ids are kept as the bytes of a uint32 array: joined by one b"".join, read by one
 # np.frombuffer, and 4 bytes a token (a list of ints costs ~36).
 _Ids = bytes
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
-
-
-class TokenizeError(ValueError):
-    """The request cannot be tokenized (bad messages, template error); the client's fault."""
 
 
 class _LRU:

@@ -23,20 +23,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from kvmesh.errors import UpstreamConnectError, UpstreamError
+
 _HEAD_LIMIT = 64 << 10  # status line + headers; also the stream buffer's unit
 _READ_SIZE = 64 << 10
 _MAX_IDLE = 256  # kept connections per replica
-
-
-class UpstreamError(Exception):
-    """The replica's answer could not be had or read to its end."""
-
-
-class UpstreamConnectError(UpstreamError):
-    """Nothing came back: no connection, or it closed before the answer began.
-
-    The replica did not answer, so the request may go to another one.
-    """
 
 
 @dataclass(frozen=True, slots=True)

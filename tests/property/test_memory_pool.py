@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvmesh.core.memory import MemoryObj, MemoryPool
+from kvmesh.errors import ClosedError
 
 SLOT = 48
 SLOTS = 5
@@ -71,9 +72,9 @@ class PoolMachine(RuleBasedStateMachine):
     def release_too_often(self, i: int) -> None:
         obj = self.dead[i % len(self.dead)]
         free = self.pool.free_slots
-        with pytest.raises(RuntimeError):
+        with pytest.raises(ClosedError):
             obj.release()
-        with pytest.raises(RuntimeError):
+        with pytest.raises(ClosedError):
             obj.ref_up()
         assert self.pool.free_slots == free  # a bad release must not free a slot twice
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvmesh.bench.workload import Workload, idle_ttfts, replay
+from kvmesh.errors import ProcessError
 from kvmesh.router.testing import FakeVLLM
 
 
@@ -61,5 +62,5 @@ def test_idle_ttfts_sends_new_tenants_first_turns_one_at_a_time(fake: FakeVLLM) 
 
 def test_idle_ttfts_raises_when_a_request_fails(fake: FakeVLLM) -> None:
     wl = Workload.multi_tenant(tenants=1, users=1, turns=1, prefix_words=5, seed=4)
-    with pytest.raises(RuntimeError, match="lone first turn failed"):
+    with pytest.raises(ProcessError, match="lone first turn failed"):
         idle_ttfts(wl, fake.url, "not-the-model")

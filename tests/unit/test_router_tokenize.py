@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from kvmesh.errors import TokenizeError
 from kvmesh.router.testing import _WORDS, write_test_tokenizer
-from kvmesh.router.tokenize import PromptTokenizer, TokenizeError
+from kvmesh.router.tokenize import PromptTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from kvmesh.router.upstream import Upstream, UpstreamConnectError, UpstreamError
+from kvmesh.errors import UpstreamConnectError, UpstreamError
+from kvmesh.router.upstream import Upstream
 
 # A handler reads one request's head and body from the connection and writes an answer;
 # returning False ends the connection.

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from kvmesh.errors import ClosedError
 from kvmesh.integrations.vllm.saver import BackgroundSaver
 
 
@@ -74,5 +75,5 @@ def test_drain_times_out_and_close_finishes_queued_jobs() -> None:
     gate.set()
     saver.close()
     assert done == [1]
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(ClosedError, match="closed"):
         saver.submit(lambda: None, 1)

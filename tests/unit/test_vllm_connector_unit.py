@@ -465,7 +465,7 @@ def test_rpc_round_trip_and_failures_are_misses(tmp_path: Path) -> None:
         assert time.monotonic() - t0 < 0.6
         time.sleep(0.6)
         assert client.call("echo", a=1) == {"a": 1}  # reconnected; the late reply was discarded
-        with pytest.raises(RuntimeError, match="already serves"):
+        with pytest.raises(ConfigError, match="already serves"):
             RpcServer(path, {}).start()
     finally:
         server.close()

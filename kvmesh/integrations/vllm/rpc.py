@@ -32,6 +32,8 @@ from typing import Any
 
 import msgspec
 
+from kvmesh.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE = 64 << 20  # a 4k-token lookup is ~20 KB; anything near this is garbage
@@ -88,7 +90,7 @@ class RpcServer:
     def start(self) -> RpcServer:
         if os.path.exists(self.path):
             if self._alive(self.path):
-                raise RuntimeError(
+                raise ConfigError(
                     f"another kvmesh worker already serves {self.path}; two vLLM instances share "
                     "an engine_id: give each its own kv_transfer_config.engine_id"
                 )

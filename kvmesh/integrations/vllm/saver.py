@@ -20,6 +20,8 @@ import os
 import threading
 from collections.abc import Callable
 
+from kvmesh.errors import ClosedError
+
 log = logging.getLogger(__name__)
 
 MAX_PENDING_BYTES = 256 << 20
@@ -51,7 +53,7 @@ class BackgroundSaver:
         single job larger than that still goes, once the queue is empty)."""
         with self._cond:
             if self._closed:
-                raise RuntimeError("the saver is closed")
+                raise ClosedError("the saver is closed")
 
             def room() -> bool:
                 return not self._pending_bytes or self._pending_bytes + nbytes <= self.max_pending_bytes
