@@ -38,7 +38,9 @@ _DTYPE_SIZES = {
     "uint8": 1,
     "int8": 1,
 }
-_KEY_RE = re.compile(r"^kvm1-(?P<ns>[0-9a-f]{16})-r(?P<shard>\d+)-(?P<h>[0-9a-f]{32})(?:-p(?P<p>\d+))?$")
+_KEY_RE = re.compile(
+    r"kvm1-(?P<ns>[0-9a-f]{16})-r(?P<shard>0|[1-9][0-9]*)-(?P<h>[0-9a-f]{32})(?:-p(?P<p>[1-9][0-9]*))?"
+)
 _EMPTY_TOKENS = np.zeros(0, dtype=np.uint32)
 
 
@@ -116,11 +118,18 @@ class ChunkKey:
 
     @classmethod
     def parse(cls, text: str, chunk_size: int) -> ChunkKey:
-        """Inverse of ``str(key)``; raises ``ValueError`` on anything else."""
-        m = _KEY_RE.match(text)
+        """Inverse of ``str(key)``; raises ``ValueError`` on anything else.
+
+        Only the canonical form parses (ASCII digits without leading zeros, a partial length
+        below ``chunk_size``, nothing after the key — not even a newline): two different
+        strings never name the same chunk, so a file or Redis key cannot alias another.
+        """
+        m = _KEY_RE.fullmatch(text)
         if m is None:
             raise ValueError(f"not a kvmesh chunk key: {text!r}")
         partial = m.group("p")
+        if partial is not None and int(partial) >= chunk_size:
+            raise ValueError(f"not a kvmesh chunk key for chunk_size {chunk_size}: {text!r}")
         return cls(
             namespace=m.group("ns"),
             shard=int(m.group("shard")),

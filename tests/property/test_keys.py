@@ -134,15 +134,50 @@ def test_string_form_round_trips(tokens: list[int], cs: int, shard: int, unfull:
         assert kb.owns(ChunkKey.parse(text, cs))
 
 
+HEX = "0123456789abcdef"
+HEXISH = st.text(alphabet="0123456789abcdefABCDEFg", min_size=14, max_size=34)
+DIGITS = st.text(alphabet="0123456789\u0663", min_size=0, max_size=4)  # U+0663: an Arabic-Indic 3
+NEAR_KEYS = st.builds(
+    lambda head, ns, shard, h, tail, end: f"{head}-{ns}-r{shard}-{h}{tail}{end}",
+    st.sampled_from(["kvm1", "kvm1", "kvm2", "KVM1", ""]),
+    st.one_of(st.text(alphabet=HEX, min_size=16, max_size=16), HEXISH),
+    DIGITS,
+    st.one_of(st.text(alphabet=HEX, min_size=32, max_size=32), HEXISH),
+    st.one_of(st.just(""), DIGITS.map(lambda d: f"-p{d}")),
+    st.sampled_from(["", "", "\n", " ", "-"]),
+)
+
+
+def canonical_key(text: str, cs: int) -> bool:
+    """Independent oracle: the exact documented grammar, canonical numbers, partial < cs."""
+    parts = text.split("-")
+    if len(parts) not in (4, 5) or parts[0] != "kvm1":
+        return False
+    ns, shard, h = parts[1:4]
+
+    def number(s: str) -> bool:
+        return s.isascii() and s.isdigit() and (s == "0" or not s.startswith("0"))
+
+    ok = len(ns) == 16 and set(ns) <= set(HEX) and len(h) == 32 and set(h) <= set(HEX)
+    ok = ok and shard.startswith("r") and number(shard[1:])
+    if len(parts) == 5:
+        p = parts[4]
+        ok = ok and p.startswith("p") and number(p[1:]) and 0 < int(p[1:]) < cs
+    return ok
+
+
 @FAST
-@given(text=st.text(max_size=80))
-def test_parse_rejects_anything_else(text: str) -> None:
-    assume(not text.startswith("kvm1-"))
+@given(text=st.one_of(st.text(max_size=80), NEAR_KEYS), cs=st.integers(1, 8))
+def test_parse_accepts_exactly_the_canonical_key_grammar(text: str, cs: int) -> None:
+    """No input is filtered out: texts that look like keys are where a lax parser fails."""
+    expected = canonical_key(text, cs)
     try:
-        ChunkKey.parse(text, 4)
+        key = ChunkKey.parse(text, cs)
     except ValueError:
+        assert not expected, f"rejected a valid key {text!r}"
         return
-    raise AssertionError(f"parsed a non-key {text!r}")
+    assert expected, f"parsed a non-key {text!r}"
+    assert key.text == text  # what parses is the canonical string form
 
 
 @FAST

@@ -130,7 +130,7 @@ def test_options_inline_file_and_env(tmp_path: Path) -> None:
         {"config_file": str(f), "max_local_cpu_size": 1.0, "rpc_timeout_s": 0.5, "model_id": "m"}, environ={}
     )
     assert (opts.cache.chunk_size, opts.cache.max_local_cpu_size) == (384, 1.0)  # inline beats the file
-    assert (opts.rpc_timeout_s, opts.model_id) == (0.5, "m")
+    assert (opts.rpc_timeout_s, opts.model_fingerprint) == (0.5, "m")
     opts = ConnectorOptions.from_extra_config({"chunk_size": 512}, environ={"KVMESH_CHUNK_SIZE": "1024"})
     assert opts.cache.chunk_size == 1024  # the environment wins
     with pytest.raises(ConfigError, match="unknown kv_connector_extra_config key"):

@@ -30,6 +30,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvmesh.core.engine import CacheEngine
 from kvmesh.core.keys import KVLayout
+from kvmesh.integrations.vllm.identity import replica_identity
 from kvmesh.integrations.vllm.metadata import KVMeshConnectorMetadata, KVMeshKVEvents
 from kvmesh.integrations.vllm.options import ConnectorOptions, check_chunk_size
 from kvmesh.integrations.vllm.paged import VERIFIED_ISAS, check_layers, ordered_layers
@@ -129,9 +130,8 @@ class KVMeshConnector(KVConnectorBase_V1):
                 "use dtype float32 on x86"
             )
         rank = self._tp_rank()
-        engine = CacheEngine(
-            self.options.cache, layout=layout, model_id=self.options.model_id or str(mc.model), shard=rank
-        )
+        identity = replica_identity(cfg, self.options.model_fingerprint)
+        engine = CacheEngine(self.options.cache, layout=layout, model_id=identity, shard=rank)
         ev = cfg.kv_events_config
         self._worker = WorkerSide(
             engine, layers, self.block_size, events=bool(ev and ev.enable_kv_cache_events)

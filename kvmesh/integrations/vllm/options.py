@@ -18,8 +18,12 @@ from kvmesh.errors import ConfigError
 # Keys of kv_connector_extra_config that belong to the connector, not to CacheConfig.
 CONNECTOR_KEYS = {
     "config_file": "YAML file with kvmesh cache settings",
-    "model_id": "name chunks are keyed by (default: the model path/name vLLM was given); "
-    "replicas share chunks only when it is equal",
+    "model_fingerprint": "identity chunks are keyed by (default: a fingerprint of the weights' "
+    "config, safetensors headers and byte samples, plus dtype / kv-cache dtype / quantization); "
+    "replicas share chunks only when it is equal. Set it to a value that changes whenever the "
+    "weights do, or to 'full' to hash every weight byte at start",
+    "model_id": "deprecated alias of model_fingerprint (it used to name chunks by the model's name, "
+    "which served a replaced checkpoint's old KV)",
     "socket_dir": "directory of the scheduler->worker unix socket (default: the temp dir)",
     "rpc_timeout_s": "how long the scheduler waits for the worker's lookup answer (default 2)",
 }
@@ -28,7 +32,7 @@ CONNECTOR_KEYS = {
 @dataclass(frozen=True)
 class ConnectorOptions:
     cache: CacheConfig
-    model_id: str | None = None
+    model_fingerprint: str | None = None
     socket_dir: str | None = None
     rpc_timeout_s: float = 2.0
 
@@ -58,10 +62,19 @@ class ConnectorOptions:
             raise ConfigError(f"rpc_timeout_s must be positive, got {timeout}")
         return cls(
             cache=cache,
-            model_id=str(own["model_id"]) if own.get("model_id") else None,
+            model_fingerprint=_fingerprint_option(own),
             socket_dir=str(own["socket_dir"]) if own.get("socket_dir") else None,
             rpc_timeout_s=timeout,
         )
+
+
+def _fingerprint_option(own: Mapping[str, Any]) -> str | None:
+    value = own.get("model_fingerprint") or own.get("model_id")
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"model_fingerprint must be a string, got {value!r}")
+    return value
 
 
 def check_chunk_size(chunk_size: int, block_size: int) -> None:
