@@ -160,12 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
     mt.set_defaults(func=_model_make_tiny)
 
     from kvmesh.admin.cli import add_cache_parser
+    from kvmesh.bench.soak import add_soak_parser
     from kvmesh.integrations.vllm.prewarm import add_prewarm_parser
     from kvmesh.router.cli import add_router_parser
 
     add_router_parser(sub)
     add_prewarm_parser(sub)
     add_cache_parser(sub)
+    add_soak_parser(sub)
 
     dm = sub.add_parser(
         "demo", help="2 vLLM replicas + kvmesh router: round-robin vs kvmesh on a multi-tenant chat"

@@ -1,0 +1,309 @@
+"""The soak's load and its verdicts: streaming chats, each classified, and the timeline.
+
+Every request ends in exactly one outcome:
+
+- ``correct``: the stream ended with ``[DONE]`` and the text equals the fault-free reference
+  for that prompt; ``wrong``: it ended and the text differs (must never happen);
+- ``retryable``: the router answered 503 or 429 with ``Retry-After``;
+- ``router_down``: the connection to the router was refused (it is restarting); a load
+  balancer retries these like a 503;
+- ``interrupted``: a stream that had started was cut (its replica was SIGKILLed);
+- ``error``: any other status or failure (must never happen);
+- ``hang``: no end within the request's deadline (must never happen).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from kvmesh.bench.report import write_json
+from kvmesh.bench.workload import words
+
+Outcome = Literal["correct", "wrong", "retryable", "router_down", "interrupted", "error", "hang"]
+OUTCOMES: tuple[Outcome, ...] = (
+    "correct",
+    "wrong",
+    "retryable",
+    "router_down",
+    "interrupted",
+    "error",
+    "hang",
+)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    key: str
+    system: str
+    question: str
+
+    def messages(self) -> list[dict[str, str]]:
+        return [{"role": "system", "content": self.system}, {"role": "user", "content": self.question}]
+
+
+def prompt_pool(tenants: int, questions: int, prefix_words: int, seed: int = 7) -> list[Prompt]:
+    """Tenants with long shared system prompts, a few questions each: the cacheable shape."""
+    rng = random.Random(seed)
+    pool: list[Prompt] = []
+    for t in range(tenants):
+        system = f"tenant {t}. " + words(rng, prefix_words)
+        pool.extend(Prompt(f"t{t}q{q}", system, words(rng, 20)) for q in range(questions))
+    return pool
+
+
+@dataclass
+class Record:
+    prompt: str
+    start: float  # seconds since the soak began
+    end: float
+    outcome: Outcome
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    detail: str = ""
+
+
+@dataclass
+class Client:
+    url: str
+    model: str
+    max_tokens: int
+    deadline_s: float
+    t0: float = field(default_factory=time.monotonic)
+
+    async def one(self, http: httpx.AsyncClient, prompt: Prompt) -> tuple[Record, str]:
+        start = time.monotonic() - self.t0
+        try:
+            record, text = await asyncio.wait_for(self._send(http, prompt, start), self.deadline_s)
+        except TimeoutError:
+            return Record(prompt.key, start, time.monotonic() - self.t0, "hang", detail="deadline"), ""
+        return record, text
+
+    async def _send(self, http: httpx.AsyncClient, prompt: Prompt, start: float) -> tuple[Record, str]:
+        body = {
+            "model": self.model,
+            "messages": prompt.messages(),
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+        def done(outcome: Outcome, detail: str = "", usage: dict[str, Any] | None = None) -> Record:
+            usage = usage or {}
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            end = time.monotonic() - self.t0
+            return Record(
+                prompt.key, start, end, outcome, int(usage.get("prompt_tokens", 0)), int(cached), detail
+            )
+
+        text: list[str] = []
+        usage: dict[str, Any] = {}
+        finished = False
+        try:
+            async with http.stream("POST", self.url + "/v1/chat/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    detail = (await resp.aread()).decode(errors="replace")[:200]
+                    retry = resp.status_code in (429, 503) and "retry-after" in resp.headers
+                    return done("retryable" if retry else "error", f"HTTP {resp.status_code}: {detail}"), ""
+                async for line in resp.aiter_lines():
+                    if line == "data: [DONE]":
+                        finished = True
+                    elif line.startswith("data: "):
+                        chunk = json.loads(line[6:])
+                        for choice in chunk.get("choices") or []:
+                            text.append(choice.get("delta", {}).get("content") or "")
+                        usage = chunk.get("usage") or usage
+        except httpx.ConnectError as exc:
+            return done("router_down", str(exc)), ""
+        except (httpx.HTTPError, ValueError) as exc:
+            return done("interrupted", f"{type(exc).__name__}: {exc}"), ""
+        if not finished:
+            return done("interrupted", "stream ended without [DONE]"), ""
+        return done("correct", usage=usage), "".join(text)
+
+
+async def chat_load(
+    client: Client,
+    pool: Sequence[Prompt],
+    reference: dict[str, str],
+    concurrency: int,
+    should_stop: Callable[[float], bool],
+    on_record: Callable[[Record], None],
+) -> None:
+    """``concurrency`` users, each sending one chat after another until ``should_stop(t)``
+    (``t``: seconds since ``client.t0``); a failed request waits a little, like a real client."""
+    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
+    timeout = httpx.Timeout(client.deadline_s, connect=2.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+
+        async def user(i: int) -> None:
+            rng = random.Random(i)
+            while not should_stop(time.monotonic() - client.t0):
+                prompt = rng.choice(pool)
+                record, text = await client.one(http, prompt)
+                if record.outcome == "correct" and text != reference[prompt.key]:
+                    record.outcome, record.detail = "wrong", f"got {text[:60]!r}"
+                on_record(record)
+                if record.outcome in ("retryable", "router_down", "interrupted"):
+                    await asyncio.sleep(0.5)
+
+        await asyncio.gather(*(user(i) for i in range(concurrency)))
+
+
+async def references(client: Client, pool: Sequence[Prompt]) -> dict[str, str]:
+    """Each prompt once, one at a time, before any fault: the text every later answer must equal."""
+    out: dict[str, str] = {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(client.deadline_s)) as http:
+        for prompt in pool:
+            record, text = await client.one(http, prompt)
+            if record.outcome != "correct":
+                raise ConnectionError(
+                    f"reference run for {prompt.key} failed: {record.outcome} {record.detail}"
+                )
+            out[prompt.key] = text
+    return out
+
+
+@dataclass
+class FaultEvent:
+    name: str
+    start: float
+    end: float
+    note: str = ""
+
+
+# -- the verdict -------------------------------------------------------------------------------------
+def hit_rate(records: Sequence[Record]) -> float | None:
+    prompt = sum(r.prompt_tokens for r in records if r.outcome == "correct")
+    return sum(r.cached_tokens for r in records if r.outcome == "correct") / prompt if prompt else None
+
+
+def timeline(records: Sequence[Record], duration: float, bin_s: float) -> list[dict[str, Any]]:
+    """Per bin (by end time): completed requests/s, failures and hit rate."""
+    bins = []
+    for b in range(int(duration // bin_s) + 1):
+        lo, hi = b * bin_s, (b + 1) * bin_s
+        inside = [r for r in records if lo <= r.end < hi]
+        ok = [r for r in inside if r.outcome == "correct"]
+        bins.append(
+            {
+                "t": lo,
+                "completed_per_s": len(ok) / bin_s,
+                "failed": len(inside) - len(ok),
+                "hit_rate": hit_rate(ok),
+            }
+        )
+    return bins
+
+
+def recovery_s(
+    records: Sequence[Record], fault_end: float, baseline: float, window_s: float = 10.0
+) -> float | None:
+    """Seconds from a fault's end until a ``window_s`` window of answers has no failure and a hit
+    rate of at least 0.9x the pre-fault ``baseline``; ``None`` if that never happens."""
+    ends = sorted({r.end for r in records if r.end >= fault_end})
+    for t in ends:
+        window = [r for r in records if t <= r.end < t + window_s]
+        if not window or window[-1].end < t + window_s * 0.8:
+            continue
+        if all(r.outcome == "correct" for r in window) and (hit_rate(window) or 0.0) >= 0.9 * baseline:
+            return t - fault_end
+    return None
+
+
+def summarize(records: Sequence[Record]) -> dict[str, Any]:
+    counts: dict[str, int] = {o: sum(1 for r in records if r.outcome == o) for o in OUTCOMES}
+    latencies = sorted(r.end - r.start for r in records if r.outcome == "correct")
+    return {
+        "requests": len(records),
+        **counts,
+        "latency_p50_s": statistics.median(latencies) if latencies else None,
+        "latency_max_s": latencies[-1] if latencies else None,
+        "hit_rate": hit_rate(records),
+        "examples": [asdict(r) for r in records if r.outcome in ("wrong", "error", "hang")][:10],
+    }
+
+
+def report(
+    records: list[Record],
+    events: list[FaultEvent],
+    peak_rss: dict[str, int],
+    duration: float,
+    settings: dict[str, Any],
+    json_path: str | None,
+    plot_path: str | None,
+) -> dict[str, Any]:
+    first_fault = min((e.start for e in events), default=duration)
+    last_fault = max((e.end for e in events), default=duration)
+    before = [r for r in records if r.end < first_fault]
+    after = [r for r in records if r.start > last_fault]
+    baseline = hit_rate(before) or 0.0
+    out: dict[str, Any] = {
+        "settings": settings,
+        **summarize(records),
+        "hit_rate_before_faults": baseline,
+        "hit_rate_after_faults": hit_rate(after),
+        "peak_rss_mb": {k: round(v / 2**20, 1) for k, v in sorted(peak_rss.items())},
+        "faults": [{**e.__dict__, "recovery_s": recovery_s(records, e.end, baseline)} for e in events],
+        "timeline": timeline(records, duration, bin_s=5.0),
+    }
+    print(
+        f"soak: {out['requests']} requests, {out['correct']} correct, {out['wrong']} wrong, "
+        f"{out['hang']} hangs, {out['retryable'] + out['router_down']} retryable, "
+        f"{out['interrupted']} interrupted, {out['error']} errors; hit rate "
+        f"{baseline:.3f} before faults, {out['hit_rate_after_faults'] or 0:.3f} after"
+    )
+    for f in out["faults"]:
+        print(
+            f"  {f['name']:<15} {f['start']:6.1f}-{f['end']:6.1f} s  recovery {f['recovery_s']}  {f['note']}"
+        )
+    if json_path:
+        write_json(json_path, out)
+    if plot_path:
+        plot(out, plot_path)
+    return out
+
+
+def plot(out: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bins = out["timeline"]
+    ts = [b["t"] for b in bins]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    top.plot(ts, [b["completed_per_s"] for b in bins], label="correct answers/s")
+    failed = [b["failed"] / 5.0 for b in bins]
+    top.bar(ts, failed, width=5.0, align="edge", color="tab:red", alpha=0.5, label="failures/s")
+    top.set_ylabel("requests/s")
+    top.legend(loc="upper right", fontsize=8)
+    bottom.plot(
+        ts, [b["hit_rate"] if b["hit_rate"] is not None else float("nan") for b in bins], color="tab:green"
+    )
+    bottom.set_ylabel("prefix hit rate")
+    bottom.set_ylim(0, 1.05)
+    bottom.set_xlabel("seconds")
+    for ax in (top, bottom):
+        for f in out["faults"]:
+            ax.axvspan(f["start"], f["end"], color="grey", alpha=0.2)
+    for f in out["faults"]:
+        top.annotate(f["name"], (f["start"], top.get_ylim()[1]), fontsize=7, va="top", rotation=90)
+    fig.suptitle(
+        f"kvmesh soak: {out['requests']} requests, {out['wrong']} wrong, {out['hang']} hangs", fontsize=10
+    )
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
