@@ -367,4 +367,9 @@ def _soak_command(args: Any) -> int:
         json_path=args.json,
         plot_path=args.plot,
     )
-    return 0 if out["wrong"] == 0 and out["hang"] == 0 and out["error"] == 0 else 1
+    return 0 if verdict_ok(out) else 1
+
+
+def verdict_ok(out: dict[str, Any]) -> bool:
+    """No wrong text, no hang, no silent cut, no non-retryable error."""
+    return all(int(out[k]) == 0 for k in ("wrong", "hang", "interrupted", "error"))

@@ -7,7 +7,10 @@ Every request ends in exactly one outcome:
 - ``retryable``: the router answered 503 or 429 with ``Retry-After``;
 - ``router_down``: the connection to the router was refused (it is restarting); a load
   balancer retries these like a 503;
-- ``interrupted``: a stream that had started was cut (its replica was SIGKILLed);
+- ``broken_stream``: a stream that had started ended with the router's in-stream error event
+  (its replica died mid-answer; the headers were already sent, so this is how a stream says
+  "retry", as vLLM and OpenAI do);
+- ``interrupted``: a stream that had started was cut with no word (must never happen);
 - ``error``: any other status or failure (must never happen);
 - ``hang``: no end within the request's deadline (must never happen).
 """
@@ -29,12 +32,15 @@ import httpx
 from kvmesh.bench.report import write_json
 from kvmesh.bench.workload import words
 
-Outcome = Literal["correct", "wrong", "retryable", "router_down", "interrupted", "error", "hang"]
+Outcome = Literal[
+    "correct", "wrong", "retryable", "router_down", "broken_stream", "interrupted", "error", "hang"
+]
 OUTCOMES: tuple[Outcome, ...] = (
     "correct",
     "wrong",
     "retryable",
     "router_down",
+    "broken_stream",
     "interrupted",
     "error",
     "hang",
@@ -109,6 +115,7 @@ class Client:
         text: list[str] = []
         usage: dict[str, Any] = {}
         finished = False
+        broke = ""
         try:
             async with http.stream("POST", self.url + "/v1/chat/completions", json=body) as resp:
                 if resp.status_code != 200:
@@ -120,6 +127,8 @@ class Client:
                         finished = True
                     elif line.startswith("data: "):
                         chunk = json.loads(line[6:])
+                        if isinstance(chunk.get("error"), dict):
+                            broke = str(chunk["error"].get("message", ""))[:200]
                         for choice in chunk.get("choices") or []:
                             text.append(choice.get("delta", {}).get("content") or "")
                         usage = chunk.get("usage") or usage
@@ -127,6 +136,8 @@ class Client:
             return done("router_down", str(exc)), ""
         except (httpx.HTTPError, ValueError) as exc:
             return done("interrupted", f"{type(exc).__name__}: {exc}"), ""
+        if broke:
+            return done("broken_stream", broke), ""
         if not finished:
             return done("interrupted", "stream ended without [DONE]"), ""
         return done("correct", usage=usage), "".join(text)
@@ -154,7 +165,7 @@ async def chat_load(
                 if record.outcome == "correct" and text != reference[prompt.key]:
                     record.outcome, record.detail = "wrong", f"got {text[:60]!r}"
                 on_record(record)
-                if record.outcome in ("retryable", "router_down", "interrupted"):
+                if record.outcome not in ("correct", "wrong"):
                     await asyncio.sleep(0.5)
 
         await asyncio.gather(*(user(i) for i in range(concurrency)))
@@ -227,6 +238,8 @@ def summarize(records: Sequence[Record]) -> dict[str, Any]:
     return {
         "requests": len(records),
         **counts,
+        # Everything a client can retry: what must never happen is wrong, hang, interrupted, error.
+        "retryable_total": counts["retryable"] + counts["router_down"] + counts["broken_stream"],
         "latency_p50_s": statistics.median(latencies) if latencies else None,
         "latency_max_s": latencies[-1] if latencies else None,
         "hit_rate": hit_rate(records),
@@ -259,8 +272,9 @@ def report(
     }
     print(
         f"soak: {out['requests']} requests, {out['correct']} correct, {out['wrong']} wrong, "
-        f"{out['hang']} hangs, {out['retryable'] + out['router_down']} retryable, "
-        f"{out['interrupted']} interrupted, {out['error']} errors; hit rate "
+        f"{out['hang']} hangs, {out['retryable']} 503/429, {out['router_down']} refused while the "
+        f"router restarted, {out['broken_stream']} streams broken off with an error event, "
+        f"{out['interrupted']} cut silently, {out['error']} errors; hit rate "
         f"{baseline:.3f} before faults, {out['hit_rate_after_faults'] or 0:.3f} after"
     )
     for f in out["faults"]:

@@ -34,6 +34,10 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     text = "bad" if mode == "lie" else "hello"
     chunk = {"choices": [{"delta": {"content": text}}]}
     await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    if mode == "broke":
+        error = {"error": {"message": "replica r broke off the stream", "code": 502}}
+        await resp.write(f"data: {json.dumps(error)}\n\n".encode())
+        return resp
     if mode == "cut":
         assert request.transport is not None
         request.transport.close()
@@ -81,6 +85,7 @@ def _classify(url: str, mode: str, deadline_s: float = 2.0) -> Record:
         ("busy", "retryable"),
         ("broken", "error"),
         ("cut", "interrupted"),
+        ("broke", "broken_stream"),
         ("stall", "hang"),
     ],
 )
