@@ -5,7 +5,7 @@ small tmpfs (a real full filesystem, not a flag), behind a ``kvmesh router`` pro
 users send streaming chats (temperature 0) from a fixed prompt pool whose fault-free
 answers were recorded first. A schedule injects, one after the other: SIGKILL a replica and
 restart it, SIGKILL Redis and restart it, SIGSTOP Redis for a while, fill the disk tier's
-filesystem, restart the router. The verdict: no answer differs from its reference, none
+filesystem, restart the router (SIGTERM, as a rolling restart does). The verdict: no answer differs from its reference, none
 hangs past its deadline, every failure is retryable (see :mod:`kvmesh.bench.soak_load`),
 memory stays bounded, and the hit rate comes back after each fault.
 """
@@ -204,12 +204,15 @@ class Fleet:
         return f"tmpfs filled ({written >> 20} MiB filler) for {hold_s:.0f} s"
 
     def router_restart(self, hold_s: float) -> str:
+        """A rolling restart as an orchestrator does it: SIGTERM (the router stops accepting and
+        finishes the answers in flight), then a new process with an empty index."""
         assert self.router is not None
-        os.killpg(self.router.pid, signal.SIGKILL)
-        stop_process(self.router)
+        t = time.monotonic()
+        stop_process(self.router, timeout=60.0)
+        drained = time.monotonic() - t
         time.sleep(hold_s)
         self.start_router()
-        return "router SIGKILLed and restarted"
+        return f"router stopped with SIGTERM (drained in {drained:.1f} s) and restarted"
 
     def faults(self) -> dict[str, Callable[[float], str]]:
         return {

@@ -243,7 +243,7 @@ def summarize(records: Sequence[Record]) -> dict[str, Any]:
         "latency_p50_s": statistics.median(latencies) if latencies else None,
         "latency_max_s": latencies[-1] if latencies else None,
         "hit_rate": hit_rate(records),
-        "examples": [asdict(r) for r in records if r.outcome in ("wrong", "error", "hang")][:10],
+        "examples": [asdict(r) for r in records if r.outcome not in ("correct", "router_down")][:20],
     }
 
 
