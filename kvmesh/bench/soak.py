@@ -5,9 +5,10 @@ small tmpfs (a real full filesystem, not a flag), behind a ``kvmesh router`` pro
 users send streaming chats (temperature 0) from a fixed prompt pool whose fault-free
 answers were recorded first. A schedule injects, one after the other: SIGKILL a replica and
 restart it, SIGKILL Redis and restart it, SIGSTOP Redis for a while, fill the disk tier's
-filesystem, restart the router (SIGTERM, as a rolling restart does). The verdict: no answer differs from its reference, none
-hangs past its deadline, every failure is retryable (see :mod:`kvmesh.bench.soak_load`),
-memory stays bounded, and the hit rate comes back after each fault.
+filesystem, restart the router (SIGTERM, as a rolling restart does). The verdict: no answer
+differs from its reference, none hangs past its deadline, every failure is retryable (see
+:mod:`kvmesh.bench.soak_load`), memory stays bounded, and the hit rate comes back after each
+fault.
 """
 
 from __future__ import annotations
