@@ -57,7 +57,7 @@ def _bench_router(args: argparse.Namespace) -> int:
 def _model_make_tiny(args: argparse.Namespace) -> int:
     import os
 
-    from kvmesh.model import PRESETS, make_tiny
+    from kvmesh.harness.model import PRESETS, make_tiny
 
     if args.if_missing and os.path.exists(os.path.join(args.out, "config.json")):
         print(f"model already at {args.out}")
@@ -75,18 +75,17 @@ def _model_make_tiny(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from kvmesh import demo
 
-    out = demo.run(
-        model_dir=args.model,
-        json_path=args.json,
-        plot_path=args.plot,
+    p = demo.params(
         tenants=args.tenants,
         users=args.users,
         turns=args.turns,
         concurrency=args.concurrency,
-        num_blocks=args.num_blocks,
         repeats=args.repeats,
+        num_blocks=args.num_blocks,
+        prefix_words=args.prefix_words,
     )
-    return 0 if all(r["errors"] == 0 for r in out["runs"]) else 1
+    out = demo.run(model_dir=args.model, json_path=args.json, plot_path=args.plot, p=p)
+    return 1 if demo.failed(out) else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,22 +169,28 @@ def build_parser() -> argparse.ArgumentParser:
     add_soak_parser(sub)
 
     dm = sub.add_parser(
-        "demo", help="2 vLLM replicas + kvmesh router: round-robin vs kvmesh on a multi-tenant chat"
+        "demo",
+        help="plain vLLM + round-robin vs kvmesh replicas + round-robin vs kvmesh replicas + kvmesh router",
     )
     dm.add_argument("--model", default=".cache/models/tiny", help="model directory (built if missing)")
     dm.add_argument("--json", help="write the comparison here")
-    dm.add_argument("--plot", help="write a PNG plot here")
-    dm.add_argument("--tenants", type=int, default=8)
-    dm.add_argument("--users", type=int, default=4, help="users per tenant")
+    dm.add_argument("--plot", help="write a PNG plot here (one panel per metric)")
+    dm.add_argument("--tenants", type=int, default=12)
+    dm.add_argument("--users", type=int, default=2, help="users per tenant")
     dm.add_argument("--turns", type=int, default=3, help="turns per conversation")
-    dm.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    dm.add_argument("--concurrency", type=int, default=4, help="conversations in flight")
     dm.add_argument(
         "--num-blocks",
         type=int,
-        default=200,
-        help="each replica's own KV cache in 128-token blocks (default: ~3/4 of the workload's)",
+        default=40,
+        help="each replica's own KV cache in 128-token blocks (default 40: fewer than the tenants' prefixes)",
     )
-    dm.add_argument("--repeats", type=int, default=3, help="runs per policy (medians are reported)")
+    dm.add_argument(
+        "--prefix-words", type=int, default=250, help="words per tenant system prompt (~4 tokens each)"
+    )
+    dm.add_argument(
+        "--repeats", type=int, default=3, help="runs per setup, interleaved (medians are reported)"
+    )
     dm.set_defaults(func=_demo)
     return parser
 

@@ -1,208 +1,235 @@
-"""``kvmesh demo``: two vLLM replicas with the kvmesh connector behind the kvmesh router.
+"""``kvmesh demo``: what kvmesh adds to plain vLLM, in one run on one machine.
 
-It builds the tiny model if missing, starts Redis (or uses a shared directory when
-redis-server is not installed) as the shared tier, and starts two vLLM replicas with the
-kvmesh connector and KV events. Each replica gets one core (every process of it pinned
-there, as in ``kvmesh bench router``) and its own KV cache capped at about three quarters
-of the workload's (200 blocks of 128 tokens against ~264), so one replica cannot hold every
-tenant but the two together can when each tenant stays on one. It then runs the same
-multi-tenant workload per policy (``repeats`` times, alternating the order) through the
-router and compares the medians of prefix hit rate, TTFT and throughput. Every run gets its
-own tenant texts (same shape), so no run profits from the one before. Every process it
-started is stopped on exit or Ctrl-C.
+Three setups on the same multi-tenant chat workload (tenants with a long shared system
+prompt, users in multi-turn conversations, four in flight), each over two vLLM replicas of
+the tiny model with one core each and their own KV cache capped below the workload's:
+
+1. **plain vLLM + round-robin**: what users run today (the kvmesh router, round-robin
+   policy, over replicas without a connector);
+2. **kvmesh replicas + round-robin**: the same routing over replicas with kvmesh's
+   connector and a shared tier (Redis, or a shared directory without redis-server), so a
+   replica loads a prefix the other computed: *the cache's share* of the gain;
+3. **kvmesh replicas + kvmesh router**: the kvmesh policy (prefix location, queued prefill
+   work, load) over the same kvmesh replicas: *the router's share*.
+
+The plain and the kvmesh replica groups are up together and the setups take turns, repeat
+by repeat, every other repeat in reverse (:mod:`kvmesh.bench.groups`, the machinery of
+``kvmesh bench router``); every run gets its own tenant texts and starts from reset prefix
+caches. It prints a table of the medians, one sentence per row, and writes a PNG with one
+panel per metric. Every process it started is stopped on exit or Ctrl-C.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvmesh.bench.report import print_table, write_json, write_plot
-from kvmesh.bench.workload import Workload, median_summary, replay
-from kvmesh.cluster import Replica, install_signal_handlers, start_replicas
-from kvmesh.services import RedisServer
+from kvmesh.bench.groups import Params, Setup, run_interleaved
+from kvmesh.bench.report import METRIC_PANELS, print_table, write_json, write_panels
+from kvmesh.bench.workload import METRICS
+from kvmesh.harness.model import DEFAULT_TINY_MODEL, ensure_model
+from kvmesh.harness.processes import install_signal_handlers
 
-DEFAULT_MODEL = os.path.join(".cache", "models", "tiny")
-
-
-# The router's medium weights say what a prefix block in each place saves. The defaults
-# (GPU 1.0, CPU 0.8, DISK 0.5, REMOTE 0.3) suit GPU servers, where loading a block from a
-# shared tier costs a good part of recomputing it. On this CPU machine a load is ~2-4% of a
-# recompute (`kvmesh bench ttft`: 2,000 tokens recomputed in ~1.25 s, loaded from Redis in
-# ~0.05 s), so a block any replica can load is worth nearly as much as one in its own cache,
-# and routing should mostly balance work. A deployment sets these from its own measurements.
-ROUTER_TUNING: dict[str, Any] = {
-    "medium_weights": {"GPU": 1.0, "CPU": 0.95, "DISK": 0.9, "REMOTE": 0.9},
-    "prefill_load_cost": 0.02,
+DEFAULT_MODEL = DEFAULT_TINY_MODEL
+PLAIN_RR = Setup("kvmesh", "round-robin", "none")
+KVMESH_RR = Setup("kvmesh", "round-robin", "kvmesh")
+KVMESH = Setup("kvmesh", "kvmesh", "kvmesh")
+SETUPS = (PLAIN_RR, KVMESH_RR, KVMESH)
+TITLES = {
+    PLAIN_RR: "plain vLLM + round-robin",
+    KVMESH_RR: "kvmesh replicas + round-robin",
+    KVMESH: "kvmesh replicas + kvmesh router",
 }
+PHASES = (("none", "kvmesh"),)  # both groups up together, all three setups interleaved
+LOWER_IS_BETTER = {"hit_rate": False, "ttft_p50_s": True, "ttft_p90_s": True, "requests_per_s": False}
 
 
-def connector_config(remote_url: str, chunk_size: int = 256, cpu_gb: float = 0.5) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` of a kvmesh replica."""
-    return {
-        "kv_connector": "KVMeshConnector",
-        "kv_connector_module_path": "kvmesh.integrations.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "chunk_size": chunk_size,
-            "max_local_cpu_size": cpu_gb,
-            "remote_url": remote_url,
-        },
-    }
+def params(
+    tenants: int = 12,
+    users: int = 2,
+    turns: int = 3,
+    concurrency: int = 4,
+    repeats: int = 3,
+    num_blocks: int = 40,
+    prefix_words: int = 250,
+) -> Params:
+    """The demo's workload. The defaults are ``kvmesh bench router``'s: 12 tenants x ~1,000
+    prefix tokens against 2 replicas x 40 blocks x 128 tokens, so plain replicas must
+    recompute what the other one holds."""
+    return Params(tenants, users, turns, concurrency, repeats, arrival="sessions",
+                  prefix_words=prefix_words, num_blocks=num_blocks)  # fmt: skip
 
 
-@contextlib.contextmanager
-def shared_tier(workdir: str) -> Iterator[str]:
-    """Redis when it is installed, else a shared directory."""
-    if RedisServer.available():
-        with RedisServer() as server:
-            yield server.url
-    else:
-        path = os.path.join(workdir, "shared")
-        os.makedirs(path, exist_ok=True)
-        yield "fs://" + os.path.abspath(path)
+def seed_of(setup: Setup, repeat: int) -> int:
+    """Tenant texts of one run: different for every setup and repeat."""
+    return 1 + SETUPS.index(setup) + len(SETUPS) * repeat
 
 
-def ensure_model(model_dir: str) -> str:
-    if not os.path.exists(os.path.join(model_dir, "config.json")):
-        from kvmesh.model import PRESETS, make_tiny
-
-        print(f"building the tiny model in {model_dir} ...")
-        make_tiny(out_dir=model_dir, **PRESETS["tiny"])
-    return model_dir
-
-
-def warm_up(urls: list[str], model: str = "tiny") -> None:
-    """One request per replica first: a new vLLM process spends seconds of lazy
-    initialisation on its first requests, which would otherwise land on the first policy."""
-    import httpx
-
-    for i, url in enumerate(urls):
-        for j in range(2):
-            body = {"model": model, "prompt": f"warm up {i} {j} " * 50, "max_tokens": 2}
-            httpx.post(url + "/v1/completions", json=body, timeout=300.0).raise_for_status()
+# -- the summary (pure, unit-tested) ---------------------------------------------------------
+def ratio(new: Any, old: Any) -> float | None:
+    """``new / old``, or None when either is missing or ``old`` is 0."""
+    if new is None or old is None or not float(old):
+        return None
+    return float(new) / float(old)
 
 
-def summarize(policy: str, summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """One row of the comparison: the medians over the repeats, plus each repeat's figures."""
-    return {
-        "policy": policy,
-        **median_summary(summaries),
-        "requests": sum(int(s["requests"]) for s in summaries),
-        "errors": sum(int(s["errors"]) for s in summaries),
-        "repeats": summaries,
-    }
+def split_gain(base: float, mid: float, full: float, lower_is_better: bool) -> dict[str, Any]:
+    """How a metric's change from ``base`` (plain + round-robin) to ``full`` (kvmesh
+    replicas + router) divides between the cache (base -> mid) and the router (mid -> full).
+
+    ``gain``: whether ``full`` is better than ``base``; ``cache_pct`` / ``router_pct``: each
+    step's share of the change, in percent (they add up to 100; a step that went the wrong
+    way has a negative share). Both are None when nothing changed.
+    """
+    total = full - base
+    better = total < 0 if lower_is_better else total > 0
+    if total == 0:
+        return {"gain": False, "cache_pct": None, "router_pct": None}
+    cache = 100.0 * (mid - base) / total
+    return {"gain": better, "cache_pct": round(cache, 1), "router_pct": round(100.0 - cache, 1)}
 
 
-def verdict(runs: list[dict[str, Any]]) -> str:
-    """One line comparing the kvmesh policy with round-robin (empty if either is missing)."""
-    by = {r["policy"]: r for r in runs}
-    base, ours = by.get("round-robin"), by.get("kvmesh")
-    if not base or not ours or not base.get("ttft_p50_s") or not ours.get("ttft_p50_s"):
-        return ""
+def _x(value: float | None) -> str:
+    return "n/a" if value is None else f"x{value:.2f}"
+
+
+def _step(new: Mapping[str, Any], old: Mapping[str, Any]) -> str:
+    """What changed from row ``old`` to row ``new``, in a clause."""
     return (
-        f"kvmesh vs round-robin: hit rate {ours['hit_rate']:.3f} vs {base['hit_rate']:.3f}; "
-        f"TTFT p50 x{ours['ttft_p50_s'] / base['ttft_p50_s']:.2f}, "
-        f"p90 x{ours['ttft_p90_s'] / base['ttft_p90_s']:.2f}; "
-        f"requests/s x{ours['requests_per_s'] / base['requests_per_s']:.2f}"
+        f"hit rate {old['hit_rate']:.2f} -> {new['hit_rate']:.2f}, "
+        f"TTFT p50 {_x(ratio(new['ttft_p50_s'], old['ttft_p50_s']))} and "
+        f"p90 {_x(ratio(new['ttft_p90_s'], old['ttft_p90_s']))} "
+        f"({old['ttft_p90_s']:.3f} -> {new['ttft_p90_s']:.3f} s), "
+        f"requests/s {_x(ratio(new['requests_per_s'], old['requests_per_s']))}"
     )
 
 
+def _share(split: Mapping[str, Any], what: str) -> str:
+    cache, router = split["cache_pct"], split["router_pct"]
+    if cache is None:
+        return f"{what} did not change"
+    if not split["gain"]:
+        return f"{what} got worse overall (cache {cache:.0f}%, router {router:.0f}% of it)"
+    return f"of the gain in {what} the cache gives {cache:.0f}% and the router {router:.0f}%"
+
+
+def sentences(rows: Mapping[Setup, Mapping[str, Any]]) -> list[str]:
+    """One sentence per setup row: the baseline, the cache's step, the router's step and the
+    split of the whole gain (a row that failed says so)."""
+    base, mid, full = (rows.get(s) for s in SETUPS)
+    out = []
+    for setup, row in zip(SETUPS, (base, mid, full), strict=True):
+        if row is None or "error" in row or row.get("ttft_p90_s") is None:
+            why = (row or {}).get("error", "no run")
+            out.append(f"{TITLES[setup]}: no figures ({why}).")
+    if out:
+        return out
+    assert base is not None and mid is not None and full is not None
+    p90 = split_gain(base["ttft_p90_s"], mid["ttft_p90_s"], full["ttft_p90_s"], lower_is_better=True)
+    rps = split_gain(base["requests_per_s"], mid["requests_per_s"], full["requests_per_s"], False)
+    return [
+        f"{TITLES[PLAIN_RR]} (what users run today): hit rate {base['hit_rate']:.2f}, TTFT p50 "
+        f"{base['ttft_p50_s']:.3f} s, p90 {base['ttft_p90_s']:.3f} s, {base['requests_per_s']:.2f} "
+        "requests/s: every replica recomputes whatever prefix its own cache lost or never had.",
+        f"{TITLES[KVMESH_RR]}, the cache's share: {_step(mid, base)}: a replica loads from the "
+        "shared tier the prefixes the other one computed, instead of recomputing them.",
+        f"{TITLES[KVMESH]}, the router's share: {_step(full, mid)} on top; against plain vLLM "
+        f"{_step(full, base)}; {_share(p90, 'TTFT p90')}, {_share(rps, 'requests/s')}.",
+    ]
+
+
+def table(rows: Mapping[Setup, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The printed table: one row per setup, with its TTFT p90 against the baseline's."""
+    base = rows.get(PLAIN_RR, {})
+    out = []
+    for setup in SETUPS:
+        row = rows.get(setup, {})
+        line: dict[str, Any] = {"setup": TITLES[setup]}
+        if "error" in row or not row:
+            line["note"] = str(row.get("error", "no run"))[:80]
+        else:
+            line.update({k: row.get(k) for k in METRICS})
+            line["p90_vs_plain"] = _x(ratio(row.get("ttft_p90_s"), base.get("ttft_p90_s")))
+            line["errors"] = row.get("errors", 0)
+        out.append(line)
+    return out
+
+
+# -- the run ---------------------------------------------------------------------------------
 def run(
     model_dir: str = DEFAULT_MODEL,
     json_path: str | None = None,
     plot_path: str | None = None,
-    policies: tuple[str, ...] = ("round-robin", "kvmesh"),
-    tenants: int = 8,
-    users: int = 4,
-    turns: int = 3,
-    concurrency: int = 4,
-    num_blocks: int = 200,
-    repeats: int = 3,
+    p: Params | None = None,
     workdir: str | None = None,
 ) -> dict[str, Any]:
-    from tqdm import tqdm
+    """Run the demo; returns (and optionally writes) ``{"rows", "sentences", "split",
+    "workload", "wall_s"}``."""
 
-    from kvmesh.router import ReplicaConfig, RouterConfig
-    from kvmesh.router.server import Router
+    def log(msg: str) -> None:
+        print(msg, flush=True)
 
+    p = p or params()
     install_signal_handlers()
-    model_dir = ensure_model(model_dir)
+    model_dir = ensure_model(model_dir, "tiny")
     workdir = workdir or tempfile.mkdtemp(prefix="kvmesh-demo-")
-    per_policy: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
-    with shared_tier(workdir) as remote_url:
-        print(f"shared tier: {remote_url}")
-        replicas = [
-            Replica(
-                model_dir,
-                cpu=i,
-                num_blocks=num_blocks,
-                kv_transfer=connector_config(remote_url),
-                events_ipc=f"ipc://{os.path.abspath(workdir)}/events{i}.sock",
-                log_path=os.path.join(workdir, f"replica{i}.log"),
-                pin_process=True,
-            )
-            for i in range(2)
-        ]
-        print(f"starting 2 vLLM replicas (logs in {workdir}) ...")
-        try:
-            start_replicas(replicas)
-            warm_up([r.url for r in replicas])
-            for repeat in range(repeats):
-                # Alternate the order so drift on a shared machine favours no policy.
-                order = policies if repeat % 2 == 0 else tuple(reversed(policies))
-                for policy in order:
-                    seed = 1 + policies.index(policy) + len(policies) * repeat
-                    workload = Workload.multi_tenant(tenants, users, turns, seed=seed)
-                    config = RouterConfig(
-                        model=model_dir,
-                        replicas=tuple(
-                            ReplicaConfig(url=r.url, events=r.events_endpoint, name=f"replica{i}")
-                            for i, r in enumerate(replicas)
-                        ),
-                        policy=policy,
-                        port=0,
-                        **ROUTER_TUNING,
-                    )
-                    desc = f"{policy} [{repeat + 1}/{repeats}]"
-                    with (
-                        Router(config) as router,
-                        tqdm(total=workload.num_requests, desc=desc, unit="req") as bar,
-                    ):
-                        result = replay(workload, router.url, "tiny", concurrency, on_done=bar.update)
-                    per_policy[policy].append(result.summary())
-        finally:
-            for r in replicas:
-                r.stop()
-    runs = [summarize(policy, summaries) for policy, summaries in per_policy.items()]
-    out = {
-        "runs": runs,
+    t0 = time.monotonic()
+    log(
+        f"kvmesh demo: {' | '.join(TITLES[s] for s in SETUPS)}; {p.tenants} tenants x {p.users} users x "
+        f"{p.turns} turns, {p.concurrency} in flight, {p.repeats} repeats interleaved; 2 + 2 replicas x "
+        f"{p.num_blocks} KV blocks; logs in {workdir}"
+    )
+    outcome = run_interleaved(SETUPS, PHASES, p, model_dir, workdir, seed_of, log, idle_floor=False)
+    rows = dict(zip(SETUPS, outcome.rows(), strict=True))
+    lines = sentences(rows)
+    split = {}
+    if all("error" not in rows[s] for s in SETUPS):
+        split = {
+            k: split_gain(rows[PLAIN_RR][k], rows[KVMESH_RR][k], rows[KVMESH][k], LOWER_IS_BETTER[k])
+            for k in METRICS
+            if all(rows[s].get(k) is not None for s in SETUPS)
+        }
+    wall = round(time.monotonic() - t0, 1)
+    out: dict[str, Any] = {
+        "rows": [{"setup": TITLES[s], **rows[s], "repeats": outcome.runs[s]} for s in SETUPS],
+        "sentences": lines,
+        "split": split,
         "workload": {
-            "tenants": tenants,
-            "users": users,
-            "turns": turns,
-            "concurrency": concurrency,
-            "replica_kv_blocks": num_blocks,
-            "repeats": repeats,
+            "tenants": p.tenants,
+            "users": p.users,
+            "turns": p.turns,
+            "concurrency": p.concurrency,
+            "prefix_words": p.prefix_words,
+            "replica_kv_blocks": p.num_blocks,
+            "repeats": p.repeats,
+            "arrival": p.arrival,
         },
+        "wall_s": wall,
     }
-    print_table(runs, ["policy", "hit_rate", "ttft_p50_s", "ttft_p90_s", "requests_per_s", "errors"])
-    print(verdict(runs))
+    log("")
+    print_table(table(rows), ["setup", *METRICS, "p90_vs_plain", "errors", "note"])
+    log("")
+    for line in lines:
+        log("- " + line)
+    log(f"\ntotal {wall:.0f} s")
     if json_path:
         write_json(json_path, out)
     if plot_path:
-        write_plot(
+        write_panels(
             plot_path,
-            labels=["prefix hit rate", "TTFT p50 (s)", "TTFT p90 (s)", "requests/s"],
-            series={
-                r["policy"]: [r["hit_rate"], r["ttft_p50_s"] or 0, r["ttft_p90_s"] or 0, r["requests_per_s"]]
-                for r in runs
-            },
-            ylabel="value",
-            title="kvmesh demo: 2 vLLM replicas, multi-tenant chat",
+            {TITLES[s]: rows[s] for s in SETUPS if "error" not in rows[s]},
+            METRIC_PANELS,
+            title=f"kvmesh demo: 2 vLLM replicas x {p.num_blocks} KV blocks, {p.tenants} tenants x {p.users} "
+            f"users x {p.turns} turns, {p.concurrency} in flight; medians of {p.repeats}",
         )
     return out
+
+
+def failed(out: Mapping[str, Any]) -> Sequence[str]:
+    """The setups of a finished run that have no figures or lost requests (empty: all good)."""
+    return [r["setup"] for r in out["rows"] if "error" in r or r.get("errors")]
+
+
+__all__ = ["SETUPS", "TITLES", "failed", "params", "ratio", "run", "sentences", "split_gain", "table"]

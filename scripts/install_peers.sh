@@ -57,8 +57,8 @@ fi
 [[ "${1:-}" == "--no-check" ]] && exit 0
 
 # Verify: the server (loopback only) starts and answers GET /healthcheck, then stops.
-PORT=$("$PY" -c "from kvmesh.services import free_port; print(free_port())")
-HTTP_PORT=$("$PY" -c "from kvmesh.services import free_port; print(free_port())")
+PORT=$("$PY" -c "from kvmesh.harness.ports import free_port; print(free_port())")
+HTTP_PORT=$("$PY" -c "from kvmesh.harness.ports import free_port; print(free_port())")
 LOG=$(mktemp /tmp/lmcache-check.XXXXXX.log)
 PYTHONPATH="$PEERS_DIR" LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1 \
     "$PY" -m lmcache.cli.main server --host 127.0.0.1 --port "$PORT" \

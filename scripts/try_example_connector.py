@@ -2,7 +2,7 @@
 
 Run:  .venv/bin/python scripts/try_example_connector.py [--preset tiny] [--tokens 1000]
 
-1. builds the tiny model (kvmesh.model.make_tiny) into /tmp/kvmesh-<preset>;
+1. builds the tiny model (kvmesh.harness.model.make_tiny) into /tmp/kvmesh-<preset>;
 2. starts vLLM with ExampleConnector (KV saved to /tmp/ex as safetensors, one file per layer);
 3. a warm-up request (the first request of a process carries seconds of lazy init);
 4. a ~N-token prompt, max_tokens=5, logprobs=5: computed cold, KV saved by the connector;
@@ -343,7 +343,7 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from kvmesh.model import PRESETS, make_tiny
+    from kvmesh.harness.model import PRESETS, make_tiny
 
     t0 = time.perf_counter()
     model_dir = make_tiny(f"/tmp/kvmesh-{args.preset}", **PRESETS[args.preset])

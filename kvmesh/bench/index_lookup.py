@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from kvmesh.bench.stats import percentile
 from kvmesh.events import BlockStored, EventBatch
 from kvmesh.index import BlockIndex
 
@@ -54,13 +55,13 @@ def run(blocks: int = 1_000_000, queries: int = 2000, prompt_tokens: int = 2000)
             idx.match(q)
             wall.append(time.perf_counter() - t0)
             cpu_t.append(time.thread_time() - c0)
-        w = np.array(wall[queries // 10 :]) * 1e3
-        c = np.array(cpu_t[queries // 10 :]) * 1e3
+        w = [x * 1e3 for x in wall[queries // 10 :]]
+        c = [x * 1e3 for x in cpu_t[queries // 10 :]]
         out[name] = {
-            "wall_p50_ms": round(float(np.percentile(w, 50)), 3),
-            "wall_p99_ms": round(float(np.percentile(w, 99)), 3),
-            "cpu_p50_ms": round(float(np.percentile(c, 50)), 3),
-            "cpu_p99_ms": round(float(np.percentile(c, 99)), 3),
+            "wall_p50_ms": round(percentile(w, 50), 3),
+            "wall_p99_ms": round(percentile(w, 99), 3),
+            "cpu_p50_ms": round(percentile(c, 50), 3),
+            "cpu_p99_ms": round(percentile(c, 99), 3),
         }
     return out
 

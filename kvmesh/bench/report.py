@@ -1,11 +1,20 @@
-"""Shared output for benchmarks: a plain-text table, JSON and a grouped bar plot."""
+"""Shared output for benchmarks: a plain-text table, JSON, grouped bars and one-panel-per-metric bars."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+# The replay metrics (kvmesh.bench.workload.METRICS) with their panel titles: a rate, seconds
+# and requests/s each need an axis of their own.
+METRIC_PANELS: tuple[tuple[str, str], ...] = (
+    ("hit_rate", "prefix hit rate"),
+    ("ttft_p50_s", "TTFT p50 (s)"),
+    ("ttft_p90_s", "TTFT p90 (s)"),
+    ("requests_per_s", "requests/s"),
+)
 
 
 def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
@@ -58,6 +67,44 @@ def write_plot(
     ax.set_title(title, fontsize=10)
     ax.legend()
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def write_panels(
+    path: str,
+    rows: Mapping[str, Mapping[str, Any]],
+    panels: Sequence[tuple[str, str]],
+    title: str,
+) -> None:
+    """One panel per metric, each with its own y axis; in each, one bar per row (``rows``:
+    label -> metric -> value; a missing or None value draws no bar), its value written on it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(rows)
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 4.2), squeeze=False)
+    colors = [f"C{i}" for i in range(len(labels))]
+    for ax, (key, name) in zip(axes[0], panels, strict=True):
+        xs = [i for i, label in enumerate(labels) if rows[label].get(key) is not None]
+        ys = [float(rows[labels[i]][key]) for i in xs]
+        bars = ax.bar(xs, ys, color=[colors[i] for i in xs])
+        ax.bar_label(bars, labels=[f"{y:.3g}" for y in ys], fontsize=8, padding=2)
+        ax.set_title(name, fontsize=10)
+        ax.set_xticks([])
+        ax.set_ylim(0, max(ys, default=1.0) * 1.18 or 1.0)
+        ax.grid(axis="y", alpha=0.3)
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=c) for c in colors]
+    fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=10)
+    rows_of_legend = (len(labels) + 2) // 3
+    fig.tight_layout(rect=(0, 0.06 * rows_of_legend, 1, 0.95))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

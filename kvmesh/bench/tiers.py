@@ -32,7 +32,7 @@ from kvmesh.config import CacheConfig
 from kvmesh.core.engine import CacheEngine
 from kvmesh.core.keys import ChunkKey, KeyBuilder, KVLayout
 from kvmesh.core.memory import torch_dtype
-from kvmesh.services import RedisServer, drop_page_cache
+from kvmesh.harness.services import RedisServer, drop_page_cache
 from kvmesh.tiers.base import ChunkData, Tier, TierOptions, open_tier
 
 LAYOUTS = {

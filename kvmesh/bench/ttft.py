@@ -28,7 +28,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import random
 import re
 import shutil
 import statistics
@@ -37,290 +36,40 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from kvmesh.bench.peers import LMCacheServer, lmcache_pythonpath, require_lmcache, with_pythonpath
 from kvmesh.bench.report import print_table, write_json
-from kvmesh.cluster import stop_process
+from kvmesh.bench.ttft_spec import (
+    DEFAULT_LENGTHS,
+    FAIR_ENV,
+    FAIR_LLM_ARGS,
+    KVMESH_SETUPS,
+    MAX_MODEL_LEN,
+    SETUPS,
+    TARGET_TOKENS,
+    SetupSpec,
+    build_spec,
+    compute_targets,
+    summarize,
+    unavailable,
+)
 from kvmesh.errors import ProcessError
-from kvmesh.services import RedisServer, free_port
+from kvmesh.harness.connector import KVMESH_MODULE
+from kvmesh.harness.model import DEFAULT_BENCH_MODEL, ensure_model
+from kvmesh.harness.processes import log_tail, stop_process
+from kvmesh.harness.services import RedisServer
 
-SETUPS = ("recompute", "example_connector", "lmcache_mp", "kvmesh_cpu", "kvmesh_disk", "kvmesh_redis")
-KVMESH_SETUPS = ("kvmesh_cpu", "kvmesh_disk", "kvmesh_redis")
-DEFAULT_LENGTHS = (500, 1000, 2000)
-TARGET_TOKENS = 2000
-LOGPROB_TOL = 1e-4
-MAX_MODEL_LEN = 4096
-KVMESH_MODULE = "kvmesh.integrations.vllm"
-KVMESH_CLASS = "KVMeshConnector"
-# LMCache runs with 256-token chunks too. Note a 2,000-token prompt then loads 1,792 tokens
-# (7 chunks) where ExampleConnector, keyed by 128-token blocks, loads 1,920.
-KVMESH_CHUNK_SIZE = 256
-PEERS_DIR_ENV = "KVMESH_PEERS_DIR"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-# Identical for every setup (PEERS.md "Fairness settings").
-FAIR_ENV = {
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "LMCACHE_TRACK_USAGE": "false",
-    "DO_NOT_TRACK": "1",
-    "LMCACHE_DISABLE_BANNER": "1",
-}
-FAIR_LLM_ARGS: dict[str, Any] = {
-    "enforce_eager": True,
-    "dtype": "float32",
-    "disable_hybrid_kv_cache_manager": True,
-    "enable_prefix_caching": True,
-    "max_model_len": MAX_MODEL_LEN,
-    "seed": 0,
-}
 
-
-# -- pure helpers (unit-tested) --------------------------------------------------------------
-def make_prompt(length: int, trial: int | str, vocab: int, seed: int = 0) -> list[int]:
-    """``length`` token ids: BOS (1) then random ids from ``[6, vocab)`` (no special tokens).
-
-    Deterministic in ``(seed, length, trial)`` whatever ``PYTHONHASHSEED`` is (a str seed is
-    hashed with sha512), so every setup times the same prompts; different trials or lengths
-    differ from the second token on, so no prompt shares a block with another.
-    """
-    if length < 2:
-        raise ValueError(f"prompt length must be at least 2 tokens, got {length}")
-    if vocab <= 7:
-        raise ValueError(f"vocab must be larger than 7 (ids 0..5 are special), got {vocab}")
-    rng = random.Random(f"kvmesh-ttft:{seed}:{length}:{trial}")
-    return [1] + [rng.randrange(6, vocab) for _ in range(length - 1)]
-
-
-def logprob_diff(a: Sequence[Mapping[int, float]], b: Sequence[Mapping[int, float]]) -> tuple[float, int]:
-    """Max |difference| of the logprobs two runs gave the same tokens, and how many steps
-    had different top-k token sets (a mismatch means different KV, whatever the numbers)."""
-    if len(a) != len(b):
-        raise ValueError(f"runs have {len(a)} and {len(b)} generated steps; compare runs of one prompt")
-    worst, mismatches = 0.0, 0
-    for sa, sb in zip(a, b, strict=True):
-        if set(sa) != set(sb):
-            mismatches += 1
-        for tok in set(sa) & set(sb):
-            worst = max(worst, abs(sa[tok] - sb[tok]))
-    return worst, mismatches
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation between closest ranks."""
-    if not values:
-        raise ValueError("percentile of no values")
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile must be within 0..100, got {q}")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def summarize(setup: str, row: Mapping[str, Any]) -> dict[str, Any]:
-    """One result row from a worker's per-length measurements (seconds)."""
-    runs = [float(x) for x in row["reload_s"]]
-    cold = [float(x) for x in row["cold_s"]]
-    diff = row.get("max_logprob_diff")
-    mismatches = int(row.get("top5_mismatches", 0))
-    return {
-        "setup": setup,
-        "prompt_tokens": int(row["prompt_tokens"]),
-        "ttft_s_median": round(statistics.median(runs), 4) if runs else None,
-        "ttft_s_p90": round(percentile(runs, 90), 4) if runs else None,
-        "runs": [round(x, 4) for x in runs],  # every timed reload, in trial order
-        "trials": len(runs),
-        "cold_s_median": round(statistics.median(cold), 4) if cold else None,
-        "cached_tokens": list(row.get("cached_tokens", [])),
-        "max_logprob_diff": diff,
-        "top5_mismatches": mismatches,
-        "logprobs_ok": diff is not None and mismatches == 0 and float(diff) <= LOGPROB_TOL,
-        "page_cache_dropped": row.get("page_cache_dropped"),
-    }
-
-
-def unavailable(setup: str, lengths: Sequence[int], error: str) -> list[dict[str, Any]]:
-    """Rows that say why a setup has no numbers (one per length, so tables stay aligned)."""
-    return [
-        {
-            "setup": setup,
-            "prompt_tokens": n,
-            "ttft_s_median": None,
-            "ttft_s_p90": None,
-            "runs": [],
-            "max_logprob_diff": None,
-            "error": error,
-        }
-        for n in lengths
-    ]
-
-
-def _median_at(results: Sequence[Mapping[str, Any]], setup: str, tokens: int) -> float | None:
-    for r in results:
-        if r["setup"] == setup and r["prompt_tokens"] == tokens and r.get("ttft_s_median") is not None:
-            return float(r["ttft_s_median"])
-    return None
-
-
-def compute_targets(results: Sequence[Mapping[str, Any]], tokens: int = TARGET_TOKENS) -> dict[str, Any]:
-    """The three headline ratios at ``tokens`` (lower is better), each with its target."""
-    med = {s: _median_at(results, s, tokens) for s in SETUPS}
-
-    def ratio(num: str, dens: Sequence[str], limit: float) -> dict[str, Any]:
-        have = [v for v in (med[d] for d in dens) if v is not None]
-        missing = [s for s in (num, *dens) if med[s] is None]
-        top = med[num]
-        # min over the denominators that ran: the strongest peer present.
-        value = round(top / min(have), 3) if top is not None and have else None
-        out: dict[str, Any] = {"value": value, "target": f"<= {limit}"}
-        out["met"] = None if value is None else value <= limit
-        if missing:
-            out["missing"] = missing
-        return out
-
-    return {
-        "prompt_tokens": tokens,
-        "kvmesh_cpu/recompute": ratio("kvmesh_cpu", ["recompute"], 0.5),
-        "kvmesh_cpu/min(example_connector,lmcache_mp)": ratio(
-            "kvmesh_cpu", ["example_connector", "lmcache_mp"], 0.9
-        ),
-        "kvmesh_disk/example_connector": ratio("kvmesh_disk", ["example_connector"], 1.0),
-    }
-
-
-@dataclass
-class SetupSpec:
-    """What the worker needs to run one setup (written to it as JSON)."""
-
-    setup: str
-    model_dir: str
-    lengths: list[int]
-    trials: int
-    seed: int = 0
-    kv_connector: str | None = None
-    kv_connector_module_path: str | None = None
-    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
-    kvmesh_clear_cpu: bool = False  # clear kvmesh's cpu tier before timing (load from below)
-    kvmesh_wait_writes: bool = False  # wait for kvmesh's write-behind before timing
-    settle_s: float = 0.3  # pause after the cold run, every setup alike
-    drop_page_cache: bool = True
-    llm_args: dict[str, Any] = field(default_factory=lambda: dict(FAIR_LLM_ARGS))
-    kv_transfer_args: dict[str, Any] = field(default_factory=dict)  # more KVTransferConfig fields
-
-
-def build_spec(
-    setup: str,
-    model_dir: str,
-    lengths: Sequence[int],
-    trials: int,
-    workdir: str,
-    *,
-    lmcache_port: int | None = None,
-    redis_url: str | None = None,
-    kvmesh_overrides: Mapping[str, Any] | None = None,
-) -> SetupSpec:
-    """The connector configuration of ``setup``; storage lives under ``workdir``.
-    ``kvmesh_overrides`` (kvmesh config keys) are applied last to every kvmesh setup."""
-    spec = SetupSpec(setup=setup, model_dir=model_dir, lengths=list(lengths), trials=trials)
-    kvmesh_base: dict[str, Any] = {"chunk_size": KVMESH_CHUNK_SIZE, "max_local_cpu_size": 0.5}
-    if setup == "recompute":
-        pass
-    elif setup == "example_connector":
-        spec.kv_connector = "ExampleConnector"
-        spec.kv_connector_extra_config = {"shared_storage_path": os.path.join(workdir, "example")}
-    elif setup == "lmcache_mp":
-        if lmcache_port is None:
-            raise ValueError("lmcache_mp needs the port of a running lmcache server")
-        spec.kv_connector = "LMCacheMPConnector"
-        spec.kv_connector_extra_config = {
-            "lmcache.mp.host": "tcp://127.0.0.1",
-            "lmcache.mp.port": lmcache_port,
-        }
-    elif setup in KVMESH_SETUPS:
-        spec.kv_connector = KVMESH_CLASS
-        spec.kv_connector_module_path = KVMESH_MODULE
-        spec.kvmesh_wait_writes = True
-        spec.kv_transfer_args = {"kv_load_failure_policy": "recompute"}  # as the connector asks
-        cfg = dict(kvmesh_base)
-        if setup == "kvmesh_disk":
-            cfg.update(local_disk=os.path.join(workdir, "kvmesh-disk"), write_mode="through")
-            spec.kvmesh_clear_cpu = True
-        elif setup == "kvmesh_redis":
-            if redis_url is None:
-                raise ValueError("kvmesh_redis needs the URL of a running Redis")
-            cfg.update(remote_url=redis_url)
-            spec.kvmesh_clear_cpu = True
-        spec.kv_connector_extra_config = {**cfg, **(kvmesh_overrides or {})}
-    else:
-        raise ValueError(f"unknown setup {setup!r}; valid: {', '.join(SETUPS)}")
-    return spec
-
-
-# -- services ----------------------------------------------------------------------------------
-def peers_dir() -> Path:
-    """Where scripts/install_peers.sh put LMCache (``$KVMESH_PEERS_DIR`` overrides)."""
-    env = os.environ.get(PEERS_DIR_ENV)
-    return Path(env) if env else REPO_ROOT / ".cache" / "peers"
-
-
-def lmcache_pythonpath() -> str | None:
-    """PYTHONPATH entry that makes ``lmcache`` importable, ``""`` if the venv has it already,
-    ``None`` if it is nowhere."""
-    peers = peers_dir()
-    if (peers / "lmcache" / "__init__.py").exists():
-        return str(peers)
-    if importlib.util.find_spec("lmcache") is not None:
-        return ""
-    return None
-
-
-def _env_with_path(extra_path: str | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
-    env.update(FAIR_ENV)
-    if extra_path:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-@contextlib.contextmanager
-def lmcache_server(workdir: str, pythonpath: str, timeout: float = 120.0) -> Iterator[int]:
-    """A ``lmcache server`` on loopback (PEERS.md recipe); yields its ZMQ port."""
-    port, http_port = free_port(), free_port()
-    log_path = os.path.join(workdir, "lmcache-server.log")
-    cmd = [sys.executable, "-m", "lmcache.cli.main", "server", "--host", "127.0.0.1", "--port", str(port),
-           "--http-host", "127.0.0.1", "--http-port", str(http_port), "--l1-size-gb", "2",
-           "--chunk-size", "256", "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
-           "--shm-name", f"kvbench{os.getpid()}"]  # fmt: skip
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd, env=_env_with_path(pythonpath), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        deadline = time.monotonic() + timeout
-        url = f"http://127.0.0.1:{http_port}/healthcheck"
-        while True:
-            if proc.poll() is not None:
-                raise ProcessError(f"lmcache server exited with {proc.returncode}: {_log_errors(log_path)}")
-            try:
-                with urllib.request.urlopen(url, timeout=1) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"lmcache server did not answer {url} within {timeout:.0f} s")
-            time.sleep(0.5)
-        yield port
-    finally:
-        stop_process(proc)
+def worker_env(extra_path: str | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a worker or peer: ``base`` (default: this process's) with the
+    fairness settings, ``extra_path`` first on PYTHONPATH."""
+    return with_pythonpath(extra_path, {**(os.environ if base is None else base), **FAIR_ENV})
 
 
 _LOG_PREFIX = re.compile(r"^\((?:EngineCore|Worker)[^)]*\)\s+(?:[A-Z]+\s+[\d-]+ [\d:]+ \[[^\]]*\]\s+)?")
@@ -338,18 +87,6 @@ def root_cause(log_text: str) -> str | None:
     return None
 
 
-def _log_errors(path: str, limit: int = 6) -> str:
-    """The last lines of a log that look like an error (the root cause vLLM logs above its
-    generic 'Engine core initialization failed')."""
-    try:
-        lines = Path(path).read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    keys = ("Error", "error:", "Exception", "Traceback", "raise ", "failed")
-    hits = [ln.strip() for ln in lines if any(k in ln for k in keys)]
-    return " | ".join((hits or lines)[-limit:])[-1500:]
-
-
 # -- one setup ---------------------------------------------------------------------------------
 def run_worker(spec: SetupSpec, workdir: str, extra_path: str | None, timeout: float) -> dict[str, Any]:
     """Run :mod:`kvmesh.bench.ttft_worker` for ``spec`` in a fresh process; its JSON output.
@@ -362,7 +99,7 @@ def run_worker(spec: SetupSpec, workdir: str, extra_path: str | None, timeout: f
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             cmd,
-            env=_env_with_path(extra_path),
+            env=worker_env(extra_path),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -393,7 +130,7 @@ def run_worker(spec: SetupSpec, workdir: str, extra_path: str | None, timeout: f
         out: dict[str, Any] = json.loads(Path(out_path).read_text())
     except (OSError, ValueError):
         text = Path(log_path).read_text(errors="replace") if os.path.exists(log_path) else ""
-        why = root_cause(text) or _log_errors(log_path)
+        why = root_cause(text) or log_tail(log_path)
         return {"error": f"worker exited with {proc.returncode}: {why}", "log": log_path}
     if out.get("error"):
         with contextlib.suppress(OSError):
@@ -418,14 +155,11 @@ def kvmesh_connector_error() -> str | None:
 def _services(setup: str, workdir: str) -> Iterator[dict[str, Any]]:
     """Start what ``setup`` needs; yields build_spec keyword args plus ``extra_path``."""
     if setup == "lmcache_mp":
-        path = lmcache_pythonpath()
-        if path is None:
-            raise ProcessError(
-                f"LMCache is not installed (not in {peers_dir()} nor in this venv): "
-                "run scripts/install_peers.sh"
-            )
-        with lmcache_server(workdir, path) as port:
-            yield {"lmcache_port": port, "extra_path": path}
+        path = require_lmcache()
+        log_path = os.path.join(workdir, "lmcache-server.log")
+        with LMCacheServer(path, log_path, l1_size_gb=2) as server:
+            server.start()
+            yield {"lmcache_port": server.port, "extra_path": path}
     elif setup == "kvmesh_redis":
         if not RedisServer.available():
             raise ProcessError("redis-server is not installed (apt-get install -y redis-server)")
@@ -576,7 +310,7 @@ def environment(model_dir: str, quick: bool, trials: int) -> dict[str, Any]:
 
 
 def default_model_dir() -> str:
-    return str(REPO_ROOT / ".cache" / "models" / "bench")
+    return str(REPO_ROOT / DEFAULT_BENCH_MODEL)
 
 
 def run(
@@ -592,8 +326,6 @@ def run(
     "setups"}``. ``setups`` defaults to all of :data:`SETUPS`, ``lengths`` to 500, 1000, 2000;
     ``kvmesh_overrides`` (kvmesh config keys, e.g. ``{"chunk_size": 128}``) change every
     kvmesh setup's connector config."""
-    from kvmesh.model import PRESETS, make_tiny
-
     chosen = list(setups or SETUPS)
     bad = [s for s in chosen if s not in SETUPS]
     if bad:
@@ -602,7 +334,7 @@ def run(
     if lens[0] < 2 or lens[-1] >= MAX_MODEL_LEN:
         raise ValueError(f"prompt lengths must be within 2..{MAX_MODEL_LEN - 1}, got {lens}")
     trials = 3 if quick else 5
-    mdir = str(make_tiny(out_dir=model_dir or default_model_dir(), **PRESETS["bench"]))
+    mdir = ensure_model(model_dir or default_model_dir(), "bench")
     timeout = (300 + 60 * trials) * max(1, len(lens) // 2)
     base_dir = os.path.join(os.getcwd(), ".cache")  # a real disk (the tiers' files, cold reads)
     os.makedirs(base_dir, exist_ok=True)

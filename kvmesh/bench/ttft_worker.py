@@ -2,7 +2,7 @@
 
     python -m kvmesh.bench.ttft_worker SPEC.json OUT.json
 
-SPEC is a :class:`kvmesh.bench.ttft.SetupSpec` as JSON. Per prompt length: one untimed
+SPEC is a :class:`kvmesh.bench.ttft_spec.SetupSpec` as JSON. Per prompt length: one untimed
 warm-up cycle, then ``trials`` cycles of: new prompt, cold ``max_tokens=1`` request (the
 connector stores), settle, kvmesh write-behind drained, ``reset_prefix_cache()``, kvmesh cpu
 tier cleared (disk/redis setups; through the connector's control socket), page cache
@@ -23,9 +23,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from kvmesh.bench.ttft import FAIR_ENV, KVMESH_MODULE, logprob_diff, make_prompt
+from kvmesh.bench.ttft_spec import FAIR_ENV, logprob_diff, make_prompt
 from kvmesh.errors import ProcessError
-from kvmesh.services import drop_page_cache
+from kvmesh.harness.connector import KVMESH_MODULE
+from kvmesh.harness.services import drop_page_cache
 
 
 def top5(output: Any) -> list[dict[int, float]]:

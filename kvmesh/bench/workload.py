@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import httpx
 
+from kvmesh.bench.stats import percentile
 from kvmesh.errors import ProcessError
 
 _SYLLABLES = [
@@ -117,7 +118,7 @@ class RunResult:
             "errors": len(self.samples) - len(ok),
             "hit_rate": round(sum(s.cached_tokens for s in ok) / prompt, 4) if prompt else 0.0,
             "ttft_p50_s": round(statistics.median(ttfts), 4) if ttfts else None,
-            "ttft_p90_s": round(percentile(ttfts, 0.9), 4) if ttfts else None,
+            "ttft_p90_s": round(percentile(ttfts, 90), 4) if ttfts else None,
             "requests_per_s": round(len(ok) / self.wall_s, 3) if self.wall_s else 0.0,
         }
 
@@ -136,13 +137,6 @@ def median_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         values = [float(r[key]) for r in good if r.get(key) is not None]
         row[key] = round(statistics.median(values), 4) if values else None
     return row
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    idx = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[idx]
 
 
 async def _one(
@@ -296,6 +290,6 @@ def idle_ttfts(workload: Workload, url: str, model: str, settle_s: float = 0.5) 
     ``settle_s`` apart (what a cache does in the background after a response, such as
     writing it to a shared tier, is over by the next): with one conversation per tenant,
     each is a full miss on a server doing nothing else (the floor of a replay's TTFT; see
-    :func:`kvmesh.bench.router.measure_idle_miss`). Give it a workload of its own (its own
+    :func:`kvmesh.bench.groups.measure_idle_miss`). Give it a workload of its own (its own
     seed), so no cache already holds its prompts."""
     return asyncio.run(_idle_ttfts(workload, url, model, settle_s))

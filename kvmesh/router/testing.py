@@ -8,8 +8,9 @@ Run it as a process (``python -m kvmesh.router.testing --port 8100``) to measure
 router's added latency without the two sharing one interpreter lock.
 
 :func:`write_test_tokenizer` writes a tokenizer directory in the format of
-``kvmesh.model.make_tiny`` (byte-level BPE, BOS post-processor, the same chat template),
-trained on a small corpus in well under a second.
+``kvmesh.harness.model.make_tiny`` (byte-level BPE, BOS post-processor, the same chat
+template; the one trainer of :mod:`kvmesh.harness.tokenizer`), trained on a small corpus in
+well under a second.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-
-from kvmesh.model import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 _WORDS = (
     "the", "cat", "dog", "sat", "on", "mat", "a", "quick", "brown", "fox", "jumps", "over", "lazy",
@@ -45,39 +44,11 @@ def corpus(n_sentences: int = 400, seed: int = 0) -> list[str]:
 
 
 def write_test_tokenizer(out_dir: str | Path, vocab: int = 600) -> Path:
-    """Write ``tokenizer.json`` + ``tokenizer_config.json`` to ``out_dir``; return the directory."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    """Write a tokenizer directory (tokenizer.json + configs, the tiny models' format) to
+    ``out_dir``; return the directory."""
+    from kvmesh.harness.tokenizer import BOS, train_bpe, write_tokenizer_files
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus(), trainer=trainer)
-    bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
-    )
-    tok.save(str(out / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "pad_token": "</s>",
-        "add_bos_token": True,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 4096,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
-    return out
+    return write_tokenizer_files(train_bpe(corpus(), vocab, bos=BOS), out_dir)
 
 
 class FakeVLLM:

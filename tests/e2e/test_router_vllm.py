@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from kvmesh.bench.workload import words
-from kvmesh.cluster import Replica, start_replicas
+from kvmesh.harness.replicas import Replica, start_replicas
 from kvmesh.index import BlockIndex
 from kvmesh.router import ReplicaConfig, RouterConfig
 from kvmesh.router.picker import build_picker
@@ -49,15 +49,6 @@ PREFIX_WORDS = 330  # ~1,200 tokens: 9 whole blocks
 START_TIMEOUT_S = 420.0
 EVENT_TIMEOUT_S = 20.0  # for a replica's KV events to reach the router's index
 GEN = {"max_tokens": 4, "ignore_eos": True, "temperature": 0.0}
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> Path:
-    pytest.importorskip("vllm")
-    from kvmesh.model import PRESETS, make_tiny
-
-    # Reused across sessions (same arguments -> same files); `make models` builds it too.
-    return make_tiny(out_dir=ROOT / ".cache" / "models" / "tiny", **PRESETS["tiny"]).resolve()
 
 
 @dataclass

@@ -32,15 +32,6 @@ LOOSE = 1e-4
 RUN_TIMEOUT_S = 540
 
 
-@pytest.fixture(scope="session")
-def tiny_model() -> Path:
-    pytest.importorskip("vllm")
-    from kvmesh.model import PRESETS, make_tiny
-
-    # Reused across sessions (same arguments -> same files); `make models` builds it too.
-    return make_tiny(out_dir=ROOT / ".cache" / "models" / "tiny", **PRESETS["tiny"]).resolve()
-
-
 def run_scenario(name: str, model: Path, work: Path) -> dict[str, Any]:
     from tests.e2e.vllm_scenarios import RESULT_MARK
 
@@ -67,7 +58,7 @@ def fs_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
 @pytest.fixture(scope="module")
 def redis_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from kvmesh.services import RedisServer
+    from kvmesh.harness.services import RedisServer
 
     if not RedisServer.available():
         pytest.fail("redis-server is not installed (apt-get install -y redis-server)")

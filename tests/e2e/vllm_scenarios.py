@@ -220,7 +220,7 @@ def scenario_fs(model: str, work: Path) -> dict[str, Any]:
     P1 has 1025 tokens: kvmesh's hit (1024, chunk aligned) equals vLLM's own local hit, so
     a load and a local hit run the same partial prefill and must agree bit for bit. P2 has
     1000 tokens: kvmesh loads 768, vLLM's local hit is 896; compared with the cold run."""
-    from kvmesh.services import free_port
+    from kvmesh.harness.ports import free_port
 
     shared, disk_a, sock = work / "shared", work / "disk-a", work / "sock"
     p1, p2 = prompt(1234, 1025), prompt(99, 1000)
@@ -275,7 +275,7 @@ def scenario_redis(model: str, work: Path) -> dict[str, Any]:
 
     P3 (1300 tokens) ends in a partial chunk: with save_unfull_chunk its reload covers all
     but the last prompt token (1299), not just the 1024 of its whole chunks."""
-    from kvmesh.services import RedisServer
+    from kvmesh.harness.services import RedisServer
 
     sock = work / "sock"
     p1, p3 = prompt(4321, 1537), prompt(777, 1300)

@@ -4,7 +4,6 @@ listens (a dead replica)."""
 
 from __future__ import annotations
 
-import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -19,6 +18,7 @@ import torch
 
 from kvmesh import CacheConfig, CacheEngine, KVLayout
 from kvmesh.admin.server import AdminServer
+from kvmesh.harness.ports import free_port
 from kvmesh.router import RouterConfig
 from kvmesh.router.controller import (
     Controller,
@@ -27,7 +27,6 @@ from kvmesh.router.controller import (
     controller_config_from_args,
 )
 from kvmesh.router.server import Router
-from kvmesh.router.testing import write_test_tokenizer
 from kvmesh.tiers.testing import reset_memory_stores
 
 LAYOUT = KVLayout(2, 2, 8, torch.float32)
@@ -45,23 +44,12 @@ def kv_for(tokens: list[int]) -> torch.Tensor:
     return kv
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_test_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @dataclass
@@ -425,8 +413,8 @@ def test_router_command_line_flags() -> None:
 @pytest.mark.slow
 def test_two_vllm_replicas_behind_the_router(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    from kvmesh.cluster import Replica, start_replicas
-    from kvmesh.model import PRESETS, make_tiny
+    from kvmesh.harness.model import PRESETS, make_tiny
+    from kvmesh.harness.replicas import Replica, start_replicas
     from kvmesh.router import ReplicaConfig
     from kvmesh.router.testing import _WORDS
 

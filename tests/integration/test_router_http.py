@@ -6,7 +6,6 @@ import asyncio
 import concurrent.futures
 import json
 import logging
-import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,17 +17,13 @@ import openai
 import pytest
 
 from kvmesh.events import BlockStored, EventPublisher
+from kvmesh.harness.ports import free_port
 from kvmesh.router import ReplicaConfig, RouterConfig
 from kvmesh.router.server import Router
-from kvmesh.router.testing import _WORDS, FakeVLLM, write_test_tokenizer
+from kvmesh.router.testing import _WORDS, FakeVLLM
 from kvmesh.router.tokenize import PromptTokenizer
 
 MakeRouter = Callable[..., Router]
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_test_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture
@@ -199,11 +194,7 @@ def test_errors_have_openai_shape(make_router: MakeRouter, client: httpx.Client)
 
 
 def test_no_healthy_replica_is_503_with_retry_after(make_router: MakeRouter, client: httpx.Client) -> None:
-    dead = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            dead.append(ReplicaConfig(url=f"http://127.0.0.1:{s.getsockname()[1]}"))
+    dead = [ReplicaConfig(url=f"http://127.0.0.1:{free_port()}") for _ in range(2)]
     router = make_router(replicas=dead, retry_after_s=3)
     resp = complete(client, router, "x")
     assert_openai_error(resp, 503, "ServiceUnavailableError")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 from kvmesh import CacheConfig, CacheEngine, KVLayout
 from kvmesh.admin.cli import add_cache_parser, build_request, render, table
 from kvmesh.admin.server import AdminServer
+from kvmesh.harness.ports import free_port
 from kvmesh.router import RouterConfig
 from kvmesh.router.controller import Controller, ControllerConfig
 from kvmesh.router.server import Router
@@ -58,9 +58,7 @@ def setup(tmp_path: Path) -> Iterator[tuple[str, CacheEngine]]:
     kv = torch.arange(LAYOUT.shape(40)[0] * 2 * 40 * 2 * 8, dtype=torch.float32).view(LAYOUT.shape(40)) % 7
     eng.store(IDS, kv)
     eng.wait_for_writes(10)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]
+    dead = free_port()
     admin = AdminServer(eng, token=TOKEN).start()
     router = Router(RouterConfig(port=0))
     specs = (f"{admin.url},name=a", f"http://127.0.0.1:{dead},name=dead")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +19,7 @@ from kvmesh.events import (
     decode_batch,
     encode_batch,
 )
+from kvmesh.harness.ports import free_port
 
 LOOPBACK = "tcp://127.0.0.1:0"
 
@@ -214,13 +214,6 @@ def test_publisher_lifecycle() -> None:
         EventPublisher("nonsense://x")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 class _DropProxy:
     """Stands in for vLLM's PUB socket and loses chosen sequence numbers."""
 
@@ -238,7 +231,7 @@ class _DropProxy:
 @pytest.mark.vllm
 def test_subscriber_repairs_gaps_against_real_vllm_publisher(rec: Recorder) -> None:
     kv = pytest.importorskip("vllm.distributed.kv_events")
-    port, replay_port = _free_port(), _free_port()
+    port, replay_port = free_port(), free_port()
     vpub = kv.ZmqEventPublisher(
         data_parallel_rank=0,
         endpoint=f"tcp://*:{port}",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import httpx
 import pytest
 
 from kvmesh.errors import ConfigError
+from kvmesh.harness.ports import free_port
 from kvmesh.router.cli import add_router_parser, config_from_args
 from kvmesh.router.testing import FakeVLLM, write_test_tokenizer
 
@@ -66,9 +66,7 @@ _MAIN = textwrap.dedent(
 
 def test_router_command_serves_until_sigterm(tmp_path: Path) -> None:
     tok = write_test_tokenizer(tmp_path / "tok")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     fake = FakeVLLM("a").start()
     cmd = [
         sys.executable,

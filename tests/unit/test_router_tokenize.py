@@ -13,15 +13,11 @@ import pytest
 from tokenizers import Tokenizer
 
 from kvmesh.errors import TokenizeError
-from kvmesh.router.testing import _WORDS, write_test_tokenizer
+from kvmesh.harness.tokenizer import Family, train_bpe
+from kvmesh.router.testing import _WORDS
 from kvmesh.router.tokenize import PromptTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_test_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture
@@ -154,15 +150,8 @@ def test_a_full_word_cache_is_cleared_and_ids_stay_right(tok_dir: Path) -> None:
 
 def test_shortcuts_turn_off_when_they_would_change_ids(tmp_path: Path) -> None:
     """A Metaspace 'first' pre-tokenizer treats the first piece specially: no splitting allowed."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
-    tok.decoder = decoders.Metaspace(prepend_scheme="first")
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
-    )
-    tok.train_from_iterator([_text(random.Random(i), 30) for i in range(200)], trainer=trainer)
+    texts = [_text(random.Random(i), 30) for i in range(200)]
+    tok = train_bpe(texts, 300, family="metaspace", specials=["<unk>", "<s>", "</s>"])
     pt = PromptTokenizer(tok, None, {})
     assert pt._split_re is None and pt._chunk_chars == 0 and not pt._use_words
     text = "<s>" + _text(random.Random(9), 400) + "</s> more"
@@ -205,37 +194,9 @@ def test_importing_the_router_does_not_import_torch() -> None:
     assert out.stdout.strip() == "heavy="
 
 
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def _trained(kind: str) -> Tokenizer:
-    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    if kind == "llama3":  # tiktoken-style regex split, then bytes
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-        tok.decoder = decoders.ByteLevel()
-        alphabet = pre_tokenizers.ByteLevel.alphabet()
-    else:  # llama2 "legacy" sentencepiece: the normalizer prepends ▁ to every piece it sees
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-        tok.decoder = decoders.Metaspace()
-        alphabet = []
-    specials = ["<unk>", "<s>", "</s>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=alphabet, show_progress=False
-    )
-    tok.train_from_iterator(
-        [_text(random.Random(i), 40, specials=False) for i in range(300)], trainer=trainer
-    )
-    return tok
+def _trained(kind: Family) -> Tokenizer:
+    texts = [_text(random.Random(i), 40, specials=False) for i in range(300)]
+    return train_bpe(texts, 400, family=kind, specials=["<unk>", "<s>", "</s>"])
 
 
 @pytest.mark.parametrize(("kind", "cuts"), [("llama3", True), ("llama2", False)])

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Awaitable, Callable
 
 import pytest
 
 from kvmesh.errors import UpstreamConnectError, UpstreamError
+from kvmesh.harness.ports import free_port
 from kvmesh.router.upstream import Upstream
 
 # A handler reads one request's head and body from the connection and writes an answer;
@@ -199,9 +199,7 @@ def test_no_answer_is_a_connect_error() -> None:
         async with Server(hang_up) as srv:
             with pytest.raises(UpstreamConnectError, match="without answering"):
                 await Upstream(2.0, 5.0).post(srv.url, "/", b"", [])
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]  # nothing listens there
+        port = free_port()  # nothing listens there
         with pytest.raises(UpstreamConnectError, match="cannot connect"):
             await Upstream(2.0, 5.0).post(f"http://127.0.0.1:{port}", "/", b"", [])
 

@@ -10,7 +10,7 @@ each and of their difference, for three prompt shapes of ``--tokens`` tokens:
 * ``chat-shared-system``: a long system message shared by all, a new user turn each time
   (the per-piece cache: only the new turn is tokenized).
 
-``python -m kvmesh.router.overhead --model DIR`` (DIR: any model directory with a
+``python -m kvmesh.bench.overhead --model DIR`` (DIR: any model directory with a
 tokenizer.json; without one a small test tokenizer is built).
 """
 
@@ -21,9 +21,7 @@ import http.client
 import json
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,35 +30,25 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvmesh.bench.stats import percentile
 from kvmesh.errors import ProcessError
-
-_ROUTER = """
-import sys
-from kvmesh.router.app import RouterService
-from kvmesh.router.config import RouterConfig
-from kvmesh.router.server import run_forever
-run_forever(RouterService(RouterConfig.model_validate_json(sys.argv[1])))
-"""
+from kvmesh.harness.ports import free_port
+from kvmesh.harness.processes import Service, get_json
+from kvmesh.harness.router import RouterProcess
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+class _FakeVLLMProcess(Service):
+    """:class:`kvmesh.router.testing.FakeVLLM` as a process of its own."""
 
+    name = "fake vLLM"
 
-def _wait(port: int, path: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-            conn.request("GET", path)
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"nothing answered GET {path} on port {port} within {timeout_s}s")
+    def __init__(self) -> None:
+        self.port = free_port()
+        args = [sys.executable, "-m", "kvmesh.router.testing", "--port", str(self.port)]
+        super().__init__(args, {**os.environ, "PYTHONUNBUFFERED": "1"}, None)
+
+    def ready(self) -> bool:
+        return get_json(f"http://127.0.0.1:{self.port}/health", 1.0)[0] == 200
 
 
 def _cpu_s(pid: int) -> float:
@@ -71,19 +59,16 @@ def _cpu_s(pid: int) -> float:
 
 @contextmanager
 def _processes(model_dir: str) -> Iterator[tuple[int, int, int]]:
-    up, rt = _free_port(), _free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    fake = subprocess.Popen([sys.executable, "-m", "kvmesh.router.testing", "--port", str(up)], env=env)
-    cfg = {"model": model_dir, "replicas": [{"url": f"http://127.0.0.1:{up}", "name": "up"}], "port": rt}
-    router = subprocess.Popen([sys.executable, "-c", _ROUTER, json.dumps(cfg)], env=env)
-    try:
-        _wait(up, "/health")
-        _wait(rt, "/health")
-        yield up, rt, router.pid
-    finally:
-        for p in (router, fake):
-            p.terminate()
-            p.wait(10)
+    """The fake upstream and the router over it; yields their ports and the router's pid."""
+    from kvmesh.router import ReplicaConfig, RouterConfig
+
+    with _FakeVLLMProcess() as fake:
+        fake.start()
+        replica = ReplicaConfig(url=f"http://127.0.0.1:{fake.port}", name="up")
+        with RouterProcess(RouterConfig(model=model_dir, replicas=(replica,), port=0)) as router:
+            router.start()
+            assert router.proc is not None
+            yield fake.port, router.port, router.proc.pid
 
 
 def _words(rng: random.Random, n: int) -> str:
@@ -162,7 +147,7 @@ def measure(
                     "direct_ms": round(statistics.median(d) * 1e3, 3),
                     "routed_ms": round(statistics.median(r) * 1e3, 3),
                     "added_ms_median": round(statistics.median(added) * 1e3, 3),
-                    "added_ms_p90": round(sorted(added)[int(0.9 * len(added))] * 1e3, 3),
+                    "added_ms_p90": round(percentile(added, 90) * 1e3, 3),
                     "router_cpu_ms_per_request": round(cpu / n * 1e3, 3),
                     "prompt_tokens": len(tok.encode(_prompt_text(body)).ids),
                 }

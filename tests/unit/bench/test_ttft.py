@@ -8,28 +8,28 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvmesh.bench import ttft
+from kvmesh.bench import ttft, ttft_spec
 from kvmesh.config import CacheConfig
 
 
 # -- prompts -----------------------------------------------------------------------------------
 def test_prompt_is_deterministic_and_exact_length() -> None:
-    a = ttft.make_prompt(500, 3, vocab=4096, seed=0)
-    assert a == ttft.make_prompt(500, 3, vocab=4096, seed=0)
+    a = ttft_spec.make_prompt(500, 3, vocab=4096, seed=0)
+    assert a == ttft_spec.make_prompt(500, 3, vocab=4096, seed=0)
     assert len(a) == 500
     assert a[0] == 1
     assert all(6 <= t < 4096 for t in a[1:])
 
 
 def test_prompts_differ_from_the_second_token() -> None:
-    prompts = [ttft.make_prompt(n, k, 4096) for n in (500, 1000, 2000) for k in ("warmup", 0, 1, 2)]
-    prompts.append(ttft.make_prompt(500, 0, 4096, seed=1))
+    prompts = [ttft_spec.make_prompt(n, k, 4096) for n in (500, 1000, 2000) for k in ("warmup", 0, 1, 2)]
+    prompts.append(ttft_spec.make_prompt(500, 0, 4096, seed=1))
     heads = {tuple(p[1:8]) for p in prompts}
     assert len(heads) == len(prompts)  # no two prompts share even the first block
 
@@ -38,7 +38,7 @@ def test_prompt_does_not_depend_on_pythonhashseed() -> None:
     import subprocess
     import sys
 
-    code = "from kvmesh.bench.ttft import make_prompt; print(make_prompt(50, 'warmup', 4096)[:10])"
+    code = "from kvmesh.bench.ttft_spec import make_prompt; print(make_prompt(50, 'warmup', 4096)[:10])"
     outs = {
         subprocess.run(
             [sys.executable, "-c", code],
@@ -55,37 +55,24 @@ def test_prompt_does_not_depend_on_pythonhashseed() -> None:
 @pytest.mark.parametrize(("length", "vocab"), [(1, 4096), (10, 7)])
 def test_prompt_rejects_bad_arguments(length: int, vocab: int) -> None:
     with pytest.raises(ValueError):
-        ttft.make_prompt(length, 0, vocab)
+        ttft_spec.make_prompt(length, 0, vocab)
 
 
 # -- statistics --------------------------------------------------------------------------------
 def test_logprob_diff() -> None:
     a = [{5: -0.1, 7: -2.0}, {3: -0.5, 4: -1.0}]
     b = [{5: -0.1 + 3e-5, 7: -2.0}, {3: -0.5, 4: -1.0 - 1e-6}]
-    diff, mismatches = ttft.logprob_diff(a, b)
+    diff, mismatches = ttft_spec.logprob_diff(a, b)
     assert diff == pytest.approx(3e-5)
     assert mismatches == 0
 
 
 def test_logprob_diff_counts_different_token_sets() -> None:
-    diff, mismatches = ttft.logprob_diff([{1: -0.1, 2: -0.2}], [{1: -0.1, 3: -0.2}])
+    diff, mismatches = ttft_spec.logprob_diff([{1: -0.1, 2: -0.2}], [{1: -0.1, 3: -0.2}])
     assert mismatches == 1
     assert diff == 0.0
     with pytest.raises(ValueError, match="steps"):
-        ttft.logprob_diff([{1: 0.0}], [])
-
-
-def test_percentile() -> None:
-    xs = [5.0, 1.0, 3.0, 2.0, 4.0]
-    assert ttft.percentile(xs, 50) == statistics.median(xs)
-    assert ttft.percentile(xs, 0) == 1.0
-    assert ttft.percentile(xs, 100) == 5.0
-    assert ttft.percentile(xs, 90) == pytest.approx(4.6)
-    assert ttft.percentile([2.0], 90) == 2.0
-    with pytest.raises(ValueError):
-        ttft.percentile([], 50)
-    with pytest.raises(ValueError):
-        ttft.percentile([1.0], 101)
+        ttft_spec.logprob_diff([{1: 0.0}], [])
 
 
 def _worker_row(n: int, reload: list[float], diff: float = 1e-5, mismatches: int = 0) -> dict[str, Any]:
@@ -101,7 +88,7 @@ def _worker_row(n: int, reload: list[float], diff: float = 1e-5, mismatches: int
 
 
 def test_summarize() -> None:
-    r = ttft.summarize("kvmesh_cpu", _worker_row(2000, [0.3, 0.1, 0.2, 0.5, 0.4]))
+    r = ttft_spec.summarize("kvmesh_cpu", _worker_row(2000, [0.3, 0.1, 0.2, 0.5, 0.4]))
     assert r["setup"] == "kvmesh_cpu"
     assert r["prompt_tokens"] == 2000
     assert r["ttft_s_median"] == 0.3
@@ -109,8 +96,8 @@ def test_summarize() -> None:
     assert r["runs"] == [0.3, 0.1, 0.2, 0.5, 0.4]
     assert r["cold_s_median"] == 1.0
     assert r["logprobs_ok"] is True
-    assert ttft.summarize("x", _worker_row(500, [0.1], diff=2e-4))["logprobs_ok"] is False
-    assert ttft.summarize("x", _worker_row(500, [0.1], mismatches=1))["logprobs_ok"] is False
+    assert ttft_spec.summarize("x", _worker_row(500, [0.1], diff=2e-4))["logprobs_ok"] is False
+    assert ttft_spec.summarize("x", _worker_row(500, [0.1], mismatches=1))["logprobs_ok"] is False
 
 
 def _result(setup: str, n: int, median: float | None) -> dict[str, Any]:
@@ -126,7 +113,7 @@ def test_targets() -> None:
         _result("kvmesh_disk", 2000, 0.2),
         _result("kvmesh_cpu", 500, 9.0),  # another length: ignored
     ]
-    t = ttft.compute_targets(results)
+    t = ttft_spec.compute_targets(results)
     assert t["prompt_tokens"] == 2000
     assert t["kvmesh_cpu/recompute"] == {"value": 0.1, "target": "<= 0.5", "met": True}
     assert t["kvmesh_cpu/min(example_connector,lmcache_mp)"]["value"] == 0.75  # vs the faster peer
@@ -137,8 +124,8 @@ def test_targets() -> None:
 
 def test_targets_with_missing_setups() -> None:
     results = [_result("recompute", 2000, 1.0), _result("example_connector", 2000, 0.2)]
-    results += ttft.unavailable("kvmesh_cpu", [2000], "not available: boom")
-    t = ttft.compute_targets(results)
+    results += ttft_spec.unavailable("kvmesh_cpu", [2000], "not available: boom")
+    t = ttft_spec.compute_targets(results)
     cpu = t["kvmesh_cpu/recompute"]
     assert cpu["value"] is None and cpu["met"] is None and cpu["missing"] == ["kvmesh_cpu"]
     peers = t["kvmesh_cpu/min(example_connector,lmcache_mp)"]
@@ -146,7 +133,7 @@ def test_targets_with_missing_setups() -> None:
 
 
 def test_unavailable_rows() -> None:
-    rows = ttft.unavailable("lmcache_mp", [500, 2000], "not available: RuntimeError: x")
+    rows = ttft_spec.unavailable("lmcache_mp", [500, 2000], "not available: RuntimeError: x")
     assert [r["prompt_tokens"] for r in rows] == [500, 2000]
     assert all(r["ttft_s_median"] is None and r["error"] == "not available: RuntimeError: x" for r in rows)
 
@@ -154,33 +141,35 @@ def test_unavailable_rows() -> None:
 # -- setup specs -------------------------------------------------------------------------------
 def test_specs_share_the_fairness_settings(tmp_path: Path) -> None:
     specs = [
-        ttft.build_spec(s, "/m", [500], 5, str(tmp_path), lmcache_port=5555, redis_url="redis://127.0.0.1:1")
-        for s in ttft.SETUPS
+        ttft_spec.build_spec(
+            s, "/m", [500], 5, str(tmp_path), lmcache_port=5555, redis_url="redis://127.0.0.1:1"
+        )
+        for s in ttft_spec.SETUPS
     ]
     for spec in specs:
-        assert spec.llm_args == ttft.FAIR_LLM_ARGS
+        assert spec.llm_args == ttft_spec.FAIR_LLM_ARGS
         assert spec.llm_args["disable_hybrid_kv_cache_manager"] is True
         assert spec.llm_args["enable_prefix_caching"] is True
         assert spec.drop_page_cache is True
         assert spec.settle_s == specs[0].settle_s
-        json.dumps(ttft.asdict(spec))  # the worker gets it as JSON
-    assert ttft.FAIR_ENV["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
-    assert ttft.FAIR_ENV["VLLM_CPU_KVCACHE_SPACE"] == "1"
-    assert ttft.FAIR_ENV["LMCACHE_TRACK_USAGE"] == "false"
+        json.dumps(asdict(spec))  # the worker gets it as JSON
+    assert ttft_spec.FAIR_ENV["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    assert ttft_spec.FAIR_ENV["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert ttft_spec.FAIR_ENV["LMCACHE_TRACK_USAGE"] == "false"
 
 
 def test_spec_connectors(tmp_path: Path) -> None:
     w = str(tmp_path)
-    assert ttft.build_spec("recompute", "/m", [500], 5, w).kv_connector is None
-    ex = ttft.build_spec("example_connector", "/m", [500], 5, w)
+    assert ttft_spec.build_spec("recompute", "/m", [500], 5, w).kv_connector is None
+    ex = ttft_spec.build_spec("example_connector", "/m", [500], 5, w)
     assert ex.kv_connector == "ExampleConnector"
     assert ex.kv_connector_extra_config["shared_storage_path"].startswith(w)
-    lm = ttft.build_spec("lmcache_mp", "/m", [500], 5, w, lmcache_port=6000)
+    lm = ttft_spec.build_spec("lmcache_mp", "/m", [500], 5, w, lmcache_port=6000)
     assert lm.kv_connector == "LMCacheMPConnector"
     assert lm.kv_connector_extra_config == {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 6000}
-    cpu = ttft.build_spec("kvmesh_cpu", "/m", [500], 5, w)
-    disk = ttft.build_spec("kvmesh_disk", "/m", [500], 5, w)
-    red = ttft.build_spec("kvmesh_redis", "/m", [500], 5, w, redis_url="redis://127.0.0.1:7")
+    cpu = ttft_spec.build_spec("kvmesh_cpu", "/m", [500], 5, w)
+    disk = ttft_spec.build_spec("kvmesh_disk", "/m", [500], 5, w)
+    red = ttft_spec.build_spec("kvmesh_redis", "/m", [500], 5, w, redis_url="redis://127.0.0.1:7")
     for spec in (cpu, disk, red):
         assert spec.kv_connector == "KVMeshConnector"
         assert spec.kv_connector_module_path == "kvmesh.integrations.vllm"
@@ -193,42 +182,25 @@ def test_spec_connectors(tmp_path: Path) -> None:
         red.kvmesh_clear_cpu is True and red.kv_connector_extra_config["remote_url"] == "redis://127.0.0.1:7"
     )
     assert "local_disk" not in red.kv_connector_extra_config
-    small = ttft.build_spec("kvmesh_disk", "/m", [500], 5, w, kvmesh_overrides={"chunk_size": 128})
+    small = ttft_spec.build_spec("kvmesh_disk", "/m", [500], 5, w, kvmesh_overrides={"chunk_size": 128})
     assert small.kv_connector_extra_config["chunk_size"] == 128
     assert small.kv_connector_extra_config["local_disk"] == disk.kv_connector_extra_config["local_disk"]
 
 
 def test_spec_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown setup"):
-        ttft.build_spec("vllm_magic", "/m", [500], 5, str(tmp_path))
+        ttft_spec.build_spec("vllm_magic", "/m", [500], 5, str(tmp_path))
     with pytest.raises(ValueError, match="lmcache server"):
-        ttft.build_spec("lmcache_mp", "/m", [500], 5, str(tmp_path))
+        ttft_spec.build_spec("lmcache_mp", "/m", [500], 5, str(tmp_path))
     with pytest.raises(ValueError, match="Redis"):
-        ttft.build_spec("kvmesh_redis", "/m", [500], 5, str(tmp_path))
-
-
-def test_lmcache_pythonpath_prefers_the_peers_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "lmcache").mkdir()
-    (tmp_path / "lmcache" / "__init__.py").write_text("")
-    monkeypatch.setenv(ttft.PEERS_DIR_ENV, str(tmp_path))
-    assert ttft.lmcache_pythonpath() == str(tmp_path)
-    monkeypatch.setenv(ttft.PEERS_DIR_ENV, str(tmp_path / "nothing"))
-    monkeypatch.setattr(ttft.importlib.util, "find_spec", lambda name: None)
-    assert ttft.lmcache_pythonpath() is None
+        ttft_spec.build_spec("kvmesh_redis", "/m", [500], 5, str(tmp_path))
 
 
 def test_env_puts_extra_path_first() -> None:
-    env = ttft._env_with_path("/peers", {"PYTHONPATH": "/a", "X": "1"})
+    env = ttft.worker_env("/peers", {"PYTHONPATH": "/a", "X": "1"})
     assert env["PYTHONPATH"] == os.pathsep.join(["/peers", "/a"])
     assert env["X"] == "1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
-    assert "PYTHONPATH" not in ttft._env_with_path(None, {})
-
-
-def test_log_errors_finds_the_root_cause(tmp_path: Path) -> None:
-    log = tmp_path / "x.log"
-    log.write_text("INFO start\nValueError: Connector X does not support HMA\nINFO more\n")
-    assert "does not support HMA" in ttft._log_errors(str(log))
-    assert ttft._log_errors(str(tmp_path / "missing.log")) == ""
+    assert "PYTHONPATH" not in ttft.worker_env(None, {})
 
 
 def test_root_cause_is_the_first_exception_line() -> None:
@@ -252,9 +224,7 @@ def test_root_cause_is_the_first_exception_line() -> None:
 def test_run_writes_json_table_and_plot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import kvmesh.model
-
-    monkeypatch.setattr(kvmesh.model, "make_tiny", lambda out_dir, **kw: Path(out_dir))
+    monkeypatch.setattr(ttft, "ensure_model", lambda model_dir, preset: str(model_dir))
     speed = {"recompute": 1.0, "example_connector": 0.2, "lmcache_mp": 0.25, "kvmesh_cpu": 0.15}
 
     def fake_setup(
@@ -270,8 +240,10 @@ def test_run_writes_json_table_and_plot(
         assert trials == 3  # quick
         if setup not in speed:
             err = "not available: ModuleNotFoundError: No module named 'x'"
-            return ttft.unavailable(setup, lengths, err), {"error": err}
-        rows = [ttft.summarize(setup, _worker_row(n, [speed[setup] * n / 2000] * trials)) for n in lengths]
+            return ttft_spec.unavailable(setup, lengths, err), {"error": err}
+        rows = [
+            ttft_spec.summarize(setup, _worker_row(n, [speed[setup] * n / 2000] * trials)) for n in lengths
+        ]
         return rows, {"engine_start_s": 1.0}
 
     monkeypatch.setattr(ttft, "run_setup", fake_setup)

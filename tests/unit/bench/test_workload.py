@@ -38,7 +38,7 @@ def test_replay_sends_every_turn_with_the_conversation_so_far(fake: FakeVLLM) ->
 
 
 def test_replay_of_a_dead_server_reports_errors_not_a_crash() -> None:
-    from kvmesh.services import free_port
+    from kvmesh.harness.ports import free_port
 
     wl = Workload.multi_tenant(tenants=1, users=1, turns=2, prefix_words=5, seed=2)
     result = replay(wl, f"http://127.0.0.1:{free_port()}", "tiny", concurrency=1)

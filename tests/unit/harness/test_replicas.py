@@ -1,4 +1,5 @@
-"""Process helpers of kvmesh.cluster: pinning a process tree to cores (real processes)."""
+"""kvmesh.harness.replicas and .processes: pinning a process tree to cores (real processes),
+the replicas' vLLM command lines."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import time
 
 import pytest
 
-from kvmesh.cluster import Replica, spawn, stop_process
+from kvmesh.harness.processes import spawn, stop_process
+from kvmesh.harness.replicas import Replica
 
 # Sleep rather than read stdin: the test runner's stdin may be /dev/null (CI, nohup), and a
 # parent that exits at once leaves its child to init before the test can find it.
@@ -69,14 +71,26 @@ def test_replica_pins_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
         seen.append(cpus)
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
 
-    monkeypatch.setattr("kvmesh.cluster.spawn", fake_spawn)
+    monkeypatch.setattr("kvmesh.harness.replicas.spawn", fake_spawn)
     Replica("model", cpu=1).start()
     Replica("model", cpu=1, pin_process=True).start()
     assert seen == [None, {1}]
 
 
-def test_free_ports_are_not_handed_out_twice() -> None:
-    from kvmesh.services import free_port
+def test_replica_command_gets_the_extra_arguments() -> None:
+    r = Replica("/m", port=1234, extra_args=["--enable-scale-out"])
+    cmd = r.command()
+    assert cmd[-1] == "--enable-scale-out"
+    assert "--disable-hybrid-kv-cache-manager" in cmd  # the fairness settings stay
+    assert cmd[cmd.index("--port") + 1] == "1234" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert "--kv-events-config" not in cmd and "--kv-transfer-config" not in cmd
 
-    ports = [free_port() for _ in range(64)]
-    assert len(set(ports)) == len(ports)
+
+def test_replica_events_are_read_from_the_forwarder() -> None:
+    r = Replica("/m", port=1234, events_port=5000, events_out=6000)
+    assert r.events_endpoint == "tcp://127.0.0.1:6000"
+    cmd = r.command()
+    cfg = cmd[cmd.index("--kv-events-config") + 1]
+    assert '"endpoint": "tcp://127.0.0.1:5000"' in cfg  # vLLM connects to the forwarder
+    assert Replica("/m", port=1, events_port=5000).events_endpoint == "tcp://127.0.0.1:5000"
+    assert Replica("/m", port=1, events_ipc="ipc:///tmp/e").events_endpoint == "ipc:///tmp/e"

