@@ -29,8 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.bench.soak_load import Client, FaultEvent, Record, chat_load, prompt_pool, references, report
-from kvmesh.cluster import Replica, install_signal_handlers, spawn, start_replicas, stop_process
-from kvmesh.services import RedisServer, free_port
+from kvmesh.harness.connector import connector_config
+from kvmesh.harness.model import ensure_model
+from kvmesh.harness.ports import free_port
+from kvmesh.harness.processes import install_signal_handlers, spawn, stop_process
+from kvmesh.harness.replicas import Replica, start_replicas
+from kvmesh.harness.services import RedisServer
 
 # The slowest (a vLLM restart takes 30-120 s here) last, so a short run still sees the others.
 FAULTS = ("redis_stop", "redis_kill", "disk_full", "router_restart", "replica_kill")
@@ -87,21 +91,14 @@ class Fleet:
 
     def connector(self, i: int) -> dict[str, Any]:
         assert self.redis is not None
-        return {
-            "kv_connector": "KVMeshConnector",
-            "kv_connector_module_path": "kvmesh.integrations.vllm",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "chunk_size": 256,
-                "max_local_cpu_size": 0.25,
-                "remote_url": self.redis.url,
-                "remote_timeout_s": 0.5,
-                "local_disk": os.path.join(self.disk_root, f"replica{i}"),
-                # Below the tmpfs: the tier believes it has room, so only the filler makes it full.
-                "max_local_disk_size": self.disk_mb * 0.6 / 1024,
-            },
-        }
+        return connector_config(
+            self.redis.url,
+            cpu_gb=0.25,
+            remote_timeout_s=0.5,
+            local_disk=os.path.join(self.disk_root, f"replica{i}"),
+            # Below the tmpfs: the tier believes it has room, so only the filler makes it full.
+            max_local_disk_size=self.disk_mb * 0.6 / 1024,
+        )
 
     def start(self) -> None:
         self.tmpfs = _mount_tmpfs(self.disk_root, self.disk_mb)
@@ -169,14 +166,11 @@ class Fleet:
         return "replica1 SIGKILLed and restarted"
 
     def redis_kill(self, hold_s: float) -> str:
-        assert self.redis is not None and self.redis.proc is not None
-        port = self.redis.port
-        self.redis.proc.kill()
-        self.redis.proc.wait()
-        self.redis.stop()
+        assert self.redis is not None
+        self.redis.kill()
         time.sleep(hold_s)
-        self.redis = RedisServer(port=port).start()
-        return f"redis SIGKILLed, restarted empty on port {port} after {hold_s:.0f} s"
+        self.redis.start()
+        return f"redis SIGKILLed, restarted empty on port {self.redis.port} after {hold_s:.0f} s"
 
     def redis_stop(self, hold_s: float) -> str:
         assert self.redis is not None and self.redis.proc is not None
@@ -351,8 +345,6 @@ def add_soak_parser(sub: Any) -> None:
 
 
 def _soak_command(args: Any) -> int:
-    from kvmesh.model import PRESETS, make_tiny
-
     faults = tuple(f for f in args.faults.split(",") if f)
     unknown = sorted(set(faults) - set(FAULTS))
     if unknown:
@@ -360,9 +352,8 @@ def _soak_command(args: Any) -> int:
             f"kvmesh soak: unknown fault(s) {', '.join(unknown)}; valid: {', '.join(FAULTS)}", file=sys.stderr
         )
         return 2
-    model = make_tiny(out_dir=args.model, **PRESETS["tiny"])
     out = run(
-        str(model),
+        ensure_model(args.model),
         minutes=args.minutes,
         concurrency=args.concurrency,
         faults=faults,
