@@ -63,6 +63,7 @@ def server_url() -> Iterator[str]:
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)
 
