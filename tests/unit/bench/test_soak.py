@@ -54,7 +54,7 @@ def server_url() -> Iterator[str]:
     loop = asyncio.new_event_loop()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", _chat)
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
     loop.run_until_complete(runner.setup())
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
