@@ -28,7 +28,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     if mode == "broken":
         return web.json_response({"error": "boom"}, status=500)
     if mode == "stall":
-        await asyncio.sleep(30)
+        await asyncio.sleep(2.5)  # past the 1 s deadline the test gives it
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     text = "bad" if mode == "lie" else "hello"
@@ -54,7 +54,7 @@ def server_url() -> Iterator[str]:
     loop = asyncio.new_event_loop()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", _chat)
-    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    runner = web.AppRunner(app, shutdown_timeout=5.0)
     loop.run_until_complete(runner.setup())
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
