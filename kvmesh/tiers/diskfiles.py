@@ -164,7 +164,7 @@ class ChunkFiles:
 
     def sync_dir(self, text: str) -> None:
         """fsync the directory holding ``text``'s file, so its last rename survives a crash."""
-        with self.traced("fsync", text):
+        with self.traced("fsync_dir", text):
             sync_dir(os.path.dirname(self.path(text)))
 
     def unlink(self, text: str, size: int) -> None:
