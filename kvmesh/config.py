@@ -49,9 +49,18 @@ class CacheConfig(BaseModel):
     eviction_policy: str = Field("lru", description=f"cpu eviction order: {' | '.join(POLICIES)}")
     disk_o_direct: bool = Field(False, description="write disk chunks with O_DIRECT (aligned buffers)")
     disk_io_trace: str | None = Field(None, description="path of a JSON-lines trace of every disk I/O")
+    disk_subdir: str = Field(
+        "auto",
+        description="disk tier directory under local_disk: auto = rank<k>/slot<n> (first free), "
+        "'' = local_disk itself, NAME = NAME/rank<k>",
+    )
     remote_ttl_s: float | None = Field(None, gt=0, description="expire remote chunks after this many seconds")
     remote_part_size: int = Field(1 << 20, gt=0, le=512 << 20, description="bytes per Redis value part")
-    remote_timeout_s: float = Field(5.0, gt=0, description="socket timeout of remote operations")
+    remote_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="budget of one whole remote operation (a lookup, a load, a store), retries included",
+    )
     max_pending_writes: int = Field(256, gt=0, description="bounded write-behind queue length, per tier")
     store_wait_s: float = Field(
         0.0, ge=0, description="how long store may wait for pool space or queue room before skipping"

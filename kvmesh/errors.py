@@ -4,6 +4,7 @@
 
     KVMeshError
     ├── ConfigError            (also ValueError) bad or unknown configuration key/value
+    │   └── DirectoryLockedError   a disk tier directory is owned by another live process
     ├── ClosedError            (also RuntimeError) an object used after close() / before start()
     ├── TierError              a tier failed; the engine turns it into a miss and a metric
     │   └── TierUnavailableError   the backing service is down, unreachable or too slow
@@ -31,6 +32,14 @@ class KVMeshError(Exception):
 
 class ConfigError(KVMeshError, ValueError):
     """A configuration key is unknown or its value is invalid."""
+
+
+class DirectoryLockedError(ConfigError):
+    """Another live process holds the disk tier directory's lock (``holder_pid``)."""
+
+    def __init__(self, message: str, holder_pid: int | None = None) -> None:
+        super().__init__(message)
+        self.holder_pid = holder_pid
 
 
 class ClosedError(KVMeshError, RuntimeError):

@@ -4,8 +4,9 @@ Each returns a JSON-ready dict. A client mistake (a tier this engine does not ha
 missing) raises :class:`~kvmesh.admin.schema.BodyError`; a lower tier that fails gives a
 per-tier ``{"error": ...}`` entry, never an exception.
 
-``compress`` re-encodes stored chunks in place through the tier's ``recode`` (disk, fs,
-redis tiers have it). The cpu tier holds raw KV that attention reads directly, so there is
+``compress`` re-encodes stored chunks in place through the shared
+:func:`kvmesh.tiers.base.recode`, in every tier that declares ``Feature.RECODE`` (disk, fs,
+redis). The cpu tier holds raw KV that attention reads directly, so there is
 nothing to re-encode there: ``compress`` answers it with equal before/after bytes and a note.
 Later writes keep using the tier's configured codec (``disk_serde`` / ``remote_serde``).
 """
@@ -20,6 +21,7 @@ import numpy as np
 
 from kvmesh.core.keys import ChunkKey, as_token_array
 from kvmesh.errors import BodyError, TierError
+from kvmesh.tiers.base import as_recodable, recode
 
 if TYPE_CHECKING:
     from kvmesh.core.engine import CacheEngine
@@ -68,18 +70,13 @@ def clear(
     return {"cleared": engine.clear(tier, arr, force)}
 
 
-def _pin_targets(engine: CacheEngine, tier: str | None) -> list[str]:
-    _check_tier(engine, tier)
-    names = [tier] if tier else ["cpu", "disk"]
-    return [n for n in names if n == "cpu" or hasattr(engine.lower.get(n), "pin")]
-
-
 def _set_pins(engine: CacheEngine, tokens: Sequence[int] | None, tier: str | None, op: str) -> dict[str, Any]:
-    """``op`` ("pin" or "unpin") the chunks of ``tokens`` in every tier that knows pins."""
+    """``op`` ("pin" or "unpin") the chunks of ``tokens`` in every tier that declares pins
+    (only ``tier``, if given)."""
+    _check_tier(engine, tier)
     keys = engine.keys.keys_for_array(_tokens(tokens))
-    done = _pin_targets(engine, tier)
-    for name in done:
-        getattr(engine.cpu if name == "cpu" else engine.lower[name], op)(keys)
+    tiers = [tier] if tier else None
+    done = engine.pin_keys(keys, tiers) if op == "pin" else engine.unpin_keys(keys, tiers)
     return {"chunks": len(keys), "tiers": done}
 
 
@@ -117,12 +114,12 @@ def compress(
                 "note": "cpu holds raw KV for attention to read; nothing to re-encode",
             }
         else:
-            recode = getattr(engine.lower[name], "recode", None)
-            if recode is None:
+            recodable = as_recodable(engine.lower[name])
+            if recodable is None:
                 out[name] = {"error": f"the {name} tier cannot re-encode stored chunks"}
                 continue
             try:
-                b, a = recode(keys, codec)
+                b, a = recode(recodable, keys, codec)
             except TierError as exc:
                 engine.metrics[name].inc("errors")
                 out[name] = {"error": str(exc)}

@@ -1,10 +1,13 @@
 """CacheEngine: the public API over the tiers (cpu → disk → remote).
 
 The engine orchestrates; memory, eviction order, serialization and I/O live in their own
-modules. ``store`` copies chunks into the cpu pool synchronously and queues lower-tier
-writes (write-through, or write-back on cpu eviction); ``retrieve`` walks the tiers in order
+modules, and every call into a lower tier goes through :mod:`kvmesh.core.lower`.
+``store`` copies chunks into the cpu pool synchronously and queues lower-tier writes
+(write-through, or write-back on cpu eviction); ``retrieve`` walks the tiers in order
 and promotes lower-tier hits to cpu. A failing lower tier is a miss and a metric — no tier
-error ever reaches a caller of ``store`` or ``retrieve``.
+error ever reaches a caller of ``store`` or ``retrieve``. ``lookup`` and ``retrieve`` each
+run under one deadline of ``remote_timeout_s`` for the remote tier (see
+:mod:`kvmesh.tiers.deadline`): a slow remote makes them return fewer tokens, never late.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -21,12 +23,14 @@ import torch
 
 from kvmesh.config import CacheConfig
 from kvmesh.core.keys import ChunkKey, KeyBuilder, KVLayout, as_token_array
+from kvmesh.core.lower import LowerTiers
 from kvmesh.core.memory import MemoryObj, MemoryPool, copy_kv, torch_dtype
 from kvmesh.core.offload import Prefetcher, WriteBehind
 from kvmesh.errors import ConfigError, TierError
 from kvmesh.metrics import TierMetrics, prometheus_collector
-from kvmesh.tiers.base import ChunkData, Tier, TierOptions, open_tier
+from kvmesh.tiers.base import ChunkData, Tier
 from kvmesh.tiers.cpu import CPUTier
+from kvmesh.tiers.deadline import deadline
 
 log = logging.getLogger(__name__)
 TIER_NAMES = ("cpu", "disk", "remote")
@@ -66,12 +70,28 @@ class CacheEngine:
         self.chunk_bytes = config.chunk_size * layout.bytes_per_token
         self.metrics: dict[str, TierMetrics] = {"engine": TierMetrics("engine")}
         self.cpu = self._open_cpu()
-        self.lower: dict[str, Tier] = {}
-        self.writers: dict[str, WriteBehind] = {}
-        if config.disk_url:
-            self._open_lower("disk", config.disk_url, config.disk_serde)
-        if config.remote_url:
-            self._open_lower("remote", config.remote_url, config.remote_serde)
+        self._lower = LowerTiers(config, layout, shard, self.cpu)
+        # The lower tiers in lookup order, and their write-behind queues (shared dicts).
+        self.lower: dict[str, Tier] = self._lower.tiers
+        self.writers: dict[str, WriteBehind] = self._lower.writers
+        try:
+            if config.disk_url:
+                self._lower.open(
+                    "disk",
+                    config.disk_url,
+                    config.disk_serde,
+                    capacity_bytes=config.disk_bytes,
+                    io_trace=config.disk_io_trace,
+                )
+            if config.remote_url:
+                self._lower.open(
+                    "remote", config.remote_url, config.remote_serde, capacity_bytes=None, io_trace=None
+                )
+        except BaseException:
+            self._lower.close(0.0)  # a disk tier opened before a failing remote keeps its lock
+            self.cpu.close()
+            raise
+        self.metrics.update(self._lower.metrics)
         self.prefetcher = Prefetcher()
         self._closed = False
 
@@ -86,25 +106,9 @@ class CacheEngine:
             raise ConfigError(str(exc)) from None
         return CPUTier(pool, self.config.eviction_policy, self.metrics["cpu"], on_evict=self._on_evict)
 
-    def _open_lower(self, name: str, url: str, codec: str) -> None:
-        cfg = self.config
-        metrics = TierMetrics(name)
-        opts = TierOptions(
-            name=name,
-            capacity_bytes=cfg.disk_bytes if name == "disk" else None,
-            codec=codec,
-            chunk_size=cfg.chunk_size,
-            o_direct=cfg.disk_o_direct,
-            io_trace=cfg.disk_io_trace if name == "disk" else None,
-            ttl_s=cfg.remote_ttl_s,
-            part_bytes=cfg.remote_part_size,
-            timeout_s=cfg.remote_timeout_s,
-            metrics=metrics,
-        )
-        tier = open_tier(url, opts)
-        self.metrics[name] = metrics
-        self.lower[name] = tier
-        self.writers[name] = WriteBehind(tier, cfg.max_pending_writes, cfg.store_wait_s)
+    def _budget(self) -> Any:
+        """The deadline of one lookup or retrieve (the remote tier's whole budget)."""
+        return deadline(self.config.remote_timeout_s)
 
     # -- validation ----------------------------------------------------------------------
     def _check_kv(self, kv: object, num_tokens: int) -> torch.Tensor:
@@ -181,20 +185,8 @@ class CacheEngine:
     def _locate(self, keys: Sequence[ChunkKey]) -> list[str | None]:
         """Highest tier holding each key, for the leading run of keys held anywhere."""
         where: list[str | None] = ["cpu" if h else None for h in self.cpu.contains(keys)]
-        for name, tier in self.lower.items():
-            missing = [i for i, w in enumerate(where) if w is None]
-            if not missing:
-                break
-            # only the first run matters; ask about keys from the first miss on
-            todo = missing
-            try:
-                hits = tier.contains([keys[i] for i in todo])
-            except TierError:
-                self.metrics[name].inc("errors")
-                continue
-            for i, h in zip(todo, hits, strict=True):
-                if h:
-                    where[i] = name
+        with self._budget():
+            self._lower.fill_locations(keys, where)
         leading: list[str | None] = []
         for w in where:
             if w is None:
@@ -210,7 +202,7 @@ class CacheEngine:
         keys = self.keys.keys_for_array(arr)
         where = self._locate(keys)
         if pin and where:
-            self._pin_keys(keys[: len(where)])
+            self.pin_keys(keys[: len(where)])
         return self.keys.chunk_bounds(len(arr))[len(where) - 1][1] if where else 0
 
     def locate(self, tokens: object) -> list[tuple[int, int, str]]:
@@ -238,86 +230,23 @@ class CacheEngine:
         try:
             objs = self.cpu.get(keys)
             held.extend(o for o in objs if o is not None)
-            for i, (key, (s, e)) in enumerate(zip(keys, bounds, strict=True)):
-                obj, tier = objs[i], "cpu"
-                if obj is None:
-                    found = self._get_lower(key, arr[s:e])
+            with self._budget():
+                for i, (key, (s, e)) in enumerate(zip(keys, bounds, strict=True)):
+                    obj = objs[i]
+                    if obj is not None:
+                        chunks.append(RetrievedChunk(s, e, obj.tensor(), "cpu"))
+                        continue
+                    found = self._lower.read(key, arr[s:e])
                     if found is None:
-                        break
+                        break  # a miss, or the remote's budget is spent: vLLM recomputes the rest
                     tier, tensor, promoted = found
                     if promoted is not None:
                         held.append(promoted)
                     chunks.append(RetrievedChunk(s, e, tensor, tier))
-                    continue
-                chunks.append(RetrievedChunk(s, e, obj.tensor(), tier))
             yield chunks
         finally:
             for o in held:
                 o.release()
-
-    def _get_lower(
-        self, key: ChunkKey, expect_tokens: np.ndarray
-    ) -> tuple[str, torch.Tensor, MemoryObj | None] | None:
-        """Read ``key`` from the first lower tier holding a valid copy and promote it.
-        Returns ``(tier, view, pool object the caller must release or None)``."""
-        for name, tier in self.lower.items():
-            # The tier reads straight into a pool slot (the promotion target): no fresh
-            # memory to fault in, no second copy.
-            slots: list[MemoryObj] = []
-            into = partial(self._slot_for_read, slots)
-            try:
-                got = tier.get([key], into=into)[0]
-            except TierError:
-                self.metrics[name].inc("errors")
-                got = None
-            if got is not None and (
-                got.layout != self.layout or not np.array_equal(got.tokens, expect_tokens)
-            ):
-                # A hash collision or a foreign writer: never serve it.
-                self.metrics[name].inc("corrupt")
-                self._safe_delete(tier, name, [key])
-                got = None
-            if got is None:
-                for obj in slots:
-                    obj.release()
-                continue
-            if slots and np.shares_memory(
-                np.frombuffer(got.data, dtype=np.uint8), slots[0].byte_view().numpy()
-            ):
-                obj = slots[0]
-                obj.layout, obj.tokens = self.layout, np.array(got.tokens, dtype=np.uint32)
-                self.cpu.put(key, obj.ref_up())  # the tier takes one reference, the reader keeps one
-                return name, obj.tensor(), obj
-            for obj in slots:
-                obj.release()
-            view, promoted = self._promote(key, got)
-            return name, view, promoted
-        return None
-
-    def _slot_for_read(self, slots: list[MemoryObj], nbytes: int) -> memoryview | None:
-        """``Tier.get(into=...)``: one pool slot per read, remembered in ``slots``."""
-        if not self.config.promote_on_hit or slots or nbytes > self.chunk_bytes:
-            return None
-        obj = self.cpu.allocate(nbytes)
-        if obj is None:
-            return None
-        slots.append(obj)
-        return obj.raw()
-
-    def _promote(self, key: ChunkKey, got: ChunkData) -> tuple[torch.Tensor, MemoryObj | None]:
-        data = got.data
-        if isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly):
-            data = bytearray(data)
-        src = torch.from_numpy(np.frombuffer(data, dtype=np.uint8))
-        if self.config.promote_on_hit:
-            obj = self.cpu.allocate(src.numel())
-            if obj is not None:
-                obj.layout, obj.tokens = self.layout, np.array(got.tokens, dtype=np.uint32)
-                obj.byte_view().copy_(src)
-                self.cpu.put(key, obj.ref_up())  # the tier takes one reference, the reader keeps one
-                return obj.tensor(), obj
-        dtype = torch_dtype(self.layout.dtype)
-        return src.view(dtype).view(self.layout.shape(len(got.tokens))), None
 
     def retrieve(self, tokens: object, out: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
         """``(n, kv)``: the KV of the first ``n`` tokens, ``[layers, 2, n, heads, size]``.
@@ -347,32 +276,35 @@ class CacheEngine:
         return self.prefetcher.submit(job)
 
     # -- pins, clear, move ---------------------------------------------------------------
-    def _pin_keys(self, keys: Sequence[ChunkKey]) -> None:
-        self.cpu.pin(keys)
-        disk = self.lower.get("disk")
-        if disk is not None and hasattr(disk, "pin"):
-            disk.pin(keys)
+    def pin_keys(self, keys: Sequence[ChunkKey], tiers: Sequence[str] | None = None) -> list[str]:
+        """Pin ``keys`` in the tiers of ``tiers`` (default: all) that declare pins; returns
+        the tiers pinned. Counted: each pin is undone by one :meth:`unpin_keys`."""
+        return self._set_pins(keys, tiers, unpin=False)
+
+    def unpin_keys(self, keys: Sequence[ChunkKey], tiers: Sequence[str] | None = None) -> list[str]:
+        return self._set_pins(keys, tiers, unpin=True)
+
+    def _set_pins(self, keys: Sequence[ChunkKey], tiers: Sequence[str] | None, unpin: bool) -> list[str]:
+        names = self._tier_names(None) if tiers is None else [n for t in tiers for n in self._tier_names(t)]
+        done = []
+        if "cpu" in names:
+            (self.cpu.unpin if unpin else self.cpu.pin)(keys)
+            done.append("cpu")
+        lower = [n for n in names if n != "cpu"]
+        done += self._lower.unpin(keys, lower) if unpin else self._lower.pin(keys, lower)
+        return done
 
     def pin(self, tokens: object) -> int:
-        """Pin the chunks of ``tokens`` in cpu (and disk): never evicted until unpinned."""
+        """Pin the chunks of ``tokens`` in every tier that knows pins (cpu, disk): never
+        evicted until unpinned. Returns the number of chunks."""
         keys = self.keys.keys(tokens)
-        self._pin_keys(keys)
+        self.pin_keys(keys)
         return len(keys)
 
     def unpin(self, tokens: object) -> int:
         keys = self.keys.keys(tokens)
-        self.cpu.unpin(keys)
-        disk = self.lower.get("disk")
-        if disk is not None and hasattr(disk, "unpin"):
-            disk.unpin(keys)
+        self.unpin_keys(keys)
         return len(keys)
-
-    def _safe_delete(self, tier: Tier, name: str, keys: Sequence[ChunkKey]) -> int:
-        try:
-            return tier.delete(keys)
-        except TierError:
-            self.metrics[name].inc("errors")
-            return 0
 
     def clear(
         self, tier: str | None = None, tokens: object | None = None, force: bool = False
@@ -385,17 +317,10 @@ class CacheEngine:
         for name in names:
             if name == "cpu":
                 out[name] = self.cpu.delete(keys, force) if keys is not None else self.cpu.clear(force)
-                continue
-            t = self.lower[name]
-            if keys is not None:
-                out[name] = self._safe_delete(t, name, keys)
+            elif keys is not None:
+                out[name] = self._lower.delete(name, keys, force)
             else:
-                try:
-                    # Only the disk tier knows pins; the shared tiers have none to respect.
-                    out[name] = t.clear(force=force) if name == "disk" else t.clear()  # type: ignore[call-arg]
-                except TierError:
-                    self.metrics[name].inc("errors")
-                    out[name] = 0
+                out[name] = self._lower.clear(name, force)
         return out
 
     def _tier_names(self, tier: str | None) -> list[str]:
@@ -409,8 +334,7 @@ class CacheEngine:
     def move(self, tokens: object, tier: str) -> int:
         """Make ``tier`` the highest tier holding the chunks of ``tokens``: copy them there
         and drop them from the tiers above it. Returns bytes moved."""
-        names = self._tier_names(tier)
-        target = names[0]
+        target = self._tier_names(tier)[0]
         order = ["cpu", *self.lower]
         above = order[: order.index(target)]
         arr = as_token_array(tokens)
@@ -420,25 +344,19 @@ class CacheEngine:
             for key, c in zip(keys, chunks, strict=False):
                 nbytes = c.kv.numel() * c.kv.element_size()
                 if target != "cpu":
-                    t = self.lower[target]
-                    try:
-                        if not t.contains([key])[0]:
-                            raw = c.kv.contiguous().view(torch.uint8).reshape(-1).numpy().data
-                            if not t.put(
-                                [key], [ChunkData(key, self.layout, arr[c.start : c.end].copy(), raw)]
-                            )[0]:
-                                continue
-                            moved += nbytes
-                    except TierError:
-                        self.metrics[target].inc("errors")
-                        continue
+                    raw = c.kv.contiguous().view(torch.uint8).reshape(-1).numpy().data
+                    chunk = ChunkData(key, self.layout, arr[c.start : c.end].copy(), raw)
+                    stored = self._lower.put_if_absent(target, key, chunk)
+                    if stored is None:
+                        continue  # not in the target: keep it where it is
+                    moved += nbytes if stored else 0
                 elif c.tier != "cpu":
                     moved += nbytes
                 for name in above:
                     if name == "cpu":
                         self.cpu.delete([key], force=True)
                     else:
-                        self._safe_delete(self.lower[name], name, [key])
+                        self._lower.delete(name, [key], force=True)
         return moved
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -464,10 +382,7 @@ class CacheEngine:
             return
         self._closed = True
         self.prefetcher.close()
-        for w in self.writers.values():
-            w.close(timeout)
-        for t in self.lower.values():
-            t.close()
+        self._lower.close(timeout)
         self.cpu.close()
 
     def __enter__(self) -> CacheEngine:

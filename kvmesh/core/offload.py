@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from kvmesh.core.keys import ChunkKey
@@ -144,10 +145,16 @@ class Prefetcher:
         except queue.Full:
             return False
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every job submitted so far has run; ``False`` on timeout. (A marker
+        job queued behind them: it waits for room in a full queue rather than give up.)"""
         done = threading.Event()
-        if self.submit(done.set):
-            done.wait(timeout)
+        end = None if timeout is None else time.monotonic() + timeout
+        try:
+            self._q.put(done.set, timeout=timeout)
+        except queue.Full:
+            return False
+        return done.wait(None if end is None else max(0.0, end - time.monotonic()))
 
     def close(self) -> None:
         self._q.put(None)

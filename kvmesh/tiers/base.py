@@ -18,20 +18,30 @@ A lower tier (disk, Redis, shared filesystem) stores serialized chunks (see
 * **Verification.** ``get`` verifies the header (key) and the payload checksum; the caller
   checks the chunk's own tokens against what it asked for.
 
+Optional features are **declared**, never sniffed: every tier (the cpu tier too) carries a
+``features`` flag set (:class:`Feature`), and :func:`as_pinnable` / :func:`as_recodable`
+narrow a tier to the protocol of a feature it declares (``None`` when it does not). Callers
+never ask ``hasattr`` or compare tier names. Re-encoding stored chunks is written once,
+in :func:`recode`, over the two primitives a :class:`RecodableTier` provides.
+
 Tiers register a factory under their URL schemes with :func:`register_tier`;
-:func:`open_tier` picks the factory from the URL's scheme — never an if-chain.
+:func:`open_tier` picks the factory from the URL's scheme — never an if-chain. A new tier
+(S3, Redis Cluster, ...) registers itself with the decorator and, to be found without an
+import, adds its scheme to ``_BUILTIN_MODULES``.
 """
 
 from __future__ import annotations
 
+import enum
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 from urllib.parse import urlsplit
 
 import numpy as np
 
+from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey, KVLayout
 from kvmesh.core.serde import Buffer, ChunkHeader, empty_buffer
 from kvmesh.errors import ConfigError
@@ -68,20 +78,30 @@ class TierOptions:
     part_bytes: int = 1 << 20
     retries: int = 3
     probe_interval_s: float = 1.0
-    timeout_s: float = 5.0
+    timeout_s: float = 5.0  # budget of one whole remote operation, retries included
+    eviction_policy: str = "lru"  # a key of kvmesh.core.policy.POLICIES
+    shard: int = 0  # TP rank: the disk tier's default sub-directory is rank<shard>
+    subdir: str = ""  # disk tier: "" = the path itself, "auto" = <path>/rank<k>/slot<n>
     metrics: TierMetrics = field(default_factory=lambda: TierMetrics("tier"))
 
 
+class Feature(enum.Flag):
+    """Optional features a tier declares in its ``features`` attribute."""
+
+    NONE = 0
+    PIN = enum.auto()  # PinnableTier: counted pins; delete/clear keep pinned chunks unless forced
+    RECODE = enum.auto()  # RecodableTier: read_stored + rewrite, so recode() can re-encode chunks
+
+
 @runtime_checkable
-class Tier(Protocol):
+class TierBase(Protocol):
+    """What every tier answers, the cpu tier included."""
+
     name: str
     metrics: TierMetrics
+    features: Feature
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
-
-    def get(self, keys: Sequence[ChunkKey], into: Into | None = None) -> list[ChunkData | None]: ...
-
-    def put(self, keys: Sequence[ChunkKey], chunks: Sequence[ChunkData]) -> list[bool]: ...
 
     def delete(self, keys: Sequence[ChunkKey]) -> int: ...
 
@@ -94,6 +114,80 @@ class Tier(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class Tier(TierBase, Protocol):
+    """A lower tier: stores serialized chunks and hands back :class:`ChunkData`."""
+
+    def get(self, keys: Sequence[ChunkKey], into: Into | None = None) -> list[ChunkData | None]: ...
+
+    def put(self, keys: Sequence[ChunkKey], chunks: Sequence[ChunkData]) -> list[bool]: ...
+
+
+class PinnableTier(TierBase, Protocol):
+    """``Feature.PIN``. Pins are counted per key whether or not the key is present (a pin
+    on an absent key applies when the chunk arrives), so every ``pin`` is undone by exactly
+    one ``unpin`` and an unpin can never drop a pin somebody else took."""
+
+    def pin(self, keys: Sequence[ChunkKey]) -> None: ...
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None: ...
+
+    def delete(self, keys: Sequence[ChunkKey], force: bool = False) -> int: ...
+
+    def clear(self, force: bool = False) -> int: ...
+
+
+@dataclass
+class StoredChunk:
+    """A verified chunk as stored: header, decoded raw KV, the bytes it occupies, and an
+    opaque ``version`` that :meth:`RecodableTier.rewrite` checks (``None``: unversioned)."""
+
+    header: ChunkHeader
+    raw: Buffer
+    stored_bytes: int
+    version: int | None = None
+
+
+class RecodableTier(Tier, Protocol):
+    """``Feature.RECODE``: the two primitives :func:`recode` needs."""
+
+    def read_stored(self, keys: Sequence[ChunkKey]) -> list[StoredChunk | None]: ...
+
+    def rewrite(self, key: ChunkKey, head: bytes, body: Buffer, version: int | None) -> int | None:
+        """Replace ``key``'s stored bytes as a whole (still the ``version`` read, where the
+        tier versions chunks). Returns the new stored size, ``None`` when nothing changed."""
+        ...
+
+
+def as_pinnable(tier: TierBase) -> PinnableTier | None:
+    """``tier`` as a :class:`PinnableTier` when it declares ``Feature.PIN``, else ``None``."""
+    return cast(PinnableTier, tier) if Feature.PIN in tier.features else None
+
+
+def as_recodable(tier: TierBase) -> RecodableTier | None:
+    """``tier`` as a :class:`RecodableTier` when it declares ``Feature.RECODE``, else ``None``."""
+    return cast(RecodableTier, tier) if Feature.RECODE in tier.features else None
+
+
+def recode(tier: RecodableTier, keys: Sequence[ChunkKey], codec: str) -> tuple[int, int]:
+    """Re-encode the stored chunks of ``keys`` with ``codec``. Returns their stored bytes
+    before and after, summed over the keys found (a chunk already in ``codec``, or one whose
+    rewrite failed, counts the same on both sides). Later writes keep the tier's own codec."""
+    codec = serde.get_codec(codec).name
+    before = after = 0
+    for key, item in zip(keys, tier.read_stored(keys), strict=True):
+        if item is None:
+            continue
+        before += item.stored_bytes
+        if item.header.codec == codec:
+            after += item.stored_bytes
+            continue
+        head, body = serde.encode(key, item.header.layout, item.header.tokens, item.raw, codec)
+        new_size = tier.rewrite(key, head, body, item.version)
+        after += item.stored_bytes if new_size is None else new_size
+    return before, after
+
+
 def payload_buffer(into: Into | None, nbytes: int, codec: str) -> memoryview:
     """Where a tier reads a stored payload: the caller's buffer for raw chunks when offered,
     else fresh memory. (A zstd payload is decoded into new memory anyway.)"""
@@ -104,18 +198,15 @@ def payload_buffer(into: Into | None, nbytes: int, codec: str) -> memoryview:
     return empty_buffer(nbytes)
 
 
-def counted_read(
-    metrics: TierMetrics, key: ChunkKey, item: tuple[ChunkHeader, Buffer, int] | None
-) -> ChunkData | None:
-    """A verified read ``(header, raw bytes, stored bytes)`` as ChunkData, counted as a hit,
-    or ``None`` counted as a miss."""
+def counted_read(metrics: TierMetrics, key: ChunkKey, item: StoredChunk | None) -> ChunkData | None:
+    """A verified read as ChunkData, counted as a hit, or ``None`` counted as a miss."""
     if item is None:
         metrics.inc("misses")
         return None
-    header, raw, stored = item
+    header = item.header
     metrics.inc("hits")
-    metrics.inc("bytes_out", stored)
-    return ChunkData(key, header.layout, header.tokens, raw, header.codec, stored)
+    metrics.inc("bytes_out", item.stored_bytes)
+    return ChunkData(key, header.layout, header.tokens, item.raw, header.codec, item.stored_bytes)
 
 
 TierFactory = Callable[[str, TierOptions], Tier]

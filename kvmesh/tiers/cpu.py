@@ -17,20 +17,24 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 from kvmesh.core.keys import ChunkKey
 from kvmesh.core.memory import MemoryObj, MemoryPool
-from kvmesh.core.policy import POLICIES, EvictionPolicy
+from kvmesh.core.policy import EvictionPolicy, PinCounts, make_policy
 from kvmesh.metrics import TierMetrics
+from kvmesh.tiers.base import Feature
 
 EVICTION_SCAN_LIMIT = 64  # bounded work per allocation, as diskcache's cull does
 WRITE_BACK_WAIT_S = 1.0  # longest allocate waits for an evicted chunk's write-back to land
 
 
 class CPUTier:
+    """Satisfies :class:`~kvmesh.tiers.base.TierBase` and ``PinnableTier``; its ``get`` and
+    ``put`` trade pool objects, not serialized :class:`~kvmesh.tiers.base.ChunkData`."""
+
     name = "cpu"
+    features = Feature.PIN
 
     def __init__(
         self,
@@ -42,9 +46,9 @@ class CPUTier:
         self.pool = pool
         self.metrics = metrics or TierMetrics("cpu")
         self.on_evict = on_evict
-        self._policy: EvictionPolicy = POLICIES[policy]()
+        self._policy: EvictionPolicy = make_policy(policy)
         self._objs: dict[str, MemoryObj] = {}
-        self._pins: Counter[str] = Counter()
+        self._pins = PinCounts()
         self._lock = threading.RLock()
 
     # -- queries -------------------------------------------------------------------------
@@ -70,7 +74,7 @@ class CPUTier:
 
     def is_pinned(self, key: ChunkKey) -> bool:
         with self._lock:
-            return self._pins[key.text] > 0
+            return key.text in self._pins
 
     def __len__(self) -> int:
         with self._lock:
@@ -115,7 +119,7 @@ class CPUTier:
         with self._lock:
             for text in self._policy.candidates(EVICTION_SCAN_LIMIT):
                 obj = self._objs[text]
-                if self._pins[text] > 0 or obj.refs > 1:
+                if text in self._pins or obj.refs > 1:
                     continue
                 del self._objs[text]
                 self._policy.remove(text)
@@ -151,12 +155,12 @@ class CPUTier:
             obj.release()
         return not dup
 
-    def delete(self, keys: Iterable[ChunkKey], force: bool = True) -> int:
+    def delete(self, keys: Iterable[ChunkKey], force: bool = False) -> int:
         """Drop chunks; pinned ones only with ``force``. Readers keep their references."""
         dropped: list[MemoryObj] = []
         with self._lock:
             for k in keys:
-                if not force and self._pins[k.text] > 0:
+                if not force and k.text in self._pins:
                     continue
                 obj = self._objs.pop(k.text, None)
                 if obj is not None:
@@ -176,15 +180,12 @@ class CPUTier:
     def pin(self, keys: Iterable[ChunkKey]) -> None:
         with self._lock:
             for k in keys:
-                self._pins[k.text] += 1
+                self._pins.pin(k.text)
 
     def unpin(self, keys: Iterable[ChunkKey]) -> None:
         with self._lock:
             for k in keys:
-                if self._pins[k.text] > 1:
-                    self._pins[k.text] -= 1
-                else:
-                    self._pins.pop(k.text, None)
+                self._pins.unpin(k.text)
 
     def pinned_count(self) -> int:
         with self._lock:

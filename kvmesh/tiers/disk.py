@@ -1,17 +1,23 @@
 """Local disk / NVMe tier (``file:///path``).
 
-One file per chunk, ``<dir>/<2 hex>/<key>.kvc``, holding the serde header and payload. The
-2-hex subdirectory (a hash of the key) keeps directories small.
+One file per chunk, ``<dir>/<2 hex>/<key>.kvc``, holding the serde header and payload (file
+I/O lives in :mod:`kvmesh.tiers.diskfiles`). The 2-hex subdirectory (a hash of the key)
+keeps directories small.
+
+One directory, one owner: the tier holds an exclusive lock on its directory
+(:mod:`kvmesh.tiers.dirlock`); a second process gets :class:`~kvmesh.errors.DirectoryLockedError`
+naming the holder's pid. Opened through :func:`~kvmesh.tiers.base.open_tier` (as the engine
+does), each TP rank and each replica gets its own sub-directory by default.
 
 Crash safety comes from ordering alone: a chunk is written to a temp file in its final
-directory, fsynced, renamed over its final name, and only then entered in the index; a file
-is unlinked only after the index stops pointing at it. A crash therefore leaves complete
-chunks and ``*.tmp`` leftovers, which the next start removes. The index is not persisted: it
-is rebuilt at start from the files' headers, LRU-ordered by mtime. Every write and read hit
-stamps the file's mtime (strictly increasing within a process), so recency survives a
-restart.
-
-One tier per directory: two live processes on the same directory are not supported.
+directory, fsynced, renamed over its final name, the directory fsynced, and only then
+entered in the index; a file is unlinked only after the index stops pointing at it. A crash
+therefore leaves complete chunks and ``*.tmp`` leftovers, which the next owner removes (only
+the owner: the lock guarantees no one else is writing). The index is not persisted: it is
+rebuilt at start from the files' headers, in recency order by mtime. Every write and read
+hit stamps the file's mtime (strictly increasing within a process), so recency survives a
+restart. Recency itself is :mod:`kvmesh.core.policy` (``eviction_policy``); pinned chunks
+leave the policy until their last unpin.
 """
 
 from __future__ import annotations
@@ -19,28 +25,30 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
-import json
-import mmap
 import os
 import threading
-import time
-import warnings
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO, TextIO
-
-import numpy as np
-import xxhash
 
 from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey
+from kvmesh.core.policy import PinCounts, make_policy
 from kvmesh.errors import CorruptChunkError, TierUnavailableError
-from kvmesh.tiers.base import ChunkData, Into, TierOptions, payload_buffer, register_tier, url_path
+from kvmesh.tiers import dirlock
+from kvmesh.tiers.base import (
+    ChunkData,
+    Feature,
+    Into,
+    StoredChunk,
+    TierOptions,
+    counted_read,
+    register_tier,
+    url_path,
+)
+from kvmesh.tiers.diskfiles import ALIGN, SUFFIX, TMP_SUFFIX, ChunkFiles
 
-SUFFIX = ".kvc"
-TMP_SUFFIX = ".tmp"
-ALIGN = 4096
+__all__ = ["ALIGN", "CULL_LIMIT", "SUFFIX", "TMP_SUFFIX", "DiskTier", "open_disk_tier"]
+
 # Most evictions one put may perform (diskcache's cull_limit): keeps a put's latency bounded;
 # a put that still does not fit is skipped and the next one carries on evicting.
 CULL_LIMIT = 16
@@ -51,43 +59,49 @@ _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 class _Entry:
     size: int  # bytes the file occupies (O_DIRECT padding included)
     gen: int  # which write of this key the file on disk is; guards against racing deletes
-    pins: int = 0
 
 
 class DiskTier:
-    """Chunks as files in one directory, with a byte budget and LRU eviction.
+    """Chunks as files in one directory, with a byte budget and policy-ordered eviction.
 
     Thread-safe: one lock guards the index; file writes and reads run outside it, while
     renames and unlinks run under it so that the index and the directory never disagree
     about which file a key names.
     """
 
-    def __init__(self, path: str, options: TierOptions | None = None) -> None:
+    features = Feature.PIN | Feature.RECODE
+
+    def __init__(
+        self, path: str, options: TierOptions | None = None, lock: dirlock.DirLock | None = None
+    ) -> None:
         opts = options or TierOptions()
         self.name = opts.name or "disk"
         self.metrics = opts.metrics
         self.path = os.path.abspath(path)
         self.codec = serde.get_codec(opts.codec).name
         self.capacity = opts.capacity_bytes
-        self.o_direct = opts.o_direct
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
-        self._lru: OrderedDict[str, None] = OrderedDict()  # unpinned keys only, oldest first
+        self._policy = make_policy(opts.eviction_policy)  # unpinned keys only
+        self._pins = PinCounts()
         self._used = 0
         self._reserved = 0  # bytes of writes in flight, so concurrent puts respect the budget
         self._gen = itertools.count(1)
-        self._tmp_seq = itertools.count()
-        self._last_stamp = 0
         self._degraded = False
         self._closed = False
-        self._local = threading.local()
-        self._trace: TextIO | None = None
-        self._trace_lock = threading.Lock()
-        self._inflight = 0
-        os.makedirs(self.path, exist_ok=True)
-        if opts.io_trace:
-            self._trace = open(opts.io_trace, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
-        self._rebuild()
+        self._dirlock = lock or dirlock.DirLock(self.path)
+        try:
+            self.files = ChunkFiles(self.path, opts.o_direct, opts.io_trace)
+            self._rebuild()
+        except BaseException:
+            self._dirlock.release()
+            raise
+
+    @property
+    def o_direct(self) -> bool:
+        return self.files.o_direct
+
+    # ---- the Tier protocol ------------------------------------------------------------
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         self._check_open()
@@ -97,7 +111,14 @@ class DiskTier:
     def get(self, keys: Sequence[ChunkKey], into: Into | None = None) -> list[ChunkData | None]:
         self._check_open()
         with self.metrics.timed("get"):
-            return [self._get_one(k, into) for k in keys]
+            out: list[ChunkData | None] = []
+            for k in keys:
+                item = self._load(k.text, into, stamp=True)
+                if item is not None:
+                    with self._lock:
+                        self._policy.touch(k.text)
+                out.append(counted_read(self.metrics, k, item))
+            return out
 
     def put(self, keys: Sequence[ChunkKey], chunks: Sequence[ChunkData]) -> list[bool]:
         self._check_open()
@@ -120,52 +141,54 @@ class DiskTier:
         self.metrics.inc("deletes", n)
         return n
 
-    def pin(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        """Protect ``keys`` from eviction (counted: each pin needs its own unpin)."""
-        with self._lock:
-            return [self._pin(k.text, +1) for k in keys]
-
-    def unpin(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        with self._lock:
-            return [self._pin(k.text, -1) for k in keys]
-
-    def recode(self, keys: Sequence[ChunkKey], codec: str) -> tuple[int, int]:
-        """Re-encode stored chunks with ``codec``; returns their total bytes before and after.
-        Ignores the byte budget: a chunk that grows stays, later puts evict to make room."""
-        self._check_open()
-        codec = serde.get_codec(codec).name
-        before = after = 0
-        for k in keys:
-            with self._lock:
-                ent = self._entries.get(k.text)
-                gen, old_size = (ent.gen, ent.size) if ent is not None else (0, 0)
-            loaded = self._load(k.text, gen, None) if ent is not None else None
-            if loaded is None:
-                continue
-            header, raw, _ = loaded
-            new_size = old_size
-            if header.codec != codec:
-                head, body = serde.encode(k, header.layout, header.tokens, raw, codec)
-                try:
-                    tmp, new_size = self._write_file(k.text, head, body)
-                except OSError:
-                    self.metrics.inc("errors")
-                    continue
-                if not self._commit(k.text, tmp, new_size, replace_gen=gen):
-                    continue
-            before += old_size
-            after += new_size
-        return before, after
-
     def health(self) -> str:
         return "degraded" if self._degraded else "up"
 
     def close(self) -> None:
+        if self._closed:
+            return
         self._closed = True
-        with self._trace_lock:
-            if self._trace is not None:
-                self._trace.close()
-                self._trace = None
+        self.files.close()
+        self._dirlock.release()
+
+    # ---- PinnableTier -----------------------------------------------------------------
+
+    def pin(self, keys: Sequence[ChunkKey]) -> None:
+        """Protect ``keys`` from eviction, present or not (counted: each pin needs its own
+        unpin; a pin on a key not stored yet applies when it arrives)."""
+        with self._lock:
+            for k in keys:
+                if self._pins.pin(k.text) and k.text in self._entries:
+                    self._policy.remove(k.text)
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        with self._lock:
+            for k in keys:
+                if self._pins.unpin(k.text) and k.text in self._entries:
+                    self._policy.insert(k.text)
+
+    def is_pinned(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return key.text in self._pins
+
+    # ---- RecodableTier ----------------------------------------------------------------
+
+    def read_stored(self, keys: Sequence[ChunkKey]) -> list[StoredChunk | None]:
+        self._check_open()
+        return [self._load(k.text, None, stamp=False) for k in keys]
+
+    def rewrite(self, key: ChunkKey, head: bytes, body: serde.Buffer, version: int | None) -> int | None:
+        """Replace ``key``'s file while write ``version`` is still the current one. Ignores
+        the byte budget: a chunk that grows stays, later puts evict to make room."""
+        self._check_open()
+        try:
+            tmp, size = self.files.write_tmp(key.text, head, body)
+        except OSError:
+            self.metrics.inc("errors")
+            return None
+        return size if self._commit(key.text, tmp, size, replace_gen=version) else None
+
+    # ---- inspection -------------------------------------------------------------------
 
     def keys(self) -> Iterator[str]:
         with self._lock:
@@ -175,73 +198,38 @@ class DiskTier:
         with self._lock:
             return self._used
 
-    def _get_one(self, key: ChunkKey, into: Into | None = None) -> ChunkData | None:
-        text = key.text
+    # ---- internals --------------------------------------------------------------------
+
+    def _load(self, text: str, into: Into | None, stamp: bool) -> StoredChunk | None:
+        """Read and verify ``text``'s file (``version`` = its write generation), or ``None``
+        for a miss. A file found gone or bad leaves the index (if no newer write replaced it)."""
         with self._lock:
             ent = self._entries.get(text)
-            gen = ent.gen if ent is not None else 0
-            stamp = self._stamp()
-        loaded = self._load(text, gen, stamp, into) if ent is not None else None
-        if loaded is None:
-            self.metrics.inc("misses")
+        if ent is None:
             return None
-        header, raw, stored = loaded
-        with self._lock:
-            if text in self._lru:
-                self._lru.move_to_end(text)
-        self.metrics.inc("hits")
-        self.metrics.inc("bytes_out", stored)
-        return ChunkData(key, header.layout, header.tokens, raw, header.codec, stored)
-
-    def _load(
-        self, text: str, gen: int, stamp: int | None, into: Into | None = None
-    ) -> tuple[serde.ChunkHeader, serde.Buffer, int] | None:
-        """Read and verify one file: ``(header, raw bytes, bytes read)``, or ``None`` for a miss.
-        Stamps the file's mtime with ``stamp`` so recency survives a restart."""
         try:
-            with self._traced("read", text) as rec, open(self._file(text), "rb", buffering=0) as f:
-                header = self._read_header(f, text)
-                if os.fstat(f.fileno()).st_size < header.header_size + header.payload_len:
-                    raise CorruptChunkError(f"chunk file {text} is shorter than its header says")
-                body = payload_buffer(into, header.payload_len, header.codec)
-                got = 0
-                while got < len(body):
-                    n = f.readinto(body[got:])
-                    if not n:
-                        raise CorruptChunkError(f"chunk file {text} truncated inside its payload")
-                    got += n
-                raw = serde.decode_payload(header, body)
-                rec["bytes"] = header.header_size + len(body)
-                if stamp is not None:
-                    os.utime(f.fileno(), ns=(stamp, stamp))
+            item = self.files.read(text, stamp, into)
         except (FileNotFoundError, CorruptChunkError) as exc:
-            self._drop(text, gen, corrupt=isinstance(exc, CorruptChunkError))
+            self._drop(text, ent.gen, corrupt=isinstance(exc, CorruptChunkError))
             return None
         except OSError:
             self.metrics.inc("errors")  # EIO and the like: a miss, but the file may be fine
             return None
-        # The raw codec hands back a view of ``body``: give the caller the buffer itself.
-        return header, body if header.codec == "raw" else raw, int(rec["bytes"])
-
-    @staticmethod
-    def _read_header(f: BinaryIO, text: str) -> serde.ChunkHeader:
-        prefix = f.read(serde.PREFIX_SIZE)
-        return serde.decode_header(prefix + f.read(serde.header_length(prefix) - len(prefix)), text)
+        item.version = ent.gen
+        return item
 
     def _put_one(self, key: ChunkKey, chunk: ChunkData) -> bool:
         text = key.text
         with self._lock:
             present = text in self._entries
-            if present and text in self._lru:
-                self._lru.move_to_end(text)
-            stamp = self._stamp()
+            if present:
+                self._policy.touch(text)
         if present:  # same key, same bytes: no rewrite, only recency
-            with contextlib.suppress(OSError):
-                os.utime(self._file(text), ns=(stamp, stamp))
+            self.files.touch(text)
             return True
         head, body = serde.encode(key, chunk.layout, chunk.tokens, chunk.data, self.codec)
         want = len(head) + memoryview(body).nbytes
-        if self.o_direct:
+        if self.files.o_direct:
             want = -(-want // ALIGN) * ALIGN
         with self._lock:
             fits = self._reserve(want)
@@ -249,7 +237,7 @@ class DiskTier:
             self.metrics.inc("skipped_stores")
             return False
         try:
-            tmp, size = self._write_file(text, head, body)
+            tmp, size = self.files.write_tmp(text, head, body)
         except OSError as exc:
             with self._lock:
                 self._reserved -= want
@@ -265,98 +253,48 @@ class DiskTier:
         self.metrics.inc("bytes_in", size)
         return True
 
-    def _write_file(self, text: str, head: bytes, body: serde.Buffer) -> tuple[str, int]:
-        """Write a durable temp file beside ``text``'s final name: ``(temp path, size)``."""
-        tmp = f"{self._file(text)}.{os.getpid()}.{next(self._tmp_seq)}{TMP_SUFFIX}"
-        direct = self.o_direct
-        try:
-            return tmp, self._write_tmp(tmp, text, head, body, direct)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            if not (direct and exc.errno == errno.EINVAL):
-                raise
-            msg = f"O_DIRECT refused under {self.path} ({exc}); the disk tier falls back to buffered I/O"
-            warnings.warn(msg, RuntimeWarning, stacklevel=2)
-            self.o_direct = False
-            return self._write_file(text, head, body)
-
-    def _write_tmp(self, tmp: str, text: str, head: bytes, body: serde.Buffer, direct: bool) -> int:
-        n = len(head) + memoryview(body).nbytes
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
-        try:
-            fd = os.open(tmp, flags, 0o644)
-        except FileNotFoundError:  # a 2-hex subdirectory not made yet (or removed by hand)
-            os.makedirs(os.path.dirname(tmp), exist_ok=True)
-            fd = os.open(tmp, flags, 0o644)
-        try:
-            with self._traced("write", text) as rec:
-                if direct:
-                    # O_DIRECT wants an aligned buffer and length: copy into a page-aligned
-                    # mmap kept per thread, padded; the header's payload_len marks the end.
-                    size = -(-n // ALIGN) * ALIGN
-                    mv = self._aligned(size)
-                    # numpy copies at memcpy speed (memoryview slice assignment does not).
-                    buf = np.frombuffer(mv, dtype=np.uint8, count=size)
-                    buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-                    buf[len(head) : n] = np.frombuffer(body, dtype=np.uint8)
-                    buf[n:size] = 0
-                    self._write_all(fd, mv[:size])
-                else:
-                    size = n
-                    self._write_all(fd, memoryview(head))
-                    self._write_all(fd, memoryview(body).cast("B"))
-                rec["bytes"] = size
-            with self._lock:
-                stamp = self._stamp()
-            os.utime(fd, ns=(stamp, stamp))
-            with self._traced("fsync", text):
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        return size
-
-    def _aligned(self, size: int) -> memoryview:
-        mv: memoryview | None = getattr(self._local, "buf", None)
-        if mv is None or mv.nbytes < size:
-            mv = self._local.buf = memoryview(mmap.mmap(-1, max(size, 1 << 20)))
-        return mv
-
-    @staticmethod
-    def _write_all(fd: int, mv: memoryview) -> None:
-        while mv.nbytes:
-            mv = mv[os.write(fd, mv) :]
-
     def _commit(self, text: str, tmp: str, size: int, replace_gen: int | None, reserved: int = 0) -> bool:
-        """Rename ``tmp`` into place, then index it. With ``replace_gen`` (recode) only while
-        that write of the key is still the current one. The reservation turns into used bytes
-        under the same lock, so no other put can slip into the budget in between."""
+        """Rename ``tmp`` into place, fsync its directory, then index it. With ``replace_gen``
+        (recode) only while that write of the key is still the current one. The reservation
+        turns into used bytes under the same lock, so no other put slips into the budget."""
         with self._lock:
             self._reserved -= reserved
             old = self._entries.get(text)
             ok = replace_gen is None or (old is not None and old.gen == replace_gen)
             try:
                 if ok:
-                    os.rename(tmp, self._file(text))
+                    os.rename(tmp, self.files.path(text))
             except OSError:
                 self.metrics.inc("errors")
                 ok = False
-            if ok:
-                self._used += size - (old.size if old is not None else 0)
-                self._entries[text] = _Entry(size, next(self._gen), old.pins if old is not None else 0)
-                if old is None:
-                    self._lru[text] = None
-                self._gauges()
         if not ok:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        return ok
+            return False
+        # Outside the index lock: an fsync may take milliseconds, and the new name is
+        # already complete (readers of the old index entry read the new, equal, bytes).
+        self.files.sync_dir(text)
+        with self._lock:
+            cur = self._entries.get(text)
+            if replace_gen is not None and (cur is None or cur.gen != replace_gen):
+                # Deleted or rewritten while we synced: the index already says what is there.
+                return cur is not None
+            self._used += size - (cur.size if cur is not None else 0)
+            self._entries[text] = _Entry(size, next(self._gen))
+            if cur is None and text not in self._pins:
+                self._policy.insert(text)
+            self._gauges()
+        return True
 
     def _reserve(self, size: int) -> bool:
         if self.capacity is not None:
             culled = 0
-            while self._used + self._reserved + size > self.capacity and self._lru and culled < CULL_LIMIT:
-                victim = next(iter(self._lru))
+            while (
+                self._used + self._reserved + size > self.capacity
+                and len(self._policy)
+                and culled < CULL_LIMIT
+            ):
+                victim = self._policy.candidates(1)[0]
                 self._remove(victim, force=False)
                 self.metrics.inc("evictions")
                 culled += 1
@@ -365,28 +303,15 @@ class DiskTier:
         self._reserved += size
         return True
 
-    def _pin(self, text: str, delta: int) -> bool:
-        ent = self._entries.get(text)
-        if ent is None or ent.pins + delta < 0:
-            return False
-        ent.pins += delta
-        if ent.pins:
-            self._lru.pop(text, None)
-        else:
-            self._lru[text] = None
-        return True
-
     def _remove(self, text: str, force: bool) -> bool:
         ent = self._entries.get(text)
-        if ent is None or (ent.pins and not force):
+        if ent is None or (text in self._pins and not force):
             return False
         del self._entries[text]
-        self._lru.pop(text, None)
+        self._policy.remove(text)
         self._used -= ent.size
         self._gauges()
-        with self._traced("delete", text) as rec, contextlib.suppress(FileNotFoundError):
-            os.unlink(self._file(text))
-            rec["bytes"] = ent.size
+        self.files.unlink(text, ent.size)
         return True
 
     def _drop(self, text: str, gen: int, corrupt: bool) -> None:
@@ -398,80 +323,45 @@ class DiskTier:
         if corrupt:
             self.metrics.inc("corrupt")
 
-    def _stamp(self) -> int:
-        self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
-        return self._last_stamp
-
     def _gauges(self) -> None:
         self.metrics.set("bytes_used", self._used)
         self.metrics.set("objects", len(self._entries))
 
     def _rebuild(self) -> None:
         found: list[tuple[int, str, int]] = []
-        for sub in os.scandir(self.path):
-            if not (sub.is_dir() and len(sub.name) == 2):
-                continue
-            for f in os.scandir(sub.path):
-                if f.name.endswith(TMP_SUFFIX):
+        for text, f in self.files.scan():
+            if f.name.endswith(TMP_SUFFIX):
+                # Safe: we hold the directory lock, so no other process is writing here.
+                with contextlib.suppress(OSError):
+                    os.unlink(f.path)
+            elif text:
+                st = f.stat()
+                if self.files.path(text) == f.path and self.files.header_ok(f.path, text, st.st_size):
+                    found.append((st.st_mtime_ns, text, st.st_size))
+                else:
+                    self.metrics.inc("corrupt")
                     with contextlib.suppress(OSError):
                         os.unlink(f.path)
-                elif f.name.endswith(SUFFIX):
-                    text = f.name[: -len(SUFFIX)]
-                    st = f.stat()
-                    if self._file(text) == f.path and self._header_ok(f.path, text, st.st_size):
-                        found.append((st.st_mtime_ns, text, st.st_size))
-                    else:
-                        self.metrics.inc("corrupt")
-                        with contextlib.suppress(OSError):
-                            os.unlink(f.path)
         with self._lock:
             for mtime, text, size in sorted(found):
                 self._entries[text] = _Entry(size, next(self._gen))
-                self._lru[text] = None
+                self._policy.insert(text)
                 self._used += size
-                self._last_stamp = max(self._last_stamp, mtime)
+                self.files.seen_stamp(mtime)
             # A smaller budget than last time: evict down to it now, however long it takes.
-            while self.capacity is not None and self._used > self.capacity and self._lru:
-                self._remove(next(iter(self._lru)), force=False)
+            while self.capacity is not None and self._used > self.capacity and len(self._policy):
+                self._remove(self._policy.candidates(1)[0], force=False)
                 self.metrics.inc("evictions")
             self._gauges()
-
-    def _header_ok(self, path: str, text: str, file_size: int) -> bool:
-        try:
-            with open(path, "rb", buffering=0) as f:
-                header = self._read_header(f, text)
-        except (OSError, CorruptChunkError):
-            return False
-        return file_size >= header.header_size + header.payload_len
-
-    def _file(self, text: str) -> str:
-        sub = xxhash.xxh3_64_hexdigest(text.encode())[:2]
-        return os.path.join(self.path, sub, text + SUFFIX)
 
     def _check_open(self) -> None:
         if self._closed:
             raise TierUnavailableError(f"disk tier {self.path} is closed; open a new one")
 
-    @contextlib.contextmanager
-    def _traced(self, op: str, text: str) -> Iterator[dict[str, Any]]:
-        rec: dict[str, Any] = {"op": op, "key": text, "bytes": 0}
-        if self._trace is None:
-            yield rec
-            return
-        with self._trace_lock:
-            rec["queue_depth"] = self._inflight
-            self._inflight += 1
-        rec["start"] = time.time()
-        try:
-            yield rec
-        finally:
-            rec["end"] = time.time()
-            with self._trace_lock:
-                self._inflight -= 1
-                if self._trace is not None:
-                    self._trace.write(json.dumps(rec) + "\n")
-
 
 @register_tier("file")
 def open_disk_tier(url: str, options: TierOptions) -> DiskTier:
-    return DiskTier(url_path(url), options)
+    """The disk tier of ``url``, in the sub-directory ``options.subdir`` asks for
+    (``"auto"``: ``<path>/rank<shard>/slot<n>``; see :mod:`kvmesh.tiers.dirlock`)."""
+    where, lock = dirlock.claim(os.path.abspath(url_path(url)), options.subdir, options.shard)
+    return DiskTier(where, options, lock=lock)

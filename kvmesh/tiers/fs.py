@@ -32,13 +32,16 @@ from kvmesh.core.serde import Buffer, ChunkHeader
 from kvmesh.errors import ConfigError, CorruptChunkError
 from kvmesh.tiers.base import (
     ChunkData,
+    Feature,
     Into,
+    StoredChunk,
     TierOptions,
     counted_read,
     payload_buffer,
     register_tier,
     url_path,
 )
+from kvmesh.tiers.diskfiles import sync_dir
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,8 @@ _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 class FsTier:
     """Chunks as files in a shared directory; see the module docstring."""
+
+    features = Feature.RECODE  # no pins: other processes delete at will
 
     def __init__(self, root: str, options: TierOptions) -> None:
         self.name = options.name or "fs"
@@ -91,7 +96,7 @@ class FsTier:
                 dirs.add(os.path.dirname(self.path(k)))
             results.append(ok)
         for d in dirs:
-            _fsync_dir(d)  # makes the renames durable, once per directory per batch
+            sync_dir(d)  # makes the renames durable, once per directory per batch
         return results
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
@@ -136,27 +141,16 @@ class FsTier:
             if name.endswith(SUFFIX) and not name.startswith("."):
                 yield name[: -len(SUFFIX)]
 
-    def recode(self, keys: Sequence[ChunkKey], codec: str) -> tuple[int, int]:
-        """Re-store ``keys`` with ``codec``. Returns stored bytes before and after, summed
-        over the keys found (keys already in ``codec`` count the same on both sides)."""
-        codec = serde.get_codec(codec).name
-        before = after = 0
-        for k in keys:
-            item = self._read(k)
-            if item is None:
-                continue
-            header, raw, stored = item
-            before += stored
-            if header.codec == codec:
-                after += stored
-                continue
-            head, body = serde.encode(k, header.layout, header.tokens, raw, codec)
-            if self._write(k, head, body):
-                _fsync_dir(os.path.dirname(self.path(k)))
-                after += len(head) + memoryview(body).nbytes
-            else:
-                after += stored
-        return before, after
+    def read_stored(self, keys: Sequence[ChunkKey]) -> list[StoredChunk | None]:
+        return [self._read(k) for k in keys]
+
+    def rewrite(self, key: ChunkKey, head: bytes, body: Buffer, version: int | None) -> int | None:
+        """Replace ``key``'s file as a whole (atomic rename); ``version`` is unused: any
+        writer of a key writes the same chunk."""
+        if not self._write(key, head, body):
+            return None
+        sync_dir(os.path.dirname(self.path(key)))
+        return len(head) + memoryview(body).nbytes
 
     def health(self) -> str:
         up = os.path.isdir(self.root) and os.access(self.root, os.W_OK | os.X_OK)
@@ -168,7 +162,7 @@ class FsTier:
 
     # ---- files --------------------------------------------------------------------------
 
-    def _read(self, key: ChunkKey, into: Into | None = None) -> tuple[ChunkHeader, Buffer, int] | None:
+    def _read(self, key: ChunkKey, into: Into | None = None) -> StoredChunk | None:
         path = self.path(key)
         try:
             with open(path, "rb", buffering=0) as f:
@@ -184,7 +178,7 @@ class FsTier:
         except OSError as exc:
             self._note_error("read", exc)
             return None
-        return header, raw, st.st_size
+        return StoredChunk(header, raw, st.st_size)
 
     def _write(self, key: ChunkKey, head: bytes, body: Buffer) -> bool:
         final = self.path(key)
@@ -280,20 +274,6 @@ def _read_exact(f: io.FileIO, n: int) -> bytes:
             raise CorruptChunkError(f"file ended inside the chunk header ({len(data)} < {n} bytes)")
         data += more
     return data
-
-
-def _fsync_dir(path: str) -> None:
-    # Some filesystems refuse fsync on a directory; durability is then theirs to give.
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 @register_tier("fs")

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey
 from kvmesh.errors import CorruptChunkError, TierUnavailableError
-from kvmesh.tiers.base import ChunkData, Into, TierOptions, register_tier
+from kvmesh.tiers.base import ChunkData, Feature, Into, TierOptions, register_tier
 
 _STORES: dict[str, dict[str, bytes]] = {}
 _STORES_LOCK = threading.Lock()
@@ -24,6 +24,8 @@ _STORES_LOCK = threading.Lock()
 
 class MemoryTier:
     """A dict of serialized chunks. Verifies on read like every real tier."""
+
+    features = Feature.NONE
 
     def __init__(self, store_name: str, options: TierOptions) -> None:
         self.name = options.name or "mem"

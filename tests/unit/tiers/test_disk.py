@@ -24,7 +24,7 @@ from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey, KeyBuilder, KVLayout
 from kvmesh.errors import TierUnavailableError
 from kvmesh.metrics import TierMetrics
-from kvmesh.tiers.base import ChunkData, Tier, TierOptions, open_tier
+from kvmesh.tiers.base import ChunkData, Tier, TierOptions, open_tier, recode
 from kvmesh.tiers.disk import SUFFIX, TMP_SUFFIX, DiskTier
 
 LAYOUT = KVLayout(2, 2, 8, "float32")
@@ -164,21 +164,22 @@ def test_pinned_never_evicted(tmp_path: Path) -> None:
     tier = DiskTier(str(tmp_path), opts(capacity_bytes=2 * size))
     a, b, c, d, e = make_chunks(5)
     put(tier, [a, b])
-    assert tier.pin([a.key, c.key]) == [True, False]  # c is absent: nothing to pin
-    put(tier, [c])
-    put(tier, [d])
-    assert tier.contains([a.key, b.key, c.key, d.key]) == [True, False, False, True]
-    tier.pin([d.key])
-    assert put(tier, [e]) == [False]  # everything is pinned: the store is skipped
+    tier.pin([a.key, c.key])  # c is absent: its pin applies when it arrives
+    assert put(tier, [c]) == [True]  # evicts b, the only unpinned chunk
+    assert tier.contains([a.key, b.key, c.key]) == [True, False, True]
+    assert put(tier, [d]) == [False]  # everything is pinned: the store is skipped
     assert tier.metrics.counters["skipped_stores"] == 1
-    assert tier.contains([a.key, d.key, e.key]) == [True, True, False]
     # Pins are counted: two pins need two unpins.
     tier.pin([a.key])
-    assert tier.unpin([a.key]) == [True]
-    assert put(tier, [e]) == [False]
-    assert tier.unpin([a.key, a.key, b.key]) == [True, False, False]
-    assert put(tier, [e]) == [True]
-    assert tier.contains([a.key, d.key, e.key]) == [False, True, True]
+    tier.unpin([a.key])
+    assert put(tier, [d]) == [False]
+    tier.unpin([a.key, a.key, b.key])  # an unpin without a pin is a no-op
+    assert not tier.is_pinned(a.key) and tier.is_pinned(c.key)
+    assert put(tier, [d]) == [True]
+    assert tier.contains([a.key, c.key, d.key]) == [False, True, True]
+    tier.unpin([c.key])
+    assert put(tier, [e]) == [True]  # c, unpinned last, re-entered recency as the newest
+    assert tier.contains([c.key, d.key, e.key]) == [True, False, True]
 
 
 def test_delete_and_clear_respect_pins(tmp_path: Path) -> None:
@@ -383,7 +384,7 @@ def test_io_trace(tmp_path: Path) -> None:
     tier.close()
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
     ops = [r["op"] for r in lines]
-    assert ops.count("write") == 8 and ops.count("fsync") == 8
+    assert ops.count("write") == 8 and ops.count("fsync") == 8 and ops.count("fsync_dir") == 8
     assert ops.count("read") == 32 and ops.count("delete") == 1
     for r in lines:
         assert set(r) >= {"op", "key", "bytes", "start", "end", "queue_depth"}
@@ -471,7 +472,7 @@ def test_recode(tmp_path: Path) -> None:
     chunks = make_chunks(4)
     put(tier, chunks)
     tier.pin([chunks[0].key])
-    before, after = tier.recode([c.key for c in chunks[:3]], "zstd")
+    before, after = recode(tier, [c.key for c in chunks[:3]], "zstd")
     assert before == 3 * chunk_size_on_disk() and after < before
     assert tier.size_bytes() == after + chunk_size_on_disk()
     assert tier.size_bytes() == sum(p.stat().st_size for p in files(tmp_path))
@@ -479,9 +480,9 @@ def test_recode(tmp_path: Path) -> None:
     assert [g.codec for g in got if g is not None] == ["zstd", "zstd", "zstd", "raw"]
     for g, c in zip(got, chunks, strict=True):
         assert_same(g, c)
-    assert tier.unpin([chunks[0].key]) == [True]  # recoding kept the pin
+    assert tier.is_pinned(chunks[0].key)  # recoding kept the pin
     size0 = file_of(tmp_path, chunks[0].key).stat().st_size
-    assert tier.recode([c.key for c in chunks[:1]], "zstd") == (size0, size0)  # already zstd
+    assert recode(tier, [c.key for c in chunks[:1]], "zstd") == (size0, size0)  # already zstd
     assert files(tmp_path, TMP_SUFFIX) == []
 
 

@@ -1,0 +1,223 @@
+"""The engine's lower tiers (disk, remote): opening them, their write-behind queues, and
+reads that land in the cpu pool.
+
+Every call into a lower tier goes through here, so the rules hold in one place: a
+:class:`~kvmesh.errors.TierError` becomes a miss and an ``errors`` count, a chunk whose
+layout or tokens differ from what was asked is deleted and never served, and the remote
+slot is bounded by the current operation's deadline (:mod:`kvmesh.tiers.deadline`): once
+it is spent the remote tier is not asked again and its chunks are misses.
+Optional features are found through the tier's declared ``features`` (``as_pinnable``),
+never by name or ``hasattr``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+import numpy as np
+import torch
+
+from kvmesh.config import CacheConfig
+from kvmesh.core.keys import ChunkKey, KVLayout
+from kvmesh.core.memory import MemoryObj, torch_dtype
+from kvmesh.core.offload import WriteBehind
+from kvmesh.errors import TierError
+from kvmesh.metrics import TierMetrics
+from kvmesh.tiers.base import ChunkData, Tier, TierOptions, as_pinnable, open_tier
+from kvmesh.tiers.cpu import CPUTier
+from kvmesh.tiers.deadline import expired
+
+BOUNDED = frozenset({"remote"})  # slots a spent operation deadline stops asking
+
+
+class LowerTiers:
+    """The lower tiers of one engine, in lookup order, with one writer each."""
+
+    def __init__(self, config: CacheConfig, layout: KVLayout, shard: int, cpu: CPUTier) -> None:
+        self.config = config
+        self.layout = layout
+        self.shard = shard
+        self.cpu = cpu
+        self.chunk_bytes = config.chunk_size * layout.bytes_per_token
+        self.tiers: dict[str, Tier] = {}
+        self.writers: dict[str, WriteBehind] = {}
+        self.metrics: dict[str, TierMetrics] = {}
+
+    def open(
+        self, name: str, url: str, codec: str, *, capacity_bytes: int | None, io_trace: str | None
+    ) -> None:
+        cfg = self.config
+        metrics = TierMetrics(name)
+        opts = TierOptions(
+            name=name,
+            capacity_bytes=capacity_bytes,
+            codec=codec,
+            chunk_size=cfg.chunk_size,
+            o_direct=cfg.disk_o_direct,
+            io_trace=io_trace,
+            ttl_s=cfg.remote_ttl_s,
+            part_bytes=cfg.remote_part_size,
+            timeout_s=cfg.remote_timeout_s,
+            eviction_policy=cfg.eviction_policy,
+            shard=self.shard,
+            subdir=cfg.disk_subdir,
+            metrics=metrics,
+        )
+        tier = open_tier(url, opts)
+        self.metrics[name] = metrics
+        self.tiers[name] = tier
+        self.writers[name] = WriteBehind(tier, cfg.max_pending_writes, cfg.store_wait_s)
+
+    def _skip(self, name: str) -> bool:
+        return name in BOUNDED and expired()
+
+    # ---- queries ----------------------------------------------------------------------
+
+    def fill_locations(self, keys: Sequence[ChunkKey], where: list[str | None]) -> None:
+        """Set ``where[i]`` to the first lower tier holding ``keys[i]``, for keys not found
+        yet (``None``); only keys from the first miss on are asked about."""
+        for name, tier in self.tiers.items():
+            first = next((i for i, w in enumerate(where) if w is None), None)
+            if first is None:
+                return
+            if self._skip(name):
+                continue
+            todo = [i for i in range(first, len(where)) if where[i] is None]
+            try:
+                hits = tier.contains([keys[i] for i in todo])
+            except TierError:
+                self.metrics[name].inc("errors")
+                continue
+            for i, h in zip(todo, hits, strict=True):
+                if h:
+                    where[i] = name
+
+    def contains(self, name: str, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Raises TierError (callers that report per-tier errors want it)."""
+        return self.tiers[name].contains(keys)
+
+    # ---- reads into the pool ----------------------------------------------------------
+
+    def read(
+        self, key: ChunkKey, expect_tokens: np.ndarray
+    ) -> tuple[str, torch.Tensor, MemoryObj | None] | None:
+        """Read ``key`` from the first lower tier holding a valid copy and promote it.
+        Returns ``(tier, view, pool object the caller must release or None)``."""
+        for name, tier in self.tiers.items():
+            if self._skip(name):
+                continue
+            # The tier reads straight into a pool slot (the promotion target): no fresh
+            # memory to fault in, no second copy.
+            slots: list[MemoryObj] = []
+            try:
+                got = tier.get([key], into=partial(self._slot_for_read, slots))[0]
+            except TierError:
+                self.metrics[name].inc("errors")
+                got = None
+            if got is not None and (
+                got.layout != self.layout or not np.array_equal(got.tokens, expect_tokens)
+            ):
+                # A hash collision or a foreign writer: never serve it.
+                self.metrics[name].inc("corrupt")
+                self.delete(name, [key], force=True)
+                got = None
+            if got is None:
+                for obj in slots:
+                    obj.release()
+                continue
+            if slots and np.shares_memory(
+                np.frombuffer(got.data, dtype=np.uint8), slots[0].byte_view().numpy()
+            ):
+                obj = slots[0]
+                obj.layout, obj.tokens = self.layout, np.array(got.tokens, dtype=np.uint32)
+                self.cpu.put(key, obj.ref_up())  # the tier takes one reference, the reader keeps one
+                return name, obj.tensor(), obj
+            for obj in slots:
+                obj.release()
+            view, promoted = self._promote(key, got)
+            return name, view, promoted
+        return None
+
+    def _slot_for_read(self, slots: list[MemoryObj], nbytes: int) -> memoryview | None:
+        """``Tier.get(into=...)``: one pool slot per read, remembered in ``slots``."""
+        if not self.config.promote_on_hit or slots or nbytes > self.chunk_bytes:
+            return None
+        obj = self.cpu.allocate(nbytes)
+        if obj is None:
+            return None
+        slots.append(obj)
+        return obj.raw()
+
+    def _promote(self, key: ChunkKey, got: ChunkData) -> tuple[torch.Tensor, MemoryObj | None]:
+        data = got.data
+        if isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly):
+            data = bytearray(data)
+        src = torch.from_numpy(np.frombuffer(data, dtype=np.uint8))
+        if self.config.promote_on_hit:
+            obj = self.cpu.allocate(src.numel())
+            if obj is not None:
+                obj.layout, obj.tokens = self.layout, np.array(got.tokens, dtype=np.uint32)
+                obj.byte_view().copy_(src)
+                self.cpu.put(key, obj.ref_up())  # the tier takes one reference, the reader keeps one
+                return obj.tensor(), obj
+        dtype = torch_dtype(self.layout.dtype)
+        return src.view(dtype).view(self.layout.shape(len(got.tokens))), None
+
+    # ---- writes, pins, deletes --------------------------------------------------------
+
+    def put_if_absent(self, name: str, key: ChunkKey, chunk: ChunkData) -> bool | None:
+        """Store ``chunk`` in ``name`` unless it is there: ``True`` stored now, ``False``
+        already there, ``None`` not stored (full, or the tier failed)."""
+        tier = self.tiers[name]
+        try:
+            if tier.contains([key])[0]:
+                return False
+            return True if tier.put([key], [chunk])[0] else None
+        except TierError:
+            self.metrics[name].inc("errors")
+            return None
+
+    def pin(self, keys: Sequence[ChunkKey], names: Sequence[str] | None = None) -> list[str]:
+        """Pin ``keys`` in every pinnable lower tier (of ``names``); the tiers pinned."""
+        return self._pins(keys, names, unpin=False)
+
+    def unpin(self, keys: Sequence[ChunkKey], names: Sequence[str] | None = None) -> list[str]:
+        return self._pins(keys, names, unpin=True)
+
+    def _pins(self, keys: Sequence[ChunkKey], names: Sequence[str] | None, unpin: bool) -> list[str]:
+        done = []
+        for name in self.tiers if names is None else names:
+            tier = as_pinnable(self.tiers[name])
+            if tier is not None:
+                (tier.unpin if unpin else tier.pin)(keys)
+                done.append(name)
+        return done
+
+    def pinnable(self, name: str) -> bool:
+        return as_pinnable(self.tiers[name]) is not None
+
+    def delete(self, name: str, keys: Sequence[ChunkKey], force: bool = False) -> int:
+        tier = self.tiers[name]
+        pinnable = as_pinnable(tier)
+        try:
+            return pinnable.delete(keys, force=force) if pinnable is not None else tier.delete(keys)
+        except TierError:
+            self.metrics[name].inc("errors")
+            return 0
+
+    def clear(self, name: str, force: bool = False) -> int:
+        tier = self.tiers[name]
+        pinnable = as_pinnable(tier)
+        try:
+            # Tiers without pins (the shared ones) have none to respect.
+            return pinnable.clear(force=force) if pinnable is not None else tier.clear()
+        except TierError:
+            self.metrics[name].inc("errors")
+            return 0
+
+    def close(self, timeout: float) -> None:
+        for w in self.writers.values():
+            w.close(timeout)
+        for t in self.tiers.values():
+            t.close()

@@ -1,0 +1,230 @@
+"""The disk tier's file I/O: naming, durable writes, verified reads, the I/O trace.
+
+:class:`ChunkFiles` knows nothing of budgets, pins or recency (that is
+:class:`~kvmesh.tiers.disk.DiskTier`); it turns a chunk key into a file and back. A write
+goes to a temp file beside the final name, is fsynced, and is renamed by the tier under its
+index lock; :meth:`ChunkFiles.sync_dir` then makes the rename itself durable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import json
+import mmap
+import os
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any, BinaryIO, TextIO
+
+import numpy as np
+import xxhash
+
+from kvmesh.core import serde
+from kvmesh.errors import CorruptChunkError
+from kvmesh.tiers.base import Into, StoredChunk, payload_buffer
+
+SUFFIX = ".kvc"
+TMP_SUFFIX = ".tmp"
+ALIGN = 4096
+
+
+class ChunkFiles:
+    """``<root>/<2 hex>/<key>.kvc`` files: one serialized chunk each. Thread-safe."""
+
+    def __init__(self, root: str, o_direct: bool = False, io_trace: str | None = None) -> None:
+        self.root = root
+        self.o_direct = o_direct
+        self._tmp_seq = itertools.count()
+        self._stamp_lock = threading.Lock()
+        self._last_stamp = 0
+        self._local = threading.local()
+        self._trace: TextIO | None = None
+        self._trace_lock = threading.Lock()
+        self._inflight = 0
+        if io_trace:
+            self._trace = open(io_trace, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+
+    def path(self, text: str) -> str:
+        sub = xxhash.xxh3_64_hexdigest(text.encode())[:2]
+        return os.path.join(self.root, sub, text + SUFFIX)
+
+    def stamp(self) -> int:
+        """A file mtime (ns), strictly increasing within the process: recency on disk."""
+        with self._stamp_lock:
+            self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
+            return self._last_stamp
+
+    def seen_stamp(self, mtime_ns: int) -> None:
+        with self._stamp_lock:
+            self._last_stamp = max(self._last_stamp, mtime_ns)
+
+    def touch(self, text: str) -> None:
+        with contextlib.suppress(OSError):
+            stamp = self.stamp()
+            os.utime(self.path(text), ns=(stamp, stamp))
+
+    # ---- reads ------------------------------------------------------------------------
+
+    def read(self, text: str, stamp: bool, into: Into | None = None) -> StoredChunk:
+        """Read and verify one file. Raises ``FileNotFoundError``, :class:`CorruptChunkError`
+        or another ``OSError``. With ``stamp`` the file's mtime records this read."""
+        with self.traced("read", text) as rec, open(self.path(text), "rb", buffering=0) as f:
+            header = _read_header(f, text)
+            if os.fstat(f.fileno()).st_size < header.header_size + header.payload_len:
+                raise CorruptChunkError(f"chunk file {text} is shorter than its header says")
+            body = payload_buffer(into, header.payload_len, header.codec)
+            got = 0
+            while got < len(body):
+                n = f.readinto(body[got:])
+                if not n:
+                    raise CorruptChunkError(f"chunk file {text} truncated inside its payload")
+                got += n
+            raw = serde.decode_payload(header, body)
+            rec["bytes"] = header.header_size + len(body)
+            if stamp:
+                t = self.stamp()
+                os.utime(f.fileno(), ns=(t, t))
+        # The raw codec hands back a view of ``body``: give the caller the buffer itself.
+        return StoredChunk(header, body if header.codec == "raw" else raw, int(rec["bytes"]))
+
+    def header_ok(self, path: str, text: str, file_size: int) -> bool:
+        try:
+            with open(path, "rb", buffering=0) as f:
+                header = _read_header(f, text)
+        except (OSError, CorruptChunkError):
+            return False
+        return file_size >= header.header_size + header.payload_len
+
+    def scan(self) -> Iterator[tuple[str, os.DirEntry[str]]]:
+        """``(key text or "", entry)`` for every file under the 2-hex directories; temp
+        files and foreign names come with ``""``."""
+        for sub in os.scandir(self.root):
+            if not (sub.is_dir() and len(sub.name) == 2):
+                continue
+            for f in os.scandir(sub.path):
+                text = f.name[: -len(SUFFIX)] if f.name.endswith(SUFFIX) else ""
+                yield text, f
+
+    # ---- writes -----------------------------------------------------------------------
+
+    def write_tmp(self, text: str, head: bytes, body: serde.Buffer) -> tuple[str, int]:
+        """Write a durable temp file beside ``text``'s final name: ``(temp path, size)``."""
+        tmp = f"{self.path(text)}.{os.getpid()}.{next(self._tmp_seq)}{TMP_SUFFIX}"
+        direct = self.o_direct
+        try:
+            return tmp, self._write(tmp, text, head, body, direct)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if not (direct and exc.errno == errno.EINVAL):
+                raise
+            msg = f"O_DIRECT refused under {self.root} ({exc}); the disk tier falls back to buffered I/O"
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            self.o_direct = False
+            return self.write_tmp(text, head, body)
+
+    def _write(self, tmp: str, text: str, head: bytes, body: serde.Buffer, direct: bool) -> int:
+        n = len(head) + memoryview(body).nbytes
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+        try:
+            fd = os.open(tmp, flags, 0o644)
+        except FileNotFoundError:  # a 2-hex subdirectory not made yet (or removed by hand)
+            os.makedirs(os.path.dirname(tmp), exist_ok=True)
+            sync_dir(self.root)  # the new subdirectory's entry must survive a crash too
+            fd = os.open(tmp, flags, 0o644)
+        try:
+            with self.traced("write", text) as rec:
+                if direct:
+                    # O_DIRECT wants an aligned buffer and length: copy into a page-aligned
+                    # mmap kept per thread, padded; the header's payload_len marks the end.
+                    size = -(-n // ALIGN) * ALIGN
+                    mv = self._aligned(size)
+                    # numpy copies at memcpy speed (memoryview slice assignment does not).
+                    buf = np.frombuffer(mv, dtype=np.uint8, count=size)
+                    buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+                    buf[len(head) : n] = np.frombuffer(body, dtype=np.uint8)
+                    buf[n:size] = 0
+                    _write_all(fd, mv[:size])
+                else:
+                    size = n
+                    _write_all(fd, memoryview(head))
+                    _write_all(fd, memoryview(body).cast("B"))
+                rec["bytes"] = size
+            stamp = self.stamp()
+            os.utime(fd, ns=(stamp, stamp))
+            with self.traced("fsync", text):
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        return size
+
+    def sync_dir(self, text: str) -> None:
+        """fsync the directory holding ``text``'s file, so its last rename survives a crash."""
+        with self.traced("fsync_dir", text):
+            sync_dir(os.path.dirname(self.path(text)))
+
+    def unlink(self, text: str, size: int) -> None:
+        with self.traced("delete", text) as rec, contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path(text))
+            rec["bytes"] = size
+
+    def _aligned(self, size: int) -> memoryview:
+        mv: memoryview | None = getattr(self._local, "buf", None)
+        if mv is None or mv.nbytes < size:
+            mv = self._local.buf = memoryview(mmap.mmap(-1, max(size, 1 << 20)))
+        return mv
+
+    # ---- the I/O trace ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def traced(self, op: str, text: str) -> Iterator[dict[str, Any]]:
+        rec: dict[str, Any] = {"op": op, "key": text, "bytes": 0}
+        if self._trace is None:
+            yield rec
+            return
+        with self._trace_lock:
+            rec["queue_depth"] = self._inflight
+            self._inflight += 1
+        rec["start"] = time.time()
+        try:
+            yield rec
+        finally:
+            rec["end"] = time.time()
+            with self._trace_lock:
+                self._inflight -= 1
+                if self._trace is not None:
+                    self._trace.write(json.dumps(rec) + "\n")
+
+    def close(self) -> None:
+        with self._trace_lock:
+            if self._trace is not None:
+                self._trace.close()
+                self._trace = None
+
+
+def _read_header(f: BinaryIO, text: str) -> serde.ChunkHeader:
+    prefix = f.read(serde.PREFIX_SIZE)
+    return serde.decode_header(prefix + f.read(serde.header_length(prefix) - len(prefix)), text)
+
+
+def _write_all(fd: int, mv: memoryview) -> None:
+    while mv.nbytes:
+        mv = mv[os.write(fd, mv) :]
+
+
+def sync_dir(path: str) -> None:
+    """fsync a directory. Some filesystems refuse it; durability is then theirs to give."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
