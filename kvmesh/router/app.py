@@ -99,7 +99,13 @@ class RouterService:
         self._upstream = Upstream(config.connect_timeout_s, config.read_timeout_s)
         if self.tokenizer is None and config.tokenizer == "local":
             log.warning("no --model given: requests are routed by load and session only, not by prefix")
-        self.controller = Controller.for_service(self)  # the cache controller, /kvmesh/v1/
+        # The cache controller under /kvmesh/v1/: its section of the config, plus the environment.
+        self.controller = Controller(
+            config.controller.with_env(),
+            host=config.host,
+            tokenizer=self.tokenizer,
+            remote_tokens=self._remote_tokens if config.tokenizer == "remote" else None,
+        )
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes)
