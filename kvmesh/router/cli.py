@@ -28,8 +28,9 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--replica",
         action="append",
         default=[],
-        metavar="URL[,events=EP][,replay=EP][,name=NAME]",
-        help="a vLLM replica (repeat the flag); events/replay: its ZMQ KV-event endpoints",
+        metavar="URL[,events=EP][,replay=EP][,admin=URL][,name=NAME]",
+        help="a vLLM replica (repeat the flag); events/replay: its ZMQ KV-event endpoints; "
+        "admin: its kvmesh admin API (replay and admin refill the index when the router starts)",
     )
     p.add_argument("--policy", choices=POLICIES, help="routing policy (default: kvmesh)")
     p.add_argument("--config", help="YAML file with RouterConfig keys")

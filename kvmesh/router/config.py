@@ -33,7 +33,22 @@ class ReplicaConfig(BaseModel):
     events: str | None = Field(
         default=None, description="ZMQ endpoint of its KV events, e.g. tcp://10.0.0.5:5557"
     )
-    replay: str | None = Field(default=None, description="ZMQ endpoint of its KV-event replay (gap repair)")
+    replay: str | None = Field(
+        default=None, description="ZMQ endpoint of its KV-event replay (gap repair, index rebuild on start)"
+    )
+    admin: str | None = Field(
+        default=None, description="its kvmesh admin API, e.g. http://10.0.0.5:8200 (index rebuild on start)"
+    )
+
+    @field_validator("admin")
+    @classmethod
+    def _admin_ok(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"replica admin must look like http://host:port, got {v!r}")
+        return v.rstrip("/")
 
     @field_validator("url")
     @classmethod
@@ -49,15 +64,16 @@ class ReplicaConfig(BaseModel):
 
     @classmethod
     def parse(cls, spec: str) -> ReplicaConfig:
-        """Parse the CLI form ``URL[,events=ENDPOINT][,replay=ENDPOINT][,name=NAME]``."""
+        """Parse the CLI form ``URL[,events=EP][,replay=EP][,admin=URL][,name=NAME]``."""
         url, *opts = spec.split(",")
         fields: dict[str, str] = {"url": url.strip()}
         for opt in opts:
             key, sep, value = opt.partition("=")
             key = key.strip()
-            if not sep or key not in ("events", "replay", "name") or key in fields:
+            if not sep or key not in ("events", "replay", "admin", "name") or key in fields:
                 raise ConfigError(
-                    f"bad replica option {opt!r} in {spec!r}; use URL[,events=EP][,replay=EP][,name=NAME]"
+                    f"bad replica option {opt!r} in {spec!r}; "
+                    "use URL[,events=EP][,replay=EP][,admin=URL][,name=NAME]"
                 )
             fields[key] = value.strip()
         try:
@@ -119,8 +135,8 @@ class ControllerConfig(BaseModel):
     rebuild: bool = Field(
         default=True, description="on start, fill the index from what each engine's kvmesh tiers hold"
     )
-    rebuild_max_blocks: int = Field(
-        default=100_000, ge=0, description="most blocks asked of one engine when rebuilding"
+    rebuild_max_chunks: int = Field(
+        default=65_536, ge=0, description="most held chunks asked of one engine when rebuilding"
     )
 
     @field_validator("admins")

@@ -97,11 +97,13 @@ class Controller:
         host: str = "127.0.0.1",
         tokenizer: PromptTokenizer | None = None,
         remote_tokens: RemoteTokens | None = None,
+        on_register: Callable[[str, str], None] | None = None,
     ) -> None:
         self.config = config if config is not None else ControllerConfig().with_env()
         self.loopback = is_loopback(host)
         self.tokenizer = tokenizer
         self.remote_tokens = remote_tokens
+        self.on_register = on_register  # (name, url) of an engine registering anew
         self.endpoints: dict[str, Endpoint] = {}
         for spec in self.config.admins:
             name, url = parse_admin(spec)
@@ -185,6 +187,11 @@ class Controller:
                 log.info("kvmesh controller: engine %s registered at %s", body.name, body.url)
             ep = Endpoint(body.name, body.url.rstrip("/"), static=False)
             self.endpoints[body.name] = ep
+            if self.on_register is not None:
+                try:
+                    self.on_register(ep.name, ep.url)
+                except Exception:  # a hook's bug must not refuse the engine
+                    log.exception("kvmesh controller: on_register hook failed for %s", ep.name)
         ep.heartbeat_s = body.heartbeat_s
         ep.stopped = False
         ep.last_seen = time.monotonic()
