@@ -78,7 +78,6 @@ class RouterService:
         self._client: aiohttp.ClientSession | None = None
         self._subscribers: list[EventSubscriber] = []
         self.prompts = Prompts(config, self.tokenizer, self.pool, lambda: self._client, self._tokenize_failed)
-        self.rebuilder = Rebuilder(self.index.apply, config.controller)
         self._timeout = aiohttp.ClientTimeout(
             total=None,
             connect=config.connect_timeout_s,
@@ -99,6 +98,7 @@ class RouterService:
             remote_tokens=self.prompts.remote if config.tokenizer == "remote" else None,
             on_register=self._engine_registered,
         )
+        self.rebuilder = Rebuilder(self.index.apply, self.controller.config)
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes)
