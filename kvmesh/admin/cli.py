@@ -54,7 +54,8 @@ def add_cache_parser(subparsers: Any) -> argparse.ArgumentParser:
         q.set_defaults(func=run_cache, op_name=name)
         return q
 
-    op("lookup", "per replica and tier: how many leading tokens of a prompt are cached", "required")
+    look = op("lookup", "per replica and tier: how many leading tokens of a prompt are cached", "required")
+    look.add_argument("--cache-salt", help="the tenant's cache salt: only chunks stored under it count")
     c = op("clear", "drop chunks: all, of one tier or replica, or of a prompt", "optional")
     c.add_argument("--tier", choices=TIERS)
     c.add_argument("--force", action="store_true", help="drop pinned chunks too")
@@ -99,7 +100,7 @@ def build_request(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
         body["prompt"] = Path(args.prompt_file).read_text()
     elif getattr(args, "messages_file", None):
         body["messages"] = json.loads(Path(args.messages_file).read_text())
-    for key in ("tier", "codec"):
+    for key in ("tier", "codec", "cache_salt"):
         if getattr(args, key, None) is not None:
             body[key] = getattr(args, key)
     if getattr(args, "force", False):

@@ -23,6 +23,7 @@ CodecName = Literal["zstd", "raw"]
 TokenId = Annotated[StrictInt, Field(ge=0, le=0xFFFFFFFF)]
 MAX_TOKENS = 4_000_000
 MAX_WAIT_S = 3600.0
+MAX_HELD_PAGE = 4096  # held chunks per answer: one bounded call, never a full dump
 ENGINE_PREFIX = "/kvmesh/admin/v1/"
 CONTROLLER_PREFIX = "/kvmesh/v1/"
 TOKEN_ENV = "KVMESH_ADMIN_TOKEN"  # the bearer token of both APIs, when not configured
@@ -33,9 +34,13 @@ class _Body(BaseModel):
 
 
 class LookupBody(_Body):
-    """How many leading tokens of ``tokens`` each tier holds."""
+    """How many leading tokens of ``tokens`` each tier holds, for the caller's ``cache_salt``:
+    chunks stored under another salt (another tenant's) are never counted."""
 
     tokens: list[TokenId] | None = Field(None, max_length=MAX_TOKENS, description="prompt token ids")
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=1024, description="the tenant's cache salt (default: none)"
+    )
 
 
 class ClearBody(_Body):
@@ -90,6 +95,15 @@ class StatsBody(_Body):
     """Counters per tier: hits, misses, bytes, evictions, corrupt objects."""
 
 
+class HeldBody(_Body):
+    """One page of the chunks this engine's kvmesh tiers hold, as the KV events that
+    announced them (``BlockStored`` with vLLM's block hashes): what a restarted router
+    replays into its index."""
+
+    cursor: int = Field(0, ge=0, le=2**62, description="where to continue: the previous answer's next")
+    limit: int = Field(1024, ge=1, le=MAX_HELD_PAGE, description="most chunks in this answer")
+
+
 @dataclass(frozen=True)
 class OpSpec:
     body: type[_Body]
@@ -109,6 +123,7 @@ OPS: dict[str, OpSpec] = {
     "health": OpSpec(HealthBody, False, False, "tier states, pool use, write-queue depth"),
     "check_finish": OpSpec(CheckFinishBody, False, False, "have the queued async writes landed"),
     "stats": OpSpec(StatsBody, False, False, "per-tier counters"),
+    "held": OpSpec(HeldBody, False, False, "a page of the held chunks as KV events (router restart)"),
 }
 
 
@@ -248,10 +263,12 @@ def token_ok(header: str | None, token: str | None) -> bool:
 
 
 def allowed(mutating: bool, header: str | None, token: str | None, loopback: bool) -> bool:
-    """Mutating calls always need the token; read-only ones only off loopback."""
-    if not mutating and loopback:
-        return True
-    return token_ok(header, token)
+    """Whenever a token is configured, every call needs it: on a shared host any local user
+    reaches loopback, and a lookup tells whether another tenant's prompt is cached. With no
+    token, read-only calls are open on loopback only and mutating calls are refused."""
+    if token:
+        return token_ok(header, token)
+    return not mutating and loopback
 
 
 # -- OpenAPI -----------------------------------------------------------------------------------------

@@ -22,11 +22,13 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+import numpy as np
+
 from kvmesh.admin import ops
+from kvmesh.admin.httpd import BoundedHandler, BoundedHTTPServer, Limits
 from kvmesh.admin.schema import (
     CONTROLLER_PREFIX,
     ENGINE_PREFIX,
@@ -37,15 +39,16 @@ from kvmesh.admin.schema import (
     is_loopback,
     openapi_document,
     parse_body,
-    token_ok,
 )
-from kvmesh.errors import BodyError, ClosedError
+from kvmesh.core.keys import KeyBuilder, as_token_array
+from kvmesh.errors import BodyError, ClosedError, TierError
 
 if TYPE_CHECKING:
     from kvmesh.core.engine import CacheEngine
 
 log = logging.getLogger(__name__)
-MAX_BODY = 64 << 20
+HeldSource = Callable[[int, int], dict[str, Any]]
+"""``(cursor, limit)`` → ``{"events": [...], "next": cursor | None}``: what the engine holds."""
 
 
 class AdminServer:
@@ -67,6 +70,8 @@ class AdminServer:
         heartbeat_s: float = 2.0,
         on_clear: Callable[[], None] | None = None,
         extra_stats: Callable[[], dict[str, Any]] | None = None,
+        held: HeldSource | None = None,
+        limits: Limits | None = None,
     ) -> None:
         cfg = engine.config
         self.engine = engine
@@ -78,8 +83,10 @@ class AdminServer:
         self.heartbeat_s = heartbeat_s
         self.on_clear = on_clear
         self.extra_stats = extra_stats
+        self.held = held
+        self.limits = limits if limits is not None else Limits()
         self.loopback = is_loopback(self.host)
-        self._httpd: ThreadingHTTPServer | None = None
+        self._httpd: BoundedHTTPServer | None = None
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self.registered = threading.Event()  # set after the first heartbeat the controller took
@@ -88,8 +95,7 @@ class AdminServer:
     def start(self) -> AdminServer:
         if self._httpd is not None:
             raise ClosedError("the admin server was already started")
-        httpd = ThreadingHTTPServer((self.host, self.port), _Handler)
-        httpd.daemon_threads = True
+        httpd = BoundedHTTPServer((self.host, self.port), _Handler, self.limits)
         httpd.admin = self  # type: ignore[attr-defined]
         self._httpd = httpd
         self.port = int(httpd.server_address[1])
@@ -191,7 +197,7 @@ class AdminServer:
         e = self.engine
         result: dict[str, Any]
         if op == "lookup":
-            result = ops.lookup(e, body.tokens)
+            result = _lookup(e, body.tokens, body.cache_salt)
         elif op == "clear":
             result = ops.clear(e, body.tier, body.tokens, body.force)
         elif op == "pin":
@@ -208,6 +214,11 @@ class AdminServer:
             result = ops.health(e)
         elif op == "check_finish":
             result = ops.check_finish(e, body.wait, body.timeout_s)
+        elif op == "held":
+            if self.held is None:
+                result = {"events": [], "next": None, "note": "this engine does not track what it announced"}
+            else:
+                result = self.held(body.cursor, body.limit)
         elif op == "stats":
             result = ops.stats(e)
             if self.extra_stats is not None:
@@ -222,7 +233,7 @@ class AdminServer:
         return result
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(BoundedHandler):
     server_version = "kvmesh-admin"
     protocol_version = "HTTP/1.1"
 
@@ -242,9 +253,16 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", "application/json")
         if status == 401:
             self.send_header("WWW-Authenticate", "Bearer")
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+    def _refuse(self, status: int, data: Any) -> None:
+        """Answer without reading the body: the connection cannot carry another request."""
+        self.close_connection = True
+        self._send(status, data)
 
     def _handle(self, post: bool) -> None:
         admin: AdminServer = self.server.admin  # type: ignore[attr-defined]
@@ -252,28 +270,38 @@ class _Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path
         op = path[len(ENGINE_PREFIX) :] if path.startswith(ENGINE_PREFIX) else None
         spec = OPS.get(op) if op else None
+        # Who may ask comes first: nothing of an unauthorized request's body is read.
+        if op == "openapi.json" or spec is None:
+            if not admin.authorized(False, auth):
+                self._refuse(401, None)  # an unauthenticated caller learns nothing of what exists
+            elif op == "openapi.json":
+                self._refuse(200, openapi_document(OPS, ENGINE_PREFIX, "kvmesh engine admin API"))
+            else:
+                self._refuse(404, error_body("not found"))
+            return
+        if not admin.authorized(spec.mutating, auth):
+            self._refuse(401, None)
+            return
+        if spec.mutating and not post:
+            self._refuse(405, error_body(f"{op} changes the cache: use POST"))
+            return
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            self._refuse(411, error_body("send a Content-Length; chunked bodies are not accepted", "body"))
+            return
+        limit = admin.limits.max_body_bytes
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
             length = -1
-        if length < 0 or length > MAX_BODY:
-            self.close_connection = True
-            self._send(413 if length > 0 else 400, error_body("bad or too large Content-Length"))
+        if length < 0:
+            self._refuse(400, error_body("Content-Length must be a byte count", "body"))
             return
-        raw = self.rfile.read(length) if length else b""
-        if op == "openapi.json" and admin.authorized(False, auth):
-            self._send(200, openapi_document(OPS, ENGINE_PREFIX, "kvmesh engine admin API"))
+        if length > limit:
+            self._refuse(413, error_body(f"body of {length} bytes is over the {limit}-byte limit", "body"))
             return
-        if spec is None:
-            # An unauthenticated caller learns nothing about what exists.
-            ok = admin.loopback or token_ok(auth, admin.token)
-            self._send(404 if ok else 401, error_body("not found") if ok else None)
-            return
-        if not admin.authorized(spec.mutating, auth):
-            self._send(401, None)
-            return
-        if spec.mutating and not post:
-            self._send(405, error_body(f"{op} changes the cache: use POST"))
+        raw = self.read_body(length) if length else b""
+        if len(raw) < length:
+            self.close_connection = True  # the client went away or stalled mid-body
             return
         try:
             body = parse_body(spec.body, raw)
@@ -290,6 +318,41 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, result)
 
 
+def _lookup(engine: CacheEngine, tokens: list[int] | None, salt: str | None) -> dict[str, Any]:
+    """``ops.lookup`` under the caller's salt. The engine's own salt is the common case; any
+    other salt gets keys of its own namespace, so it sees only chunks stored under it (in a
+    shared remote tier, by an engine of that salt), never this engine's."""
+    if salt == engine.keys.salt:
+        return ops.lookup(engine, tokens)
+    if tokens is None:
+        raise BodyError("tokens", "required: the prompt's token ids")
+    k = engine.keys
+    keys = KeyBuilder(k.model_id, k.layout, k.chunk_size, k.shard, salt, k.save_unfull_chunk)
+    arr = as_token_array(np.asarray(tokens, dtype=np.int64))
+    chunks, bounds = keys.keys_for_array(arr), keys.chunk_bounds(len(arr))
+    held = {"cpu": engine.cpu.contains(chunks)}
+    tiers: dict[str, Any] = {}
+    for name, tier in engine.lower.items():
+        try:
+            held[name] = tier.contains(chunks)
+        except TierError as exc:
+            tiers[name] = {"error": str(exc)}
+    for name, flags in held.items():
+        tiers[name] = {"tokens": _leading(flags, bounds)}
+    anywhere = [any(f[i] for f in held.values()) for i in range(len(chunks))]
+    order = ["cpu", *engine.lower]
+    return {
+        "tokens": len(arr),
+        "hit_tokens": _leading(anywhere, bounds),
+        "tiers": {n: tiers[n] for n in order},
+    }
+
+
+def _leading(flags: list[bool], bounds: list[tuple[int, int]]) -> int:
+    n = next((i for i, f in enumerate(flags) if not f), len(flags))
+    return bounds[n - 1][1] if n else 0
+
+
 def start_admin(
     engine: CacheEngine,
     *,
@@ -297,6 +360,7 @@ def start_admin(
     port_offset: int = 0,
     on_clear: Callable[[], None] | None = None,
     extra_stats: Callable[[], dict[str, Any]] | None = None,
+    held: HeldSource | None = None,
 ) -> AdminServer | None:
     """Start the admin API if ``engine.config.admin_enabled`` (``None``: ``default_on``) says
     so. Never raises: a port in use is logged and the engine serves on without it."""
@@ -307,7 +371,9 @@ def start_admin(
     port = cfg.admin_port + port_offset if cfg.admin_port else 0
     name = f"{cfg.admin_name}/tp{port_offset}" if cfg.admin_name and port_offset else None
     try:
-        return AdminServer(engine, port=port, name=name, on_clear=on_clear, extra_stats=extra_stats).start()
+        return AdminServer(
+            engine, port=port, name=name, on_clear=on_clear, extra_stats=extra_stats, held=held
+        ).start()
     except OSError as exc:
         log.error("kvmesh: admin API not started on %s:%d: %s", cfg.admin_host, port, exc)
         return None

@@ -119,6 +119,11 @@ class EventSubscriber:
     # -- thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.replay_endpoint is not None and self._replay_on_start:
+            # A (re)started router must not wait for the replica's next event to learn what it
+            # already holds: an idle replica may send none for a long time. A replica not up
+            # yet times out here, and the first live message asks again.
+            self._replay(0)
         while not self._stop.is_set():
             try:
                 if not self._sub.poll(_POLL_MS):

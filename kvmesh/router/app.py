@@ -17,17 +17,15 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import aiohttp
 import msgspec
-import numpy as np
 import xxhash
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvmesh.errors import ClosedError, TokenizeError, UpstreamError
+from kvmesh.errors import ClosedError, UpstreamError
 from kvmesh.events import EventSubscriber
 from kvmesh.index import BlockIndex, PromptKeys
 from kvmesh.router.config import RouterConfig
@@ -35,23 +33,16 @@ from kvmesh.router.controller import Controller
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.picker import build_picker
 from kvmesh.router.pool import Pool, Replica
+from kvmesh.router.prompts import Prompts
 from kvmesh.router.proxy import ERROR_TYPES, RETRYABLE, end_to_end, error_response, relay
+from kvmesh.router.rebuild import Rebuilder
 from kvmesh.router.scorers import RoutingRequest, SessionTable, prefill_cost, prompt_key
-from kvmesh.router.tokenize import PromptTokenizer, TokenArray, tokens_of
+from kvmesh.router.tokenize import PromptTokenizer, TokenArray
 from kvmesh.router.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
-# What vLLM's /tokenize needs to tokenize a request exactly as the request itself will be.
-_TOKENIZE_KEYS = (
-    "model", "add_special_tokens", "messages", "add_generation_prompt", "continue_final_message",
-    "chat_template_kwargs", "tools",
-)  # fmt: skip
-# Bodies this large (~16k tokens and up) are tokenized on a worker thread: tokenizers releases
-# the GIL, so the event loop keeps relaying other requests' streams meanwhile.
-_OFFLOAD_BYTES = 64 << 10
 _NO_REPLICA = "no healthy replica is available; retry later"
-_NO_TOKENS = np.zeros(0, dtype=np.uint32)
 
 
 class RouterService:
@@ -86,7 +77,7 @@ class RouterService:
         self._decoder = msgspec.json.Decoder()
         self._client: aiohttp.ClientSession | None = None
         self._subscribers: list[EventSubscriber] = []
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvmesh-tokenize")
+        self.prompts = Prompts(config, self.tokenizer, self.pool, lambda: self._client, self._tokenize_failed)
         self._timeout = aiohttp.ClientTimeout(
             total=None,
             connect=config.connect_timeout_s,
@@ -99,7 +90,15 @@ class RouterService:
         self._upstream = Upstream(config.connect_timeout_s, config.read_timeout_s)
         if self.tokenizer is None and config.tokenizer == "local":
             log.warning("no --model given: requests are routed by load and session only, not by prefix")
-        self.controller = Controller.for_service(self)  # the cache controller, /kvmesh/v1/
+        # The cache controller under /kvmesh/v1/: its section of the config, plus the environment.
+        self.controller = Controller(
+            config.controller.with_env(),
+            host=config.host,
+            tokenizer=self.tokenizer,
+            remote_tokens=self.prompts.remote if config.tokenizer == "remote" else None,
+            on_register=self._engine_registered,
+        )
+        self.rebuilder = Rebuilder(self.index.apply, self.controller.config)
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes)
@@ -139,6 +138,20 @@ class RouterService:
                     )
                 )
 
+        for replica in self.pool.replicas.values():
+            if replica.config.admin:
+                self.rebuilder.start(self._client, replica.name, replica.config.admin)
+
+    def _engine_registered(self, name: str, url: str) -> None:
+        """An engine registered with the controller for the first time since this router
+        started: when it is one of the replicas (same name), refill the index from it."""
+        replica = self.pool.replicas.get(name)
+        if replica is not None and not replica.config.admin and self._client is not None:
+            self.rebuilder.start(self._client, name, url)
+
+    def _tokenize_failed(self) -> None:
+        self.metrics.errors.labels("tokenize").inc()
+
     async def _cleanup(self, app: web.Application) -> None:
         await self.pool.stop()
         for sub in self._subscribers:
@@ -147,7 +160,8 @@ class RouterService:
         if self._client is not None:
             await self._client.close()
         await self._upstream.close()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.rebuilder.cancel()
+        self.prompts.close()
 
     def _health_changed(self, replica: Replica) -> None:
         self.metrics.healthy.labels(replica.name).set(1.0 if replica.healthy else 0.0)
@@ -185,10 +199,13 @@ class RouterService:
             return self._refuse(path, 404, f"The model `{model}` does not exist.", "model")
         if not self.pool.candidates():
             return self._unavailable(path)
-        tokens = await self._tokens(body, chat, len(raw))
+        tokens = await self.prompts.tokens(body, chat, len(raw))
         if len(tokens):
-            # The block keys are hashed once, for the match and the speculative entry both.
-            key, prompt = prompt_key(tokens), PromptKeys(tokens)
+            # The block keys are hashed once, for the match and the speculative entry both. A
+            # salted request matches only blocks of its salt (vLLM keys its first block by it).
+            salt = body.get("cache_salt")
+            key = prompt_key(tokens)
+            prompt = PromptKeys(tokens, cache_salt=salt if isinstance(salt, str) and salt else None)
         else:
             key, prompt = xxhash.xxh3_64_intdigest(raw), None
         session = request.headers.get(self.config.session_header)
@@ -325,47 +342,6 @@ class RouterService:
         resp = self._refuse(path, 503, message)
         resp.headers["Retry-After"] = str(self.config.retry_after_s)
         return resp
-
-    # -- tokens ----------------------------------------------------------------------------------------
-
-    async def _tokens(self, body: dict[str, Any], chat: bool, size: int) -> TokenArray:
-        """The prompt's token ids, or none (then routing uses load and session only)."""
-        try:
-            if self.config.tokenizer == "remote":
-                return await self._remote_tokens(body, chat)
-            tok = self.tokenizer
-            if tok is None:
-                return _NO_TOKENS
-            encode = tok.chat if chat else tok.completion
-            if size < _OFFLOAD_BYTES:
-                return encode(body)
-            return await asyncio.get_running_loop().run_in_executor(self._executor, encode, body)
-        except TokenizeError as exc:
-            # The replica gives the authoritative error (or accepts what we could not parse).
-            log.debug("cannot tokenize request for routing: %s", exc)
-            self.metrics.errors.labels("tokenize").inc()
-            return _NO_TOKENS
-
-    async def _remote_tokens(self, body: dict[str, Any], chat: bool) -> TokenArray:
-        if self._client is None or not self.pool.healthy():
-            return _NO_TOKENS
-        replica = min(self.pool.healthy(), key=lambda r: r.state.load)
-        payload = {k: body[k] for k in _TOKENIZE_KEYS if k in body}
-        if not chat:
-            prompt = body.get("prompt")
-            payload["prompt"] = (
-                prompt[0] if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) else prompt
-            )
-        try:
-            url, timeout = replica.url + "/tokenize", self._short_timeout
-            async with self._client.post(url, json=payload, timeout=timeout) as resp:
-                data = await resp.json(content_type=None) if resp.status == 200 else {}
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            raise TokenizeError(f"{replica.name}/tokenize failed: {exc!r}") from exc
-        ids = data.get("tokens") if isinstance(data, dict) else None
-        if not isinstance(ids, list):
-            raise TokenizeError(f"{replica.name}/tokenize gave no token list")
-        return tokens_of(ids)
 
     # -- other endpoints -------------------------------------------------------------------------------
 

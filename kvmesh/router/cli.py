@@ -11,6 +11,7 @@ import logging
 import sys
 from typing import Any
 
+from kvmesh.admin.schema import TOKEN_ENV
 from kvmesh.errors import ConfigError
 from kvmesh.router.config import POLICIES, ReplicaConfig, RouterConfig
 
@@ -27,8 +28,9 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--replica",
         action="append",
         default=[],
-        metavar="URL[,events=EP][,replay=EP][,name=NAME]",
-        help="a vLLM replica (repeat the flag); events/replay: its ZMQ KV-event endpoints",
+        metavar="URL[,events=EP][,replay=EP][,admin=URL][,name=NAME]",
+        help="a vLLM replica (repeat the flag); events/replay: its ZMQ KV-event endpoints; "
+        "admin: its kvmesh admin API (replay and admin refill the index when the router starts)",
     )
     p.add_argument("--policy", choices=POLICIES, help="routing policy (default: kvmesh)")
     p.add_argument("--config", help="YAML file with RouterConfig keys")
@@ -41,9 +43,14 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--tokenizer", choices=("local", "remote"), help="tokenize here or via a replica's /tokenize"
     )
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    from kvmesh.router.controller import add_controller_arguments
-
-    add_controller_arguments(p)
+    p.add_argument(
+        "--admin",
+        action="append",
+        default=[],
+        metavar="URL[,name=NAME]",
+        help="an engine admin endpoint the controller manages (repeat; engines may also register)",
+    )
+    p.add_argument("--admin-token", help=f"bearer token of the controller API (default: ${TOKEN_ENV})")
     p.set_defaults(func=run_router)
     return p
 
@@ -53,7 +60,13 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     base = RouterConfig.from_yaml(args.config) if args.config else RouterConfig()
     replicas = tuple(ReplicaConfig.parse(spec) for spec in args.replica) or None
     names = tuple(args.served_model_names) if args.served_model_names else None
+    # --admin adds to the file's engines; --admin-token replaces its token.
+    ctl = base.controller.model_dump()
+    ctl["admins"] = (*base.controller.admins, *(a for a in args.admin if a not in base.controller.admins))
+    if args.admin_token:
+        ctl["token"] = args.admin_token
     cfg = base.merged(
+        controller=ctl,
         model=args.model,
         replicas=replicas,
         policy=args.policy,
@@ -75,13 +88,11 @@ def run_router(args: argparse.Namespace) -> int:
         print(f"kvmesh router: {exc}", file=sys.stderr)
         return 2
     from kvmesh.router.app import RouterService
-    from kvmesh.router.controller import Controller, controller_config_from_args
     from kvmesh.router.server import run_forever
 
     try:
         service = RouterService(cfg)
-        service.controller = Controller.for_service(service, controller_config_from_args(args))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, ConfigError) as exc:
         print(f"kvmesh router: {exc}", file=sys.stderr)
         return 2
     print(

@@ -6,6 +6,7 @@ a router that scores prefix alone piles every request of a popular prefix onto o
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -14,8 +15,10 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvmesh.admin.schema import TOKEN_ENV
 from kvmesh.errors import ConfigError
 
+URLS_ENV = "KVMESH_ADMIN_URLS"  # engine admin endpoints the controller knows up front
 POLICIES = ("kvmesh", "prefix", "least-loaded", "round-robin", "random")
 Policy = Literal["kvmesh", "prefix", "least-loaded", "round-robin", "random"]
 
@@ -30,7 +33,22 @@ class ReplicaConfig(BaseModel):
     events: str | None = Field(
         default=None, description="ZMQ endpoint of its KV events, e.g. tcp://10.0.0.5:5557"
     )
-    replay: str | None = Field(default=None, description="ZMQ endpoint of its KV-event replay (gap repair)")
+    replay: str | None = Field(
+        default=None, description="ZMQ endpoint of its KV-event replay (gap repair, index rebuild on start)"
+    )
+    admin: str | None = Field(
+        default=None, description="its kvmesh admin API, e.g. http://10.0.0.5:8200 (index rebuild on start)"
+    )
+
+    @field_validator("admin")
+    @classmethod
+    def _admin_ok(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"replica admin must look like http://host:port, got {v!r}")
+        return v.rstrip("/")
 
     @field_validator("url")
     @classmethod
@@ -46,15 +64,16 @@ class ReplicaConfig(BaseModel):
 
     @classmethod
     def parse(cls, spec: str) -> ReplicaConfig:
-        """Parse the CLI form ``URL[,events=ENDPOINT][,replay=ENDPOINT][,name=NAME]``."""
+        """Parse the CLI form ``URL[,events=EP][,replay=EP][,admin=URL][,name=NAME]``."""
         url, *opts = spec.split(",")
         fields: dict[str, str] = {"url": url.strip()}
         for opt in opts:
             key, sep, value = opt.partition("=")
             key = key.strip()
-            if not sep or key not in ("events", "replay", "name") or key in fields:
+            if not sep or key not in ("events", "replay", "admin", "name") or key in fields:
                 raise ConfigError(
-                    f"bad replica option {opt!r} in {spec!r}; use URL[,events=EP][,replay=EP][,name=NAME]"
+                    f"bad replica option {opt!r} in {spec!r}; "
+                    "use URL[,events=EP][,replay=EP][,admin=URL][,name=NAME]"
                 )
             fields[key] = value.strip()
         try:
@@ -84,6 +103,66 @@ class MediumWeights(BaseModel):
     CPU: float = Field(default=0.8, ge=0, le=1)
     DISK: float = Field(default=0.5, ge=0, le=1)
     REMOTE: float = Field(default=0.3, ge=0, le=1)
+
+
+def parse_admin(spec: str) -> tuple[str, str]:
+    """``URL[,name=NAME]`` → ``(name, url)``; the name defaults to the URL's host:port."""
+    url, *opts = [p.strip() for p in spec.split(",")]
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"admin endpoint must look like http://host:port[,name=NAME], got {spec!r}")
+    name = parts.netloc
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        if key.strip() != "name" or not sep or not value.strip():
+            raise ConfigError(f"bad admin option {opt!r} in {spec!r}; use URL[,name=NAME]")
+        name = value.strip()
+    return name, url.rstrip("/")
+
+
+class ControllerConfig(BaseModel):
+    """The cache controller the router serves under ``/kvmesh/v1/`` (``controller:`` in YAML,
+    ``--admin`` / ``--admin-token`` on the command line)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    admins: tuple[str, ...] = Field(
+        default=(), description="engine admin endpoints known up front: URL[,name=NAME]"
+    )
+    token: str | None = Field(default=None, repr=False, description=f"bearer token (or {TOKEN_ENV})")
+    call_timeout_s: float = Field(default=10.0, gt=0, description="per-engine call timeout")
+    heartbeat_misses: float = Field(default=3.0, gt=0, description="missed heartbeats before 'down'")
+    rebuild: bool = Field(
+        default=True, description="on start, fill the index from what each engine's kvmesh tiers hold"
+    )
+    rebuild_max_chunks: int = Field(
+        default=65_536, ge=0, description="most held chunks asked of one engine when rebuilding"
+    )
+
+    @field_validator("admins")
+    @classmethod
+    def _admins_ok(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for spec in v:
+            try:
+                parse_admin(spec)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return v
+
+    def with_env(self, environ: Mapping[str, str] | None = None) -> ControllerConfig:
+        """This config overlaid with ``KVMESH_ADMIN_URLS`` (whitespace-separated, added) and
+        ``KVMESH_ADMIN_TOKEN`` (used when no token is configured)."""
+        env = os.environ if environ is None else environ
+        data = self.model_dump()
+        extra = tuple(s for s in env.get(URLS_ENV, "").split() if s not in self.admins)
+        if extra:
+            data["admins"] = (*self.admins, *extra)
+        if not self.token and env.get(TOKEN_ENV):
+            data["token"] = env[TOKEN_ENV]
+        try:
+            return ControllerConfig.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(_explain(exc, f"controller config (with ${URLS_ENV})")) from exc
 
 
 class RouterConfig(BaseModel):
@@ -133,6 +212,9 @@ class RouterConfig(BaseModel):
     retry_after_s: int = Field(default=1, ge=0, description="Retry-After on 503 when no replica is healthy")
     max_attempts: int = Field(default=3, ge=1, description="replicas tried when the connection fails")
     seed: int = Field(default=0, description="seed of the random policy")
+    controller: ControllerConfig = Field(
+        default_factory=ControllerConfig, description="the cache controller under /kvmesh/v1/"
+    )
 
     @model_validator(mode="after")
     def _unique_replicas(self) -> RouterConfig:

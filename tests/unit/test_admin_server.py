@@ -214,7 +214,7 @@ def test_health(engine: CacheEngine, admin: AdminServer) -> None:
     assert 0 < data["pool"]["used_fraction"] < 1
     assert data["write_queue"] == {"disk": 0, "remote": 0}
     assert data["model_id"] == "m" and data["chunk_size"] == CS
-    assert call(admin, "health", token=None, method="GET").status_code == 200
+    assert call(admin, "health", method="GET").status_code == 200
 
 
 def test_check_finish_waits_for_queued_writes(engine: CacheEngine, admin: AdminServer) -> None:
@@ -257,11 +257,12 @@ def test_stats_hooks_and_on_clear(engine: CacheEngine) -> None:
 
 
 def test_openapi_lists_every_operation(admin: AdminServer) -> None:
-    doc = httpx.get(admin.url + PREFIX + "openapi.json", timeout=10).json()
+    doc = call(admin, "openapi.json", method="GET").json()
     assert doc["openapi"].startswith("3.")
     ops = {p.removeprefix(PREFIX) for p in doc["paths"]}
     assert ops == {
-        "lookup", "clear", "pin", "unpin", "move", "compress", "decompress", "health", "check_finish", "stats"
+        "lookup", "clear", "pin", "unpin", "move", "compress", "decompress", "health", "check_finish",
+        "stats", "held",
     }  # fmt: skip
 
 
@@ -318,9 +319,27 @@ def test_read_only_ops_need_the_token_off_loopback(engine: CacheEngine) -> None:
         assert httpx.post(url + PREFIX + "no-such-op", json={}, headers=auth, timeout=10).status_code == 404
 
 
-def test_unknown_path_on_loopback_is_404(admin: AdminServer) -> None:
-    assert call(admin, "nope", {}, token=None).status_code == 404
-    assert httpx.get(admin.url + "/elsewhere", timeout=10).status_code == 404
+def test_unknown_path_is_404_with_the_token_401_without(admin: AdminServer) -> None:
+    assert call(admin, "nope", {}).status_code == 404
+    assert call(admin, "nope", {}, token=None).status_code == 401
+    assert (
+        httpx.get(admin.url + "/elsewhere", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 404
+    )
+
+
+def test_every_op_needs_the_configured_token_even_on_loopback(
+    engine: CacheEngine, admin: AdminServer
+) -> None:
+    """A loopback ``lookup`` used to answer without the token: any local user could test
+    whether another tenant's prompt is cached."""
+    toks = prompt(32, 21)
+    stored(engine, toks)
+    assert admin.loopback
+    for op in ("lookup", "health", "stats", "check_finish", "held", "openapi.json"):
+        for token in (None, "wrong"):
+            resp = call(admin, op, {"tokens": toks} if op == "lookup" else {}, token=token)
+            assert resp.status_code == 401 and resp.content == b"", (op, token)
+    assert ok(admin, "lookup", {"tokens": toks})["hit_tokens"] == 32
 
 
 def test_mutating_op_over_get_is_405(admin: AdminServer) -> None:
@@ -383,7 +402,7 @@ def test_start_admin_is_off_by_default_in_the_library(make_engine: Callable[...,
     server = start_admin(make_engine(admin_enabled=True), default_on=False)
     assert server is not None
     try:
-        assert httpx.get(server.url + PREFIX + "health", timeout=10).status_code == 200
+        assert call(server, "health", method="GET", token=None).status_code == 200  # no token set
     finally:
         server.stop()
 

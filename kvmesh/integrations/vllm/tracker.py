@@ -22,6 +22,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 MEDIA = {"cpu": "CPU", "disk": "DISK", "remote": "REMOTE"}
 CONFIRM_WAIT_S = 60.0  # a write that has not landed by then is not announced
 MAX_PENDING_CONFIRMS = 1024
+HELD_RECORDS = 16_384  # chunks remembered for the admin API's ``held`` (a restarted router)
 
 
 @dataclass
@@ -58,6 +60,8 @@ class EventTracker:
         self._announced: OrderedDict[str, list[BlockHash]] = OrderedDict()
         self._limit = 2 * engine.cpu.pool.num_slots
         self._confirms: queue.Queue[_Confirm | None] = queue.Queue(MAX_PENDING_CONFIRMS)
+        # chunk key -> (key, its CPU event, tiers it landed in): what `held` pages through
+        self._held: OrderedDict[str, tuple[ChunkKey, BlockStored, set[str]]] = OrderedDict()
         self._thread: threading.Thread | None = None
         if not enabled:
             return
@@ -100,6 +104,10 @@ class EventTracker:
                 self._announced.move_to_end(key.text)
                 while len(self._announced) > self._limit:
                     self._announced.popitem(last=False)
+                self._held[key.text] = (key, events[-1], {"cpu"})
+                self._held.move_to_end(key.text)
+                while len(self._held) > HELD_RECORDS:
+                    self._held.popitem(last=False)
         with self._lock:
             self._events.extend(events)
         if events and self._thread is not None:
@@ -162,9 +170,47 @@ class EventTracker:
                 ]
                 with self._lock:
                     self._events.extend(landed)
+                    for key, h in zip(job.keys, held, strict=True):
+                        rec = self._held.get(key.text)
+                        if h and rec is not None:
+                            rec[2].add(name)
+
+    def held(self, cursor: int, limit: int) -> dict[str, Any]:
+        """A page of the chunks announced here that a tier still holds, oldest first (parents
+        before children), as JSON ``BlockStored`` events, one per chunk and tier."""
+        with self._lock:
+            page = list(self._held.values())[cursor : cursor + limit]
+            total = len(self._held)
+        keys = [rec[0] for rec in page]
+        holds = {"cpu": self.engine.cpu.contains(keys)}
+        for name, tier in self.engine.lower.items():
+            try:
+                holds[name] = tier.contains(keys)
+            except TierError:
+                holds[name] = [False] * len(keys)
+        out: list[dict[str, Any]] = []
+        for i, (_, ev, media) in enumerate(page):
+            for name in media:
+                if holds.get(name, [False] * len(keys))[i]:
+                    out.append(
+                        {
+                            "block_hashes": [_hash_json(h) for h in ev.block_hashes],
+                            "parent_block_hash": _hash_json(ev.parent_block_hash),
+                            "token_ids": ev.token_ids,
+                            "block_size": ev.block_size,
+                            "medium": MEDIA[name],
+                        }
+                    )
+        end = cursor + len(page)
+        return {"events": out, "next": end if end < total else None, "total": total}
 
     def close(self) -> None:
         if self._thread is not None:
             with contextlib.suppress(queue.Full):
                 self._confirms.put(None, timeout=1.0)
             self._thread.join(2.0)
+
+
+def _hash_json(h: BlockHash | None) -> int | str | None:
+    """vLLM hashes are ints by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), else bytes."""
+    return "hex:" + h.hex() if isinstance(h, bytes) else h

@@ -68,6 +68,7 @@ class WorkerSide:
             port_offset=engine.keys.shard,
             on_clear=self.events.resync,
             extra_stats=lambda: {"connector": self.stats()["connector"]},
+            held=self.events.held,
         )
 
     # -- RPC (scheduler process) ---------------------------------------------------------
