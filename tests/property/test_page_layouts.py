@@ -41,7 +41,8 @@ def test_scatter_of_gather_is_identity(backend_layout: tuple, dtype: str, table:
     if backend == "CPU_ATTN" and dtype == "float8_e4m3fn":
         dtype = "float32"
     mla = backend.endswith("MLA")
-    adapter = choose_page_layout(Choice(frozenset({backend}), layout.name, mla), BS)
+    device = "cpu" if backend == "CPU_ATTN" else "cuda"
+    adapter = choose_page_layout(Choice(frozenset({backend}), layout.name, mla, device=device), BS)
     heads, d = (1, 16) if mla else (2, 8)
     ids, tokens = table
     src = vllm_layers(2, NUM_BLOCKS, BS, heads, d, DTYPES[dtype], layout, mla=mla, seed=seed)

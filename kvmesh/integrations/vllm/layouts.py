@@ -244,11 +244,15 @@ def choose_page_layout(c: Choice, block_size: int) -> PageLayout:
             "(choose one with VLLM_ATTENTION_BACKEND / --attention-backend)"
         )
     adapter: PageLayout
+    if (c.device == "cpu") != bool(c.backends & CPU_BACKENDS) or (
+        c.backends & CPU_BACKENDS and c.backends - CPU_BACKENDS
+    ):
+        raise NotImplementedError(
+            f"KV on {c.device} with attention backend(s) {', '.join(sorted(c.backends))}: kvmesh "
+            f"supports {', '.join(sorted(CPU_BACKENDS))} for KV in CPU memory and "
+            f"{', '.join(sorted(KV_BACKENDS | MLA_BACKENDS))} for KV on a GPU"
+        )
     if c.backends & CPU_BACKENDS:
-        if c.backends - CPU_BACKENDS:
-            raise NotImplementedError(
-                f"mixed CPU and GPU attention backends: {', '.join(sorted(c.backends))}"
-            )
         allowed, adapter = CPU_LAYOUTS, CpuPackedPages(block_size)
     else:
         allowed = STRIDED_LAYOUTS

@@ -83,7 +83,8 @@ def _build(
     case: tuple, dtype: str, kernel: int | None = None, seed: int = 0
 ) -> tuple[PageLayout, list[torch.Tensor], int]:
     _, backend, layout, cls, mla = case
-    adapter = choose_page_layout(Choice(frozenset({backend}), layout.name, mla), BS)
+    device = "cpu" if backend == "CPU_ATTN" else "cuda"
+    adapter = choose_page_layout(Choice(frozenset({backend}), layout.name, mla, device=device), BS)
     assert type(adapter) is cls
     heads, d = (1, 24) if mla else (2, 8)
     layers = vllm_layers(
@@ -192,7 +193,13 @@ def test_check_refuses_shapes_it_does_not_copy() -> None:
         (Choice(frozenset({"FLASH_ATTN"}), "LBHNC", True), NotImplementedError, "MLA backend"),
         (Choice(frozenset(), "LBHNC", False), NotImplementedError, "none reported"),
         (Choice(frozenset({"CPU_ATTN"}), "LBNHC", False, device="cpu"), NotImplementedError, "'LBNHC'"),
-        (Choice(frozenset({"CPU_ATTN", "FLASH_ATTN"}), "LBHNC", False), NotImplementedError, "mixed"),
+        (Choice(frozenset({"CPU_ATTN", "FLASH_ATTN"}), "LBHNC", False), NotImplementedError, "KV on cuda"),
+        (Choice(frozenset({"CPU_ATTN"}), "LBHNC", False), NotImplementedError, "KV on cuda"),
+        (
+            Choice(frozenset({"FLEX_ATTENTION"}), "LBNHC", False, device="cpu"),
+            NotImplementedError,
+            "KV on cpu",
+        ),
         (Choice(frozenset({"FLASH_ATTN"}), "XYZ", False), NotImplementedError, "'XYZ'"),
         (Choice(frozenset({"FLASH_ATTN"}), "LBHNC", False, cache_dtype="nvfp4"), ConfigError, "nvfp4"),
         (
