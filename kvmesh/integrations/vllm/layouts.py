@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,6 +52,15 @@ STRIDED_LAYOUTS = frozenset({"LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC
 CPU_LAYOUTS = frozenset({"LBHNC"})
 # kv_cache_dtype values whose bytes are plain elements, no scales or packing inside the page.
 PLAIN_CACHE_DTYPES = frozenset({"auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"})
+
+
+def _index_into(src: torch.Tensor, index: list[torch.Tensor | None], out: torch.Tensor) -> None:
+    """``out[...] = src[index]`` without a temporary where torch allows it (aten's
+    ``index.out`` writes the gathered elements straight into ``out``, strided or not)."""
+    try:
+        torch.ops.aten.index.Tensor_out(src, index, out=out)
+    except RuntimeError:
+        out.copy_(src[tuple(slice(None) if i is None else i for i in index)])
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -78,23 +88,33 @@ class PageLayout:
         """Raise a clear error unless every layer is what this adapter copies."""
         raise NotImplementedError
 
-    def gather_layer(self, layer: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor) -> None:
+    def prepare(self, layers: Sequence[torch.Tensor], block_ids: Sequence[int], tokens: int) -> Any:
+        """Per-chunk state shared by its layers' copies (passed back as ``prep``)."""
+        return None
+
+    def gather_layer(
+        self, layer: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor, prep: Any = None
+    ) -> None:
         """One layer's pages into ``out`` ``[planes, tokens, heads, head_size]``."""
         raise NotImplementedError
 
-    def scatter_layer(self, chunk: torch.Tensor, layer: torch.Tensor, block_ids: Sequence[int]) -> None:
+    def scatter_layer(
+        self, chunk: torch.Tensor, layer: torch.Tensor, block_ids: Sequence[int], prep: Any = None
+    ) -> None:
         """``chunk`` ``[planes, tokens, heads, head_size]`` into one layer's pages."""
         raise NotImplementedError
 
     def gather(self, layers: Sequence[torch.Tensor], block_ids: Sequence[int], out: torch.Tensor) -> None:
         self._count(block_ids, out.shape[2])
+        prep = self.prepare(layers, block_ids, out.shape[2])
         for li, layer in enumerate(layers):
-            self.gather_layer(layer, block_ids, out[li])
+            self.gather_layer(layer, block_ids, out[li], prep)
 
     def scatter(self, chunk: torch.Tensor, layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> None:
         self._count(block_ids, chunk.shape[2])
+        prep = self.prepare(layers, block_ids, chunk.shape[2])
         for li, layer in enumerate(layers):
-            self.scatter_layer(chunk[li], layer, block_ids)
+            self.scatter_layer(chunk[li], layer, block_ids, prep)
 
     def _count(self, block_ids: Sequence[int], tokens: int) -> None:
         if len(block_ids) != -(-tokens // self.block_size):
@@ -109,12 +129,27 @@ class PageLayout:
 
 class StridedPages(PageLayout):
     """The logical ``[B, H, N, planes * head_size]`` view, any stride order, kernel blocks
-    of ``N`` <= block_size tokens. One gather / scatter kernel per layer and plane."""
+    of ``N`` <= block_size tokens.
+
+    vLLM places a group's layers in one allocation at a fixed layer stride
+    (``KVCacheTensor.layer_stride``), so all layers are one ``[L, B, H, N, C]`` strided
+    view: a whole chunk is then one gather (or scatter) kernel per plane, whatever the
+    number of layers. Layers that are not evenly spaced are copied one by one.
+    """
 
     name = "strided"
 
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self._stack_key: tuple[object, ...] | None = None
+        self._stack: torch.Tensor | None = None
+
+    @staticmethod
+    def _four(t: torch.Tensor) -> torch.Tensor:
+        return t
+
     def check(self, layers: Sequence[torch.Tensor], heads: int, head_size: int) -> None:
-        for i, t in enumerate(layers):
+        for i, t in enumerate(self._four(x) for x in layers):
             want = f"[num_blocks, {heads}, block_size or a divisor of it, {self.planes * head_size}]"
             if t.dim() != 4 or t.shape[1] != heads or t.shape[3] != self.planes * head_size:
                 raise NotImplementedError(
@@ -129,10 +164,10 @@ class StridedPages(PageLayout):
             if t.stride(3) != 1:
                 raise NotImplementedError(f"layer {i} KV content is not contiguous (strides {t.stride()})")
 
-    def _slots(
-        self, layer: torch.Tensor, block_ids: Sequence[int], tokens: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(kernel block, offset) of every token, on the layer's device."""
+    def prepare(self, layers: Sequence[torch.Tensor], block_ids: Sequence[int], tokens: int) -> Any:
+        """(kernel block, offset) of every token, on the layers' device: computed once per
+        chunk and shared by its layers."""
+        layer = self._four(layers[0])
         n = int(layer.shape[2])
         r = self.block_size // n
         t = torch.arange(tokens, dtype=torch.long)
@@ -140,18 +175,82 @@ class StridedPages(PageLayout):
         kb = ids[t // self.block_size] * r + (t % self.block_size) // n
         return kb.to(layer.device, non_blocking=True), (t % n).to(layer.device, non_blocking=True)
 
-    def gather_layer(self, layer: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor) -> None:
-        kb, off = self._slots(layer, block_ids, out.shape[1])
+    def _stacked(self, layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """All layers as one ``[L, B, H, N, C]`` view, or ``None`` if they are not evenly
+        spaced views of one storage with the same strides."""
+        four = [self._four(t) for t in layers]
+        first = four[0]
+        key = (len(four), first.data_ptr(), four[-1].data_ptr(), tuple(first.shape), first.stride())
+        if key == self._stack_key:
+            return self._stack
+        stack: torch.Tensor | None = None
+        esz = first.element_size()
+        step = four[1].data_ptr() - first.data_ptr() if len(four) > 1 else first.numel() * esz
+        storage = first.untyped_storage().data_ptr()
+        if (
+            step > 0
+            and step % esz == 0
+            and all(
+                t.shape == first.shape
+                and t.stride() == first.stride()
+                and t.dtype == first.dtype
+                and t.untyped_storage().data_ptr() == storage
+                and t.data_ptr() - first.data_ptr() == i * step
+                for i, t in enumerate(four)
+            )
+        ):
+            stack = first.as_strided(
+                (len(four), *first.shape), (step // esz, *first.stride()), first.storage_offset()
+            )
+        self._stack_key, self._stack = key, stack
+        return stack
+
+    def gather(self, layers: Sequence[torch.Tensor], block_ids: Sequence[int], out: torch.Tensor) -> None:
+        self._count(block_ids, out.shape[2])
+        stack = self._stacked(layers)
+        if stack is None:
+            prep = self.prepare(layers, block_ids, out.shape[2])
+            for li, layer in enumerate(layers):
+                self.gather_layer(layer, block_ids, out[li], prep)
+            return
+        kb, off = self.prepare(layers, block_ids, out.shape[2])
+        d = out.shape[-1]
+        src = _bytes(stack)
+        for p in range(self.planes):
+            # [tokens, layers, heads, d] order of advanced indexing, written into the chunk.
+            _index_into(
+                src[..., p * d : (p + 1) * d], [None, kb, None, off], _bytes(out[:, p]).transpose(0, 1)
+            )
+
+    def scatter(self, chunk: torch.Tensor, layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> None:
+        self._count(block_ids, chunk.shape[2])
+        stack = self._stacked(layers)
+        prep = self.prepare(layers, block_ids, chunk.shape[2])
+        if stack is None:
+            for li, layer in enumerate(layers):
+                self.scatter_layer(chunk[li], layer, block_ids, prep)
+            return
+        kb, off = prep
+        d = chunk.shape[-1]
+        dst = _bytes(stack)
+        for p in range(self.planes):
+            dst[..., p * d : (p + 1) * d][:, kb, :, off] = _bytes(chunk[:, p]).transpose(0, 1)
+
+    def gather_layer(
+        self, layer: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor, prep: Any = None
+    ) -> None:
+        layer = self._four(layer)
+        kb, off = prep if prep is not None else self.prepare([layer], block_ids, out.shape[1])
         d = out.shape[-1]
         src = _bytes(layer)
         for p in range(self.planes):
-            # aten.index.out writes the gathered [tokens, heads, d] straight into the chunk.
-            torch.ops.aten.index.Tensor_out(
-                src[..., p * d : (p + 1) * d], [kb, None, off], out=_bytes(out[p])
-            )
+            _index_into(src[..., p * d : (p + 1) * d], [kb, None, off], _bytes(out[p]))
 
-    def scatter_layer(self, chunk: torch.Tensor, layer: torch.Tensor, block_ids: Sequence[int]) -> None:
-        kb, off = self._slots(layer, block_ids, chunk.shape[1])
+    def scatter_layer(
+        self, chunk: torch.Tensor, layer: torch.Tensor, block_ids: Sequence[int], prep: Any = None
+    ) -> None:
+        layer = self._four(layer)
+        kb, off = prep if prep is not None else self.prepare([layer], block_ids, chunk.shape[1])
         d = chunk.shape[-1]
         dst = _bytes(layer)
         for p in range(self.planes):
@@ -178,13 +277,7 @@ class LatentPages(StridedPages):
         return t.unsqueeze(1) if t.dim() == 3 else t
 
     def check(self, layers: Sequence[torch.Tensor], heads: int, head_size: int) -> None:
-        super().check([self._four(t) for t in layers], 1, head_size)
-
-    def gather_layer(self, layer: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor) -> None:
-        super().gather_layer(self._four(layer), block_ids, out)
-
-    def scatter_layer(self, chunk: torch.Tensor, layer: torch.Tensor, block_ids: Sequence[int]) -> None:
-        super().scatter_layer(chunk, self._four(layer), block_ids)
+        super().check(layers, 1, head_size)
 
 
 class CpuPackedPages(PageLayout):
@@ -203,10 +296,14 @@ class CpuPackedPages(PageLayout):
                     f"vLLM-CPU's page is a contiguous [num_blocks, {want[0]}, {want[1]}, {want[2]}]"
                 )
 
-    def gather_layer(self, layer: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor) -> None:
+    def gather_layer(
+        self, layer: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor, prep: Any = None
+    ) -> None:
         paged_to_chunk([layer], block_ids, out.unsqueeze(0))
 
-    def scatter_layer(self, chunk: torch.Tensor, layer: torch.Tensor, block_ids: Sequence[int]) -> None:
+    def scatter_layer(
+        self, chunk: torch.Tensor, layer: torch.Tensor, block_ids: Sequence[int], prep: Any = None
+    ) -> None:
         chunk_to_paged(chunk.unsqueeze(0), [layer], block_ids)
 
     def gather(self, layers: Sequence[torch.Tensor], block_ids: Sequence[int], out: torch.Tensor) -> None:

@@ -98,8 +98,9 @@ class Transfer:
             return
         with self.load_stream.use():
             self.load_stream.wait(self.compute.record())
+            preps = [self.page.prepare(self.layers, ids, chunk.shape[2]) for chunk, ids in items]
             for li, layer in enumerate(self.layers):
-                for chunk, ids in items:
+                for (chunk, ids), prep in zip(items, preps, strict=True):
                     planes, n = chunk.shape[1], chunk.shape[2]
                     if self.cuda:
                         stage = self._view(self._load_stage, (planes, n, *chunk.shape[3:]))
@@ -108,7 +109,7 @@ class Transfer:
                         src = stage
                     else:
                         src = chunk[li]
-                    self.page.scatter_layer(src, layer, ids)
+                    self.page.scatter_layer(src, layer, ids, prep)
                 self._layer_events[li] = self.load_stream.record()
             self._load_done = self.load_stream.record()
 

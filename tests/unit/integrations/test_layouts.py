@@ -222,3 +222,26 @@ def test_every_claimed_backend_is_a_vllm_backend_name() -> None:
 
     names = {m.name for m in AttentionBackendEnum}
     assert names >= (KV_BACKENDS | MLA_BACKENDS | CPU_BACKENDS)
+
+
+@pytest.mark.parametrize("layout", ALL, ids=lambda x: x.name)
+def test_vllm_layers_are_copied_as_one_stack_and_loose_layers_one_by_one(layout: KVCacheLayout) -> None:
+    """vLLM's views of one allocation take the one-kernel-per-plane path; layers in
+    separate tensors the per-layer path; both give the reference bytes."""
+    views = vllm_layers(4, 12, BS, 2, 8, torch.float16, layout, seed=11)
+    loose = [t.clone() for t in views]
+    tokens, ids = 3 * BS + 3, [9, 0, 4, 7]
+    ref = reference_gather(views, ids, tokens, BS, 2)
+    for layers, stacked in ((views, True), (loose, False)):
+        adapter = KVPages(BS)
+        out = torch.empty_like(ref)
+        adapter.gather(layers, ids, out)
+        assert (adapter._stacked(layers) is not None) is stacked
+        assert torch.equal(as_bytes(out), as_bytes(ref))
+        fresh = (
+            [torch.zeros_like(t) for t in loose]
+            if not stacked
+            else vllm_layers(4, 12, BS, 2, 8, torch.float16, layout, seed=12)
+        )
+        adapter.scatter(out, fresh, ids)
+        assert torch.equal(as_bytes(reference_gather(fresh, ids, tokens, BS, 2)), as_bytes(ref))
