@@ -126,6 +126,11 @@ class KVMeshConnector(KVConnectorBase_V1):
                 delay_free=delay_free,
             )
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Layer-wise loads need wait_for_layer_load to run between the graph's pieces.
+        return (extra_config or {}).get("layerwise_load", True) is not False
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # best-effort cache: a dropped save is only a later miss
@@ -172,6 +177,7 @@ class KVMeshConnector(KVConnectorBase_V1):
             events=bool(ev and ev.enable_kv_cache_events),
             page=page,
             layer_names=names,
+            layerwise=self.options.layerwise_load,
         )
         path = socket_path(self.engine_id, rank, self.dp_rank, self.options.socket_dir)
         self._server = RpcServer(path, self._worker.handlers()).start()

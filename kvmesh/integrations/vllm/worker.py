@@ -67,6 +67,7 @@ class WorkerSide:
         events: bool = True,
         page: PageLayout | None = None,
         layer_names: Sequence[str] = (),
+        layerwise: bool = True,
     ) -> None:
         self.engine = engine
         self.layers = list(layers)
@@ -77,7 +78,8 @@ class WorkerSide:
         self.xfer: Transfer | None = None
         if on_device or not isinstance(self.page, CpuPackedPages):
             self.xfer = Transfer(self.page, self.layers, engine.layout, engine.config.chunk_size)
-        self._layer_index = {name: i for i, name in enumerate(layer_names)}
+        # Layer-wise waits only when allowed and once vLLM is seen calling the hook.
+        self._layer_index = {name: i for i, name in enumerate(layer_names)} if layerwise else {}
         self._layerwise = False  # vLLM called wait_for_layer_load: per-layer waits are safe
         self._loads_open: contextlib.ExitStack | None = None
         self._after_forward: Event | None = None

@@ -214,3 +214,35 @@ def test_scheduler_holds_blocks_only_for_requests_with_saves() -> None:
     other = SimpleNamespace(**{**vars(req), "request_id": "b"})
     assert sched.finished(other) is False
     assert SchedulerSide(CS, BS, []).finished(req) is False  # vLLM-CPU: never held
+
+
+def test_layerwise_off_ignores_the_layer_hooks() -> None:
+    w = _worker()
+    w.close()
+    heads, d = 2, 8
+    layers = vllm_layers(3, 24, BS, heads, d, torch.bfloat16, KVCacheLayout.LBNHC, seed=5)
+    engine = CacheEngine(
+        {"chunk_size": CS, "max_local_cpu_size": 0.01},
+        layout=KVLayout(3, heads, d, torch.bfloat16),
+        model_id="d",
+    )
+    w = WorkerSide(engine, layers, BS, page=KVPages(BS), layer_names=NAMES, layerwise=False)
+    try:
+        w.wait_for_layer(NAMES[0])
+        assert not w._layerwise
+    finally:
+        w.close()
+
+
+def test_connector_asks_for_piecewise_graphs_only_for_layerwise_loads() -> None:
+    assert KVMeshConnector.requires_piecewise_for_cudagraph({})
+    assert not KVMeshConnector.requires_piecewise_for_cudagraph({"layerwise_load": False})
+
+
+def test_layerwise_load_option_is_a_bool() -> None:
+    from kvmesh.integrations.vllm.options import ConnectorOptions
+
+    assert ConnectorOptions.from_extra_config({}, environ={}).layerwise_load is True
+    assert ConnectorOptions.from_extra_config({"layerwise_load": False}, environ={}).layerwise_load is False
+    with pytest.raises(ConfigError, match="layerwise_load must be true or false"):
+        ConnectorOptions.from_extra_config({"layerwise_load": "yes"}, environ={})
