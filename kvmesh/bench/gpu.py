@@ -219,8 +219,9 @@ def overlap(reps: int = 7, tokens: int = 2000, size: int = 8192, iters: int = 40
         end.synchronize()
         return float(start.elapsed_time(end)) / 1e3
 
-    def save_all() -> None:
-        after = xfer.after_forward()
+    def save_all(after: Any = None) -> None:
+        # ``after`` is recorded before the matmuls are queued (the previous step's forward),
+        # so the save runs beside them, as the worker's save beside the next step.
         for c in range(n_chunks):
             n = min(CHUNK, tokens - c * CHUNK)
             out = pool.buffer[c * nbytes : c * nbytes + n * lay.bytes_per_token]
@@ -235,7 +236,8 @@ def overlap(reps: int = 7, tokens: int = 2000, size: int = 8192, iters: int = 40
     save_s: list[float] = []
     for _ in range(reps):
         alone.append(matmuls())
-        th = threading.Thread(target=_timed_into, args=(save_all, save_s))
+        after = xfer.after_forward()
+        th = threading.Thread(target=_timed_into, args=(lambda: save_all(after), save_s))
         th.start()
         during.append(matmuls())
         th.join()

@@ -42,7 +42,6 @@ class Transfer:
         self.layout = layout
         self.chunk_size = chunk_size
         self.device = self.layers[0].device if self.layers else torch.device("cpu")
-        self.compute = Stream.compute(self.device)
         self.save_stream = Stream(self.device)
         self.load_stream = Stream(self.device)
         dtype = torch_dtype(layout.dtype)
@@ -55,6 +54,12 @@ class Transfer:
         self._dtype = dtype
         self._layer_events: list[Event | None] = [None] * len(self.layers)
         self._load_done: Event | None = None
+
+    @property
+    def compute(self) -> Stream:
+        """vLLM's compute stream: whatever stream is current in the calling (forward) thread,
+        looked up at each use (vLLM may run its forward on a stream of its own)."""
+        return Stream.compute(self.device)
 
     @property
     def cuda(self) -> bool:
