@@ -22,6 +22,7 @@ permutation over logical ``[L, B, H, N, C]``); a unit test checks that the strid
 
 from __future__ import annotations
 
+import functools
 import statistics
 import threading
 import time
@@ -237,7 +238,7 @@ def overlap(reps: int = 7, tokens: int = 2000, size: int = 8192, iters: int = 40
     for _ in range(reps):
         alone.append(matmuls())
         after = xfer.after_forward()
-        th = threading.Thread(target=_timed_into, args=(lambda: save_all(after), save_s))
+        th = threading.Thread(target=_timed_into, args=(functools.partial(save_all, after), save_s))
         th.start()
         during.append(matmuls())
         th.join()
