@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvmesh.bench import gpu_cli
+
 
 def _bench_tiers(args: argparse.Namespace) -> int:
     from kvmesh.bench import tiers
@@ -144,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="words in each tenant's system prompt (default 250, about 1,000 tokens)",
     )
     br.set_defaults(func=_bench_router)
+    gpu_cli.register(bsub)
 
     model = sub.add_parser("model", help="build local test models")
     msub = model.add_subparsers(dest="model", required=True)

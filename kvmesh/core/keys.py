@@ -54,14 +54,28 @@ def dtype_name(dtype: object) -> str:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of one model's KV cache: ``[num_layers, 2, tokens, num_kv_heads, head_size]``."""
+    """Shape of one model's KV cache: ``[num_layers, kv_planes, tokens, num_kv_heads, head_size]``.
+
+    ``kv_planes`` is 2 (keys, values) except for MLA, whose page holds one latent vector
+    per token: ``KVLayout(L, 1, latent, dtype, kv_planes=1)``.
+    """
 
     num_layers: int
     num_kv_heads: int
     head_size: int
     dtype: str = "bfloat16"
+    kv_planes: int = 2
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, dtype: object = "bfloat16"):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: object = "bfloat16",
+        kv_planes: int = 2,
+    ):
+        if kv_planes not in (1, 2):
+            raise ValueError(f"KVLayout.kv_planes must be 1 (MLA latent) or 2 (K and V), got {kv_planes!r}")
         for field, value in (
             ("num_layers", num_layers),
             ("num_kv_heads", num_kv_heads),
@@ -73,6 +87,7 @@ class KVLayout:
         object.__setattr__(self, "num_kv_heads", num_kv_heads)
         object.__setattr__(self, "head_size", head_size)
         object.__setattr__(self, "dtype", dtype_name(dtype))
+        object.__setattr__(self, "kv_planes", kv_planes)
 
     @property
     def itemsize(self) -> int:
@@ -80,22 +95,31 @@ class KVLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_size * self.itemsize
+        return self.num_layers * self.kv_planes * self.num_kv_heads * self.head_size * self.itemsize
 
     def shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, num_tokens, self.num_kv_heads, self.head_size)
+        return (self.num_layers, self.kv_planes, num_tokens, self.num_kv_heads, self.head_size)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
             "head_size": self.head_size,
             "dtype": self.dtype,
         }
+        if self.kv_planes != 2:  # absent for K/V layouts: their namespaces (keys) stay as they were
+            d["kv_planes"] = self.kv_planes
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVLayout:
-        return cls(int(d["num_layers"]), int(d["num_kv_heads"]), int(d["head_size"]), str(d["dtype"]))
+        return cls(
+            int(d["num_layers"]),
+            int(d["num_kv_heads"]),
+            int(d["head_size"]),
+            str(d["dtype"]),
+            int(d.get("kv_planes", 2)),
+        )
 
 
 @dataclass(frozen=True)

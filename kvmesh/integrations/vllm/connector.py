@@ -14,6 +14,10 @@ Enable it with::
       "kv_connector_extra_config": {"config_file": "kvmesh.yaml"}}'
 
 and ``--disable-hybrid-kv-cache-manager`` (vLLM requires it for connectors without HMA).
+
+The page layout is chosen at ``register_kv_caches`` from what vLLM reports: the attention
+backends of the layers, the resolved ``KVCacheLayout``, MLA or not, ``kv_cache_dtype``
+(layouts.py); anything kvmesh does not know stops the worker with an error naming it.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvmesh.core.engine import CacheEngine
 from kvmesh.core.keys import KVLayout
 from kvmesh.integrations.vllm.identity import replica_identity
+from kvmesh.integrations.vllm.layouts import Choice, CpuPackedPages, choose_page_layout
 from kvmesh.integrations.vllm.metadata import KVMeshConnectorMetadata, KVMeshKVEvents
 from kvmesh.integrations.vllm.options import ConnectorOptions, check_chunk_size
-from kvmesh.integrations.vllm.paged import VERIFIED_ISAS, check_layers, ordered_layers
+from kvmesh.integrations.vllm.paged import VERIFIED_ISAS, ordered_names
 from kvmesh.integrations.vllm.rpc import RpcClient, RpcServer, socket_path
 from kvmesh.integrations.vllm.scheduler import SchedulerSide
 from kvmesh.integrations.vllm.worker import WorkerSide
@@ -62,6 +67,14 @@ def _cpu_attention_isa(vllm_config: VllmConfig, head_size: int) -> str | None:
             vllm_config.cache_config.cache_dtype,
         )
     )
+
+
+def _plain_view(t: torch.Tensor, cache_dtype: str) -> torch.Tensor:
+    """fp8 KV that vLLM allocated as uint8, viewed as its fp8 type (the layout's dtype
+    names the format, so e4m3 and e5m2 chunks never share keys)."""
+    if t.dtype == torch.uint8 and cache_dtype.startswith("fp8"):
+        return t.view(torch.float8_e5m2 if cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn)
+    return t
 
 
 class KVMeshConnector(KVConnectorBase_V1):
@@ -100,6 +113,9 @@ class KVMeshConnector(KVConnectorBase_V1):
                 )
                 for rank in range(par.tensor_parallel_size)
             ]
+            # KV off the CPU takes the host-device path, whose saves read the blocks after
+            # the step: vLLM must hold a request's blocks until its saves are done.
+            delay_free = str(getattr(vllm_config.device_config, "device_type", "cpu")) != "cpu"
             self._sched = SchedulerSide(
                 self.options.cache.chunk_size,
                 self.block_size,
@@ -108,7 +124,13 @@ class KVMeshConnector(KVConnectorBase_V1):
                 load=tc.is_kv_consumer,
                 save=tc.is_kv_producer,
                 tail=self.options.cache.save_unfull_chunk,
+                delay_free=delay_free,
             )
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Layer-wise loads need wait_for_layer_load to run between the graph's pieces.
+        return (extra_config or {}).get("layerwise_load", True) is not False
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -118,33 +140,91 @@ class KVMeshConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         cfg = self._vllm_config
         mc, par = cfg.model_config, cfg.parallel_config
-        layers = ordered_layers(kv_caches)
-        dtype = layers[0].dtype if layers else mc.dtype
-        layout = KVLayout(mc.get_num_layers(par), mc.get_num_kv_heads(par), mc.get_head_size(), dtype)
-        check_layers(layers, layout, self.block_size)
-        isa = _cpu_attention_isa(cfg, layout.head_size)
+        names = ordered_names(kv_caches)
+        layers = [kv_caches[n] for n in names]
+        num_layers = mc.get_num_layers(par)
+        if len(layers) != num_layers:
+            raise ValueError(
+                f"vLLM registered {len(layers)} KV cache layers but the model config says "
+                f"{num_layers}; kvmesh supports one KV tensor per attention layer "
+                "(no cross-layer KV sharing, disable_hybrid_kv_cache_manager=True)"
+            )
+        page = choose_page_layout(self._choice(names, layers), self.block_size)
+        layers = [_plain_view(t, str(cfg.cache_config.cache_dtype)) for t in layers]
+        dtype = layers[0].dtype
+        if mc.use_mla:
+            latent = int(layers[0].shape[-1])
+            page.check(layers, 1, latent)
+            layout = KVLayout(num_layers, 1, latent, dtype, kv_planes=1)
+        else:
+            layout = KVLayout(num_layers, mc.get_num_kv_heads(par), mc.get_head_size(), dtype)
+            page.check(layers, layout.num_kv_heads, layout.head_size)
+        if isinstance(page, CpuPackedPages):
+            self._check_cpu_isa(layout)
+        rank = self._tp_rank()
+        engine = CacheEngine(
+            self.options.cache,
+            layout=layout,
+            model_id=replica_identity(cfg, self.options.model_fingerprint),
+            shard=self._shard(rank, bool(mc.use_mla)),
+        )
+        if layers[0].is_cuda:
+            engine.cpu.pool.pin()  # once, before any slot is used: async D2H/H2D
+        ev = cfg.kv_events_config
+        self._worker = WorkerSide(
+            engine,
+            layers,
+            self.block_size,
+            events=bool(ev and ev.enable_kv_cache_events),
+            page=page,
+            layer_names=names,
+            layerwise=self.options.layerwise_load,
+        )
+        path = socket_path(self.engine_id, rank, self.dp_rank, self.options.socket_dir)
+        self._server = RpcServer(path, self._worker.handlers()).start()
+        log.info(
+            "kvmesh: worker rank %d serving %s; layout %s; pages %s on %s; shard %d; chunk %d",
+            rank,
+            path,
+            layout,
+            page.name,
+            layers[0].device,
+            engine.keys.shard,
+            engine.config.chunk_size,
+        )
+
+    def _choice(self, names: list[str], layers: list[torch.Tensor]) -> Choice:
+        """What vLLM says about these layers, as names (see layouts.choose_page_layout)."""
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        cfg = self._vllm_config
+        backends = frozenset(b.get_name() for b in get_current_attn_backends(cfg, names))
+        layout = getattr(cfg.cache_config, "kv_cache_layout", None)
+        return Choice(
+            backends=backends,
+            layout=str(layout) if layout is not None else None,
+            mla=bool(cfg.model_config.use_mla),
+            cache_dtype=str(cfg.cache_config.cache_dtype),
+            device=layers[0].device.type if layers else "cpu",
+        )
+
+    def _check_cpu_isa(self, layout: KVLayout) -> None:
+        isa = _cpu_attention_isa(self._vllm_config, layout.head_size)
         if isa is not None and isa not in VERIFIED_ISAS:
             raise NotImplementedError(
                 f"vLLM-CPU uses the {isa!r} attention kernel for this model, whose KV page layout "
                 f"kvmesh has not verified (verified: {', '.join(sorted(VERIFIED_ISAS))}); "
                 "use dtype float32 on x86"
             )
-        rank = self._tp_rank()
-        identity = replica_identity(cfg, self.options.model_fingerprint)
-        engine = CacheEngine(self.options.cache, layout=layout, model_id=identity, shard=rank)
-        ev = cfg.kv_events_config
-        self._worker = WorkerSide(
-            engine, layers, self.block_size, events=bool(ev and ev.enable_kv_cache_events)
-        )
-        path = socket_path(self.engine_id, rank, self.dp_rank, self.options.socket_dir)
-        self._server = RpcServer(path, self._worker.handlers()).start()
-        log.info(
-            "kvmesh: worker rank %d serving %s; layout %s; chunk %d",
-            rank,
-            path,
-            layout,
-            engine.config.chunk_size,
-        )
+
+    def _shard(self, rank: int, mla: bool) -> int:
+        """The key's shard: the KV-head slice this rank holds. MLA's latent is the same on
+        every rank, so all ranks share shard 0 (one stored copy per chunk); ranks that
+        replicate KV heads (TP > KV heads) share their group's shard."""
+        if mla:
+            return 0
+        replicas = int(getattr(self._kv_cache_config, "kv_tp_replicas", 1) or 1)
+        return rank // max(1, replicas)
 
     @staticmethod
     def _tp_rank() -> int:
@@ -167,7 +247,16 @@ class KVMeshConnector(KVConnectorBase_V1):
             self._worker.start_step(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv, before the forward
+        # On the host-device path the compute stream waits for this layer's copies only;
+        # on vLLM-CPU loads completed in start_load_kv.
+        if self._worker is not None:
+            self._worker.wait_for_layer(layer_name)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        # A preempted request's blocks are freed now; its saves must read them first.
+        meta = kv_connector_metadata
+        if self._worker is not None and isinstance(meta, KVMeshConnectorMetadata) and meta.preempted:
+            self._worker.wait_for_preempted(meta.preempted)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -180,9 +269,10 @@ class KVMeshConnector(KVConnectorBase_V1):
             self._worker.end_step(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._worker is not None:
-            self._worker.finished(finished_req_ids)
-        return None, None  # nothing is ever in flight: loads and gathers are synchronous
+        # Requests whose blocks vLLM held for a save still in flight (host-device path);
+        # loads are always done within their step.
+        done = self._worker.finished(finished_req_ids) if self._worker is not None else set()
+        return (done or None), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -235,10 +325,10 @@ class KVMeshConnector(KVConnectorBase_V1):
             self._events.extend(events.aggregate().get_all_events())
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # Saves copy paged KV into kvmesh's pool within the step that computed it, so no
-        # block is still being read when the request finishes: vLLM may free them now.
-        self._scheduler().finished(request)
-        return False, None
+        # vLLM-CPU: saves snapshot their blocks within the step, so vLLM may free them now.
+        # Host-device path: a request that had saves keeps its blocks until the worker
+        # reports them done in get_finished.
+        return self._scheduler().finished(request), None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         events, self._events = self._events, []

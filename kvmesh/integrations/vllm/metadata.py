@@ -45,6 +45,7 @@ class KVMeshConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     releases: list[tuple[str, int]] = field(default_factory=list)  # (req_id, lookup seq): unpin
+    preempted: list[str] = field(default_factory=list)  # their saves must finish before the forward
 
 
 class KVMeshKVEvents(KVConnectorKVEvents):

@@ -26,6 +26,9 @@ CONNECTOR_KEYS = {
     "which served a replaced checkpoint's old KV)",
     "socket_dir": "directory of the scheduler->worker unix socket (default: the temp dir)",
     "rpc_timeout_s": "how long the scheduler waits for the worker's lookup answer (default 2)",
+    "layerwise_load": "GPU: let layer i's attention start once layer i's KV is loaded (default true; "
+    "needs vLLM's PIECEWISE CUDA graphs, which the connector then requests); false: the forward "
+    "waits for all of a step's loads",
 }
 
 
@@ -35,6 +38,7 @@ class ConnectorOptions:
     model_fingerprint: str | None = None
     socket_dir: str | None = None
     rpc_timeout_s: float = 2.0
+    layerwise_load: bool = True
 
     @classmethod
     def from_extra_config(
@@ -60,9 +64,13 @@ class ConnectorOptions:
             raise ConfigError(f"rpc_timeout_s must be a number, got {own['rpc_timeout_s']!r}") from None
         if timeout <= 0:
             raise ConfigError(f"rpc_timeout_s must be positive, got {timeout}")
+        layerwise = own.get("layerwise_load", True)
+        if not isinstance(layerwise, bool):
+            raise ConfigError(f"layerwise_load must be true or false, got {layerwise!r}")
         return cls(
             cache=cache,
             model_fingerprint=_fingerprint_option(own),
+            layerwise_load=layerwise,
             socket_dir=str(own["socket_dir"]) if own.get("socket_dir") else None,
             rpc_timeout_s=timeout,
         )

@@ -31,6 +31,11 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 def ordered_layers(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
     """The per-layer tensors in model order (layer index in the name, not dict order),
     so every process and replica lays chunks out alike."""
+    return [kv_caches[name] for name in ordered_names(kv_caches)]
+
+
+def ordered_names(kv_caches: Mapping[str, torch.Tensor]) -> list[str]:
+    """The layer names of ``kv_caches`` in model order (see :func:`ordered_layers`)."""
 
     def index(name: str) -> int:
         m = _LAYER_INDEX.search(name)
@@ -38,7 +43,7 @@ def ordered_layers(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
             raise ValueError(f"cannot find a layer index in KV cache name {name!r}")
         return int(m.group(1))
 
-    return [kv_caches[name] for name in sorted(kv_caches, key=index)]
+    return sorted(kv_caches, key=index)
 
 
 def check_layers(layers: Sequence[torch.Tensor], layout: KVLayout, block_size: int) -> None:

@@ -12,7 +12,8 @@ Life of a request:
 3. ``build_meta`` (every step): the planned loads and releases, plus saves: every chunk of
    the prompt whose tokens are all computed by the end of this step (chunked prefill hands
    a long prompt over in several steps).
-4. ``finished``: forget the request, and release its pins if a lookup never led to a load.
+4. ``finished``: forget the request, and release its pins if a lookup never led to a load;
+   on the host-device path, tell vLLM to hold its blocks if it had saves.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class SchedulerSide:
         load: bool = True,
         save: bool = True,
         tail: bool = False,
+        delay_free: bool = False,
     ) -> None:
         self.chunk_size = chunk_size
         # save_unfull_chunk: the prompt's partial last chunk is cached too, so a repeated
@@ -73,6 +75,10 @@ class SchedulerSide:
         self.convert_hash = convert_hash
         self.load_enabled = load
         self.save_enabled = save
+        # Host-device path: saves read blocks after their step, so a request that had any
+        # keeps its blocks at finish until the worker reports them done (get_finished).
+        self.delay_free = delay_free
+        self._saved: set[str] = set()
         self._seq = 0
         self._lookups: dict[str, tuple[int, int, int]] = {}  # req_id -> (seq, hit, vLLM local hit)
         self._new: dict[str, _Tracked] = {}  # looked up, not yet in a scheduler output
@@ -154,6 +160,7 @@ class SchedulerSide:
     # -- vLLM: build_connector_meta ------------------------------------------------------
     def build_meta(self, out: Any) -> KVMeshConnectorMetadata:
         meta = KVMeshConnectorMetadata(loads=self._loads, releases=self._releases)
+        meta.preempted = sorted(getattr(out, "preempted_req_ids", None) or ())
         self._loads, self._releases = [], []
         scheduled: dict[str, int] = out.num_scheduled_tokens
         for new in out.scheduled_new_reqs:
@@ -192,6 +199,7 @@ class SchedulerSide:
         hashes = list(t.hashes[:full]) if len(t.hashes) >= full else []
         meta.saves.append(SaveSpec(req_id, list(t.prompt[:end]), t.block_ids[:blocks], t.saved_upto, hashes))
         t.saved_upto = end
+        self._saved.add(req_id)
 
     # -- vLLM: update_connector_output ---------------------------------------------------
     def on_invalid_blocks(self, invalid: set[int]) -> None:
@@ -204,10 +212,15 @@ class SchedulerSide:
                     break
 
     # -- vLLM: request_finished ----------------------------------------------------------
-    def finished(self, request: Any) -> None:
+    def finished(self, request: Any) -> bool:
+        """Forget the request. ``True``: vLLM must keep its blocks until the worker reports
+        its saves done (host-device path, and the request had saves)."""
         req_id = request.request_id
         self._new.pop(req_id, None)
         self._active.pop(req_id, None)
         found = self._lookups.pop(req_id, None)
         if found is not None:
             self._releases.append((req_id, found[0]))
+        had_saves = req_id in self._saved
+        self._saved.discard(req_id)
+        return self.delay_free and had_saves

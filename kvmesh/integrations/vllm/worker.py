@@ -14,15 +14,24 @@ A chunk that cannot be loaded (evicted despite the pin, corrupt, tier down) turn
 blocks into "load errors": vLLM then recomputes from the first of them (connector policy
 ``kv_load_failure_policy="recompute"``). Whatever this step computed after that point was
 computed on bad KV, so it is not saved either.
+
+KV on a GPU (or any page layout but vLLM-CPU's) takes the host-device path instead
+(transfer.py): loads are queued on a load stream, layer-major, and the forward waits per
+layer (``wait_for_layer``); saves take no snapshot: the saver thread gathers the blocks on
+a save stream after the step's compute event and copies them into the (pinned) pool, while
+vLLM holds the blocks: a request that had saves is reported finished (``finished``) only
+once they are done, and a preempted request's saves complete before the next forward
+(``wait_for_preempted``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,11 +40,15 @@ import torch
 from kvmesh.admin.server import AdminServer, start_admin
 from kvmesh.core.engine import CacheEngine
 from kvmesh.core.keys import ChunkKey, as_token_array
+from kvmesh.integrations.vllm.device import Event
+from kvmesh.integrations.vllm.layouts import CpuPackedPages, PageLayout
 from kvmesh.integrations.vllm.metadata import KVMeshConnectorMetadata, LoadSpec, SaveSpec
-from kvmesh.integrations.vllm.paged import chunk_to_paged, paged_to_chunk
 from kvmesh.integrations.vllm.rpc import Handler
 from kvmesh.integrations.vllm.saver import BackgroundSaver
 from kvmesh.integrations.vllm.tracker import EventTracker
+from kvmesh.integrations.vllm.transfer import Transfer
+
+Fill = Callable[[int, int, torch.Tensor], None]
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +60,33 @@ def _tokens(ids: Sequence[int]) -> np.ndarray:
 
 class WorkerSide:
     def __init__(
-        self, engine: CacheEngine, layers: Sequence[torch.Tensor], block_size: int, events: bool = True
+        self,
+        engine: CacheEngine,
+        layers: Sequence[torch.Tensor],
+        block_size: int,
+        events: bool = True,
+        page: PageLayout | None = None,
+        layer_names: Sequence[str] = (),
+        layerwise: bool = True,
     ) -> None:
         self.engine = engine
         self.layers = list(layers)
         self.block_size = block_size
+        self.page = page if page is not None else CpuPackedPages(block_size)
+        on_device = bool(self.layers) and self.layers[0].device.type != "cpu"
+        # vLLM-CPU keeps its tuned snapshot path; everything else goes through Transfer.
+        self.xfer: Transfer | None = None
+        if on_device or not isinstance(self.page, CpuPackedPages):
+            self.xfer = Transfer(self.page, self.layers, engine.layout, engine.config.chunk_size)
+        # Layer-wise waits only when allowed and once vLLM is seen calling the hook.
+        self._layer_index = {name: i for i, name in enumerate(layer_names)} if layerwise else {}
+        self._layerwise = False  # vLLM called wait_for_layer_load: per-layer waits are safe
+        self._loads_open: contextlib.ExitStack | None = None
+        self._after_forward: Event | None = None
+        self._saves_cond = threading.Condition()
+        self._in_flight: Counter[str] = Counter()  # req -> device-path saves not yet in the pool
+        self._saving: set[str] = set()  # reqs that got a SaveSpec: vLLM holds their blocks for us
+        self._finishing: set[str] = set()  # finished, waiting for their saves
         self.chunk_size = engine.config.chunk_size
         self.events = EventTracker(engine, block_size, enabled=events)
         self.counters: Counter[str] = Counter()
@@ -130,28 +165,61 @@ class WorkerSide:
 
     # -- one engine step (worker process) ------------------------------------------------
     def start_step(self, meta: KVMeshConnectorMetadata) -> None:
+        self._close_loads()
         for req, seq in meta.releases:
             self.release(req, seq)
-        for spec in meta.loads:
-            self._load(spec)
+        if self.xfer is None:
+            for spec in meta.loads:
+                self._load(spec, None)
+            return
+        stack = contextlib.ExitStack()  # the retrieved chunks stay held until copied
+        items: list[tuple[torch.Tensor, list[int]]] = []
+        try:
+            for spec in meta.loads:
+                self._load(spec, (stack, items))
+            self.xfer.load(items)
+        finally:
+            self._loads_open = stack
+        if not self._layerwise:  # until vLLM is seen calling the layer hooks: wait for all
+            self.xfer.wait_all_layers()
 
-    def _load(self, spec: LoadSpec) -> None:
+    def wait_for_layer(self, layer_name: str) -> None:
+        """vLLM's ``wait_for_layer_load``: the compute stream waits for this layer's loads."""
+        i = self._layer_index.get(layer_name)
+        if self.xfer is None or i is None:
+            return
+        self._layerwise = True
+        self.xfer.wait_layer(i)
+
+    def _close_loads(self) -> None:
+        if self._loads_open is not None:
+            if self.xfer is not None:
+                self.xfer.finish_loads()
+            self._loads_open.close()
+            self._loads_open = None
+
+    def _load(
+        self, spec: LoadSpec, queue: tuple[contextlib.ExitStack, list[tuple[torch.Tensor, list[int]]]] | None
+    ) -> None:
         bs, end = self.block_size, spec.end
         loaded = 0
         try:
             tokens = _tokens(spec.token_ids)
-            with self.engine.retrieve_chunks(tokens, max_tokens=len(tokens)) as chunks:
+            with contextlib.ExitStack() as local:
+                holder = queue[0] if queue is not None else local
+                chunks = holder.enter_context(self.engine.retrieve_chunks(tokens, max_tokens=len(tokens)))
                 for c in chunks:
                     if c.start != loaded or loaded >= end:
                         break
                     stop = min(c.end, end)
                     if stop > spec.skip:  # blocks below skip are vLLM's own shared blocks
                         s = max(c.start, spec.skip)
-                        chunk_to_paged(
-                            c.kv[:, :, s - c.start : stop - c.start],
-                            self.layers,
-                            spec.block_ids[s // bs : -(-stop // bs)],
-                        )
+                        view = c.kv[:, :, s - c.start : stop - c.start]
+                        ids = spec.block_ids[s // bs : -(-stop // bs)]
+                        if queue is not None:
+                            queue[1].append((view, ids))
+                        else:
+                            self.page.scatter(view, self.layers, ids)
                     loaded = stop
         except Exception:
             log.exception("kvmesh: loading request %s failed; vLLM will recompute it", spec.req_id)
@@ -177,8 +245,14 @@ class WorkerSide:
         )
 
     def end_step(self, meta: KVMeshConnectorMetadata) -> None:
+        if self._loads_open is not None and self.xfer is not None and self.xfer.loads_done():
+            self._close_loads()  # else at the next step: the host never waits for a copy here
+        if self.xfer is not None and meta.saves:
+            self._after_forward = self.xfer.after_forward()
         try:
             for spec in meta.saves:
+                if self.xfer is not None:
+                    self._saving.add(spec.req_id)
                 try:
                     self._save(spec)
                 except Exception:  # a cache problem must never fail vLLM's step
@@ -191,8 +265,9 @@ class WorkerSide:
             self._failed_at.clear()
 
     def _save(self, spec: SaveSpec) -> None:
-        """Snapshot the blocks of the chunks to save (the next forward may overwrite them
-        once this step ends) and let the saver thread store them."""
+        """Hand the chunks to save to the saver thread: on vLLM-CPU with a snapshot of their
+        blocks (the next forward may overwrite them once this step ends); on the
+        host-device path with the step's compute event (vLLM holds the blocks for us)."""
         cs, bs = self.chunk_size, self.block_size
         end = len(spec.token_ids)
         bad = self._failed_at.get(spec.req_id)
@@ -212,23 +287,47 @@ class WorkerSide:
         lacking = held.index(False)
         start = (first + lacking) * cs
         b0 = start // bs
-        ids = torch.as_tensor(spec.block_ids[b0 : -(-end // bs)], dtype=torch.long)
-        snapshot = [layer.index_select(0, ids) for layer in self.layers]
-        nbytes = sum(t.numel() * t.element_size() for t in snapshot)
-        self._saver.submit(lambda: self._store(spec, arr, start, keys[lacking:], snapshot), nbytes)
+        block_ids = spec.block_ids[b0 : -(-end // bs)]
+        if self.xfer is None:
+            ids = torch.as_tensor(block_ids, dtype=torch.long)
+            snapshot = [layer.index_select(0, ids) for layer in self.layers]
+            nbytes = sum(t.numel() * t.element_size() for t in snapshot)
 
-    def _store(
-        self, spec: SaveSpec, arr: np.ndarray, start: int, keys: list[ChunkKey], snapshot: list[torch.Tensor]
-    ) -> None:
-        """The saver thread's half of a save: chunks ``start..len(arr)`` (``keys``) from
-        ``snapshot`` (the blocks from ``start // block_size`` on) into the pool, then their
-        events."""
-        cs, bs = self.chunk_size, self.block_size
-        b0 = start // bs
+            def from_snapshot(s: int, e: int, out: torch.Tensor) -> None:
+                self.page.gather(snapshot, list(range(s // bs - b0, -(-e // bs) - b0)), out)
 
-        def fill(s: int, e: int, out: torch.Tensor) -> None:
-            paged_to_chunk(snapshot, list(range(s // bs - b0, -(-e // bs) - b0)), out)
+            self._saver.submit(lambda: self._store(spec, arr, start, keys[lacking:], from_snapshot), nbytes)
+            return
+        xfer, after, req = self.xfer, self._after_forward, spec.req_id
 
+        def from_device(s: int, e: int, out: torch.Tensor) -> None:
+            xfer.save(block_ids[s // bs - b0 : -(-e // bs) - b0], out, after)
+
+        def job() -> None:
+            try:
+                self._store(spec, arr, start, keys[lacking:], from_device)
+            finally:
+                with self._saves_cond:
+                    self._in_flight[req] -= 1
+                    if self._in_flight[req] <= 0:
+                        del self._in_flight[req]
+                    self._saves_cond.notify_all()
+
+        with self._saves_cond:
+            self._in_flight[req] += 1
+        try:
+            self._saver.submit(job, (end - start) * self.engine.layout.bytes_per_token)
+        except BaseException:
+            with self._saves_cond:
+                self._in_flight[req] -= 1
+                if self._in_flight[req] <= 0:
+                    del self._in_flight[req]
+            raise
+
+    def _store(self, spec: SaveSpec, arr: np.ndarray, start: int, keys: list[ChunkKey], fill: Fill) -> None:
+        """The saver thread's half of a save: chunks ``start..len(arr)`` (``keys``) into the
+        pool through ``fill``, then their events."""
+        cs = self.chunk_size
         first = start // cs
         before = self.engine.cpu.contains(keys)
         stored = self.engine.store_with(arr, fill, skip_tokens=start)
@@ -245,18 +344,36 @@ class WorkerSide:
             if i >= 0:
                 run.append(i)
 
+    def wait_for_preempted(self, req_ids: Iterable[str], timeout: float | None = None) -> bool:
+        """Block until the saves of ``req_ids`` have read their blocks (vLLM frees a
+        preempted request's blocks at once and the next forward may overwrite them)."""
+        reqs = set(req_ids)
+        with self._saves_cond:
+            return self._saves_cond.wait_for(lambda: not reqs & set(self._in_flight), timeout)
+
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def finished(self, req_ids: set[str]) -> None:
+    def finished(self, req_ids: set[str]) -> set[str]:
+        """Forget finished requests; returns those whose blocks vLLM held for kvmesh's
+        saves (every request that got a SaveSpec on the host-device path) and that are now
+        done: vLLM frees their blocks."""
         for req in req_ids:
             self._in_kvmesh.pop(req, None)
             self.release(req)  # normally released already; a safety net against leaked pins
+            if req in self._saving:
+                self._saving.discard(req)
+                self._finishing.add(req)
+        with self._saves_cond:
+            done = {r for r in self._finishing if r not in self._in_flight}
+        self._finishing -= done
+        return done
 
     def close(self, timeout: float = 10.0) -> None:
         if self.admin is not None:
             self.admin.stop()
+        self._close_loads()
         self._saver.close(timeout)
         self.events.close()
         self.engine.close(timeout)

@@ -1,0 +1,143 @@
+"""The host-device path: chunks between device KV pages and the (pinned) host pool, off
+the compute stream.
+
+Saves: the step records an event on the compute stream (its forward has been queued, not
+necessarily run); later, on the saver thread, :meth:`Transfer.save` orders the save stream
+after that event, gathers the chunk's blocks into a device staging buffer and copies it
+``non_blocking`` into the pool slot, then waits for that copy on the saver thread. The step
+never waits; the blocks stay valid because vLLM does not free them until the connector
+reports the request's saves done (delayed free, ``get_finished``) and does not overwrite
+computed blocks of a live request (preemption waits, see ``handle_preemptions``).
+
+Loads: :meth:`Transfer.load` queues, layer by layer, the H2D copy of every chunk's layer
+slice into a staging buffer and its scatter into the pages, on the load stream (ordered
+after the compute stream's earlier work: the blocks may have belonged to a request whose
+kernels are still queued), recording one event per layer. :meth:`Transfer.wait_layer`
+makes the compute stream wait for layer ``i``'s event only, so layer ``i + 1``'s copy
+overlaps layer ``i``'s attention.
+
+Staging buffers are allocated once, at start: nothing here allocates device or pinned
+memory per request (the gather/scatter index vectors, a few bytes per token, come from
+torch's caching allocator). On CPU the streams are no-ops and the same calls run in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvmesh.core.keys import KVLayout
+from kvmesh.core.memory import torch_dtype
+from kvmesh.integrations.vllm.device import Event, Stream
+from kvmesh.integrations.vllm.layouts import PageLayout
+
+
+class Transfer:
+    def __init__(
+        self, page: PageLayout, layers: Sequence[torch.Tensor], layout: KVLayout, chunk_size: int
+    ) -> None:
+        self.page = page
+        self.layers = list(layers)
+        self.layout = layout
+        self.chunk_size = chunk_size
+        self.device = self.layers[0].device if self.layers else torch.device("cpu")
+        self.save_stream = Stream(self.device)
+        self.load_stream = Stream(self.device)
+        dtype = torch_dtype(layout.dtype)
+        # One chunk for saves (all layers), one layer-chunk for loads.
+        self._save_stage = torch.empty(
+            chunk_size * layout.bytes_per_token, dtype=torch.uint8, device=self.device
+        )
+        per_layer = chunk_size * layout.bytes_per_token // layout.num_layers
+        self._load_stage = torch.empty(per_layer, dtype=torch.uint8, device=self.device)
+        self._dtype = dtype
+        self._layer_events: list[Event | None] = [None] * len(self.layers)
+        self._load_done: Event | None = None
+
+    @property
+    def compute(self) -> Stream:
+        """vLLM's compute stream: whatever stream is current in the calling (forward) thread,
+        looked up at each use (vLLM may run its forward on a stream of its own)."""
+        return Stream.compute(self.device)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _view(self, flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        n = 1
+        for s in shape:
+            n *= s
+        return flat[: n * self.layout.itemsize].view(self._dtype).view(shape)
+
+    # -- saves -------------------------------------------------------------------------
+    def after_forward(self) -> Event:
+        """An event after everything queued on the compute stream so far (this step's
+        forward): saves of this step are ordered after it."""
+        return self.compute.record()
+
+    def save(self, block_ids: Sequence[int], out: torch.Tensor, after: Event | None) -> None:
+        """Gather ``block_ids`` into the host chunk ``out`` ``[L, planes, n, H, D]`` (a pool
+        slot); returns once the bytes are in ``out``. Runs on the saver thread only (the
+        save staging buffer is that thread's)."""
+        n = out.shape[2]
+        if not self.cuda:
+            self.page.gather(self.layers, block_ids, out)  # CPU: straight into the slot
+            return
+        stage = self._view(self._save_stage, self.layout.shape(n))
+        with self.save_stream.use():
+            self.save_stream.wait(after)
+            self.page.gather(self.layers, block_ids, stage)
+            out.copy_(stage, non_blocking=True)
+            done = self.save_stream.record()
+        done.synchronize()  # the saver thread waits; the compute stream never does
+
+    # -- loads -------------------------------------------------------------------------
+    def load(self, items: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> None:
+        """Queue ``chunk -> pages`` for every ``(chunk [L, planes, n, H, D] on the host,
+        block ids)``, layer-major. The host chunks must stay valid until :meth:`finish_loads`."""
+        self._layer_events = [None] * len(self.layers)
+        if not items:
+            self._load_done = None
+            return
+        with self.load_stream.use():
+            self.load_stream.wait(self.compute.record())
+            preps = [self.page.prepare(self.layers, ids, chunk.shape[2]) for chunk, ids in items]
+            for li, layer in enumerate(self.layers):
+                for (chunk, ids), prep in zip(items, preps, strict=True):
+                    planes, n = chunk.shape[1], chunk.shape[2]
+                    if self.cuda:
+                        stage = self._view(self._load_stage, (planes, n, *chunk.shape[3:]))
+                        for p in range(planes):  # each plane slice is contiguous in the pool
+                            stage[p].copy_(chunk[li, p], non_blocking=True)
+                        src = stage
+                    else:
+                        src = chunk[li]
+                    self.page.scatter_layer(src, layer, ids, prep)
+                self._layer_events[li] = self.load_stream.record()
+            self._load_done = self.load_stream.record()
+
+    def wait_layer(self, index: int) -> None:
+        """The compute stream waits for layers ``0..index`` of this step's loads."""
+        ev = self._layer_events[index] if 0 <= index < len(self._layer_events) else None
+        if ev is not None:
+            self.compute.wait(ev)
+            for i in range(index + 1):
+                self._layer_events[i] = None
+
+    def wait_all_layers(self) -> None:
+        """The compute stream waits for every layer (vLLM did not call the layer hooks)."""
+        if self._load_done is not None:
+            self.compute.wait(self._load_done)
+        self._layer_events = [None] * len(self.layers)
+
+    def loads_done(self) -> bool:
+        """Whether this step's load copies have completed (never blocks)."""
+        return self._load_done is None or self._load_done.query()
+
+    def finish_loads(self) -> None:
+        """Block until this step's load copies are done (their host chunks may go)."""
+        if self._load_done is not None:
+            self._load_done.synchronize()
+            self._load_done = None

@@ -1,0 +1,61 @@
+"""``kvmesh bench gpu`` / scripts/gpu_check.py on this machine: their page tensors are
+vLLM's layouts, their checks run (on CPU tensors), and without CUDA they skip cleanly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from kvmesh.bench import gpu
+from kvmesh.cli import main
+from tests.unit.integrations.vllm_pages import DTYPES, vllm_layers
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_layout_orders_are_vllms() -> None:
+    assert {m.name: m.value for m in KVCacheLayout} == gpu.LAYOUT_ORDERS
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda x: x.name)
+@pytest.mark.parametrize("mla", [False, True])
+def test_bench_pages_have_vllms_shapes_and_strides(layout: KVCacheLayout, mla: bool) -> None:
+    heads, c = (1, 24) if mla else (2, 16)
+    ours = gpu.make_pages(layout.name, 3, 5, heads, 16, c, "bfloat16", "cpu")
+    theirs = vllm_layers(3, 5, 16, heads, c if mla else c // 2, DTYPES["bfloat16"], layout, mla=mla)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.shape == b.shape and a.stride() == b.stride()
+        assert b.data_ptr() - theirs[0].data_ptr() == a.data_ptr() - ours[0].data_ptr()
+
+
+def test_round_trip_checks_pass_on_cpu_tensors() -> None:
+    results = gpu.check_round_trips(device="cpu")
+    assert len(results) == 6 * 5 + 1 and all(r["exact"] for r in results)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA skip")
+def test_bench_gpu_skips_without_cuda(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "gpu.json"
+    assert main(["bench", "gpu", "--quick", "--json", str(out)]) == 0
+    assert "skipped: no CUDA device" in capsys.readouterr().out
+    assert json.loads(out.read_text()) == {"skipped": "no CUDA device"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA skip")
+def test_gpu_check_script_imports_no_vllm() -> None:
+    code = (
+        "import runpy, sys; sys.argv = ['gpu_check.py', '--quick']\n"
+        "try:\n runpy.run_path('scripts/gpu_check.py', run_name='__main__')\n"
+        "except SystemExit as e: rc = e.code\n"
+        "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')], 'vllm imported'\n"
+        "assert rc == 0, rc\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "skipped: no CUDA device" in done.stdout
