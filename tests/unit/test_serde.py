@@ -76,7 +76,7 @@ def test_zstd_byte_planes_beat_plain_zstd_on_smooth_float16() -> None:
     noise = 0.01 * torch.randn(layout.shape(n), generator=gen)
     kv = (torch.sin(t + d) + noise).to(torch.float16).contiguous()
     raw = _bytes_of(kv)
-    planes = serde.ZstdPlaneCodec(level=3).encode(memoryview(raw), 2)
+    planes = serde.ZstdPlaneCodec(level=3).encode(memoryview(raw), layout, n)
     plain = zstandard.ZstdCompressor(level=3).compress(raw.tobytes())
     assert len(planes) < 0.9 * len(plain), (len(planes), len(plain), raw.nbytes)
     blob = serde.encode_bytes("k", layout, np.arange(n, dtype=np.uint32), raw, "zstd")
