@@ -12,7 +12,8 @@ Steps, for each (layer, K/V) section ``x[tokens, channels]`` of the chunk:
    not add up), quantised per channel with bin width ``alpha_layer * std(delta_channel)``,
    clipped to ``±half_range`` bins;
 3. entropy coding of the symbols: ``ans`` — rANS from the ``constriction`` library with one
-   categorical model per section (its histogram travels in the payload) — or ``zstd``
+   categorical model for the anchors, one for the early layers' deltas and one for the rest
+   (their histograms travel in the payload) — or ``zstd``
    (zstd's Huffman/FSE stages over the symbol bytes; far faster to decode).
 
 Payload (little-endian): ``b"CG1"``, entropy id (u8), group (u16), half_range (u16),
@@ -42,9 +43,13 @@ _F16_MAX = 60000.0
 _MIN_BIN = 1e-8
 
 
+def _early_layers(num_layers: int) -> int:
+    return max(1, num_layers // 4)
+
+
 def layer_alpha(alpha: float, layer: int, num_layers: int) -> float:
     """Bin width in delta standard deviations: half as wide in the first quarter of layers."""
-    return alpha * (0.5 if layer < max(1, num_layers // 4) else 1.0)
+    return alpha * (0.5 if layer < _early_layers(num_layers) else 1.0)
 
 
 class CacheGenCodec:
@@ -75,7 +80,12 @@ class CacheGenCodec:
         deq_a = amin[:, None] + a_sym * step[:, None]
         delta = (x - deq_a.repeat_interleave(g, dim=1)[:, :n_tokens])[:, _rest(n_tokens, g)]
         alphas = torch.tensor([layer_alpha(self.alpha, s // 2, layout.num_layers) for s in range(sections)])
-        std = delta.std(dim=1) if delta.shape[1] > 1 else delta.abs().amax(dim=1)
+        if delta.shape[1] > 1:
+            std = delta.std(dim=1)
+        elif delta.shape[1] == 1:
+            std = delta.abs().amax(dim=1)
+        else:  # a chunk of one token: all anchors
+            std = torch.zeros(sections, channels)
         dbin = (alphas[:, None] * std).to(side_dtype).float()
         d_sym = (delta / dbin.clamp_min(_MIN_BIN)[:, None]).round_().clamp_(-q, q).add_(q)
         side = torch.stack([amin, step, dbin]).to(side_dtype)
@@ -84,7 +94,8 @@ class CacheGenCodec:
         )
         a8 = a_sym.to(torch.uint8).numpy()
         d8 = d_sym.to(torch.uint8).numpy()
-        body = _ans_encode(a8, d8, q) if self.entropy == "ans" else _zstd_encode(a8, d8)
+        early = 2 * _early_layers(layout.num_layers)
+        body = _ans_encode(a8, d8, q, early) if self.entropy == "ans" else _zstd_encode(a8, d8)
         return head + side.numpy().tobytes() + body
 
     # ---- decode -------------------------------------------------------------------------
@@ -119,7 +130,7 @@ class CacheGenCodec:
         n_anchor = len(range(0, n_tokens, g))
         shapes = ((sections, n_anchor, channels), (sections, n_tokens - n_anchor, channels))
         if ent & 0x7F == ENTROPY["ans"]:
-            a8, d8 = _ans_decode(data[pos:], shapes, q)
+            a8, d8 = _ans_decode(data[pos:], shapes, q, 2 * _early_layers(layout.num_layers))
         elif ent & 0x7F == ENTROPY["zstd"]:
             a8, d8 = _zstd_decode(data[pos:], shapes)
         else:
@@ -168,43 +179,50 @@ def _model(hist: np.ndarray) -> object:
     return constriction.stream.model.Categorical(p / p.sum(), perfect=False)
 
 
-def _ans_encode(a8: np.ndarray, d8: np.ndarray, q: int) -> bytes:
+def _streams(a8: np.ndarray, d8: np.ndarray, early: int) -> list[tuple[np.ndarray, int]]:
+    """The symbol groups that share one model: anchors; deltas of the early layers (finer
+    bins, wider symbol spread); deltas of the rest. One histogram each keeps the model
+    cost negligible even for small chunks."""
+    return [(a8, 256), (d8[:early], 0), (d8[early:], 0)]
+
+
+def _ans_encode(a8: np.ndarray, d8: np.ndarray, q: int, early: int) -> bytes:
     import constriction
 
     parts: list[bytes] = []
-    for arr, k in ((a8, 256), (d8, 2 * q + 1)):
-        for s in range(arr.shape[0]):
-            sym = arr[s].reshape(-1).astype(np.int32)
-            hist = np.bincount(sym, minlength=k).astype(np.uint32)
-            coder = constriction.stream.stack.AnsCoder()
+    for arr, k in _streams(a8, d8, early):
+        k = k or 2 * q + 1
+        sym = arr.reshape(-1).astype(np.int32)
+        hist = np.bincount(sym, minlength=k).astype("<u4")
+        coder = constriction.stream.stack.AnsCoder()
+        if sym.size:
             coder.encode_reverse(sym, _model(hist))
-            words = coder.get_compressed()
-            parts += [hist.tobytes(), struct.pack("<I", words.size), words.astype("<u4").tobytes()]
+        words = coder.get_compressed()
+        parts += [hist.tobytes(), struct.pack("<I", words.size), words.astype("<u4").tobytes()]
     return b"".join(parts)
 
 
 def _ans_decode(
-    body: memoryview, shapes: tuple[tuple[int, int, int], ...], q: int
+    body: memoryview, shapes: tuple[tuple[int, int, int], ...], q: int, early: int
 ) -> tuple[np.ndarray, np.ndarray]:
     import constriction
 
+    a8 = np.empty(shapes[0], dtype=np.uint8)
+    d8 = np.empty(shapes[1], dtype=np.uint8)
     pos = 0
-    outs = []
-    for shape, k in zip(shapes, (256, 2 * q + 1), strict=True):
-        arr = np.empty(shape, dtype=np.uint8)
-        n = shape[1] * shape[2]
-        for s in range(shape[0]):
-            hist = np.frombuffer(body, dtype="<u4", count=k, offset=pos)
-            pos += 4 * k
-            (nwords,) = struct.unpack_from("<I", body, pos)
-            pos += 4
-            words = np.frombuffer(body, dtype="<u4", count=nwords, offset=pos).astype(np.uint32)
-            pos += 4 * nwords
-            sym = constriction.stream.stack.AnsCoder(words).decode(_model(hist), n)
-            if sym.size != n or int(sym.max(initial=0)) >= k:
+    for arr, k in _streams(a8, d8, early):
+        k = k or 2 * q + 1
+        hist = np.frombuffer(body, dtype="<u4", count=k, offset=pos)
+        pos += 4 * k
+        (nwords,) = struct.unpack_from("<I", body, pos)
+        pos += 4
+        words = np.frombuffer(body, dtype="<u4", count=nwords, offset=pos).astype(np.uint32)
+        pos += 4 * nwords
+        if arr.size:
+            sym = constriction.stream.stack.AnsCoder(words).decode(_model(hist), arr.size)
+            if sym.size != arr.size or int(sym.max(initial=0)) >= k:
                 raise CorruptChunkError("cachegen ANS stream decodes to the wrong symbols")
-            arr[s] = sym.reshape(shape[1], shape[2])
-        outs.append(arr)
+            arr[...] = sym.reshape(arr.shape)
     if pos != body.nbytes:
         raise CorruptChunkError("cachegen payload has trailing bytes")
-    return outs[0], outs[1]
+    return a8, d8
