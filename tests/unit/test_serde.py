@@ -176,7 +176,7 @@ def test_lmcache_v0_and_v1_codec_names() -> None:
 
 
 def test_kivi_is_refused_with_a_reason() -> None:
-    with pytest.raises(ConfigError, match="kivi.*not supported.*stub"):
+    with pytest.raises(ConfigError, match=r"kivi.*not supported.*stub"):
         serde.get_codec("kivi")
 
 
@@ -184,7 +184,7 @@ def test_safetensors_payload_is_a_safetensors_file() -> None:
     from safetensors.torch import load
 
     key, layout, tokens, kv = _chunk("bfloat16")
-    head, body = serde.encode(key, layout, tokens, _bytes_of(kv), "safetensors")
+    _head, body = serde.encode(key, layout, tokens, _bytes_of(kv), "safetensors")
     tensors = load(bytes(body))
     assert torch.equal(tensors["kv"], kv)
 
