@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_prewarm_parser(sub)
     add_cache_parser(sub)
     add_soak_parser(sub)
+    from kvmesh.config_cli import register as add_config_parser
+
+    add_config_parser(sub)
 
     dm = sub.add_parser(
         "demo",

@@ -1,28 +1,44 @@
 """One typed configuration tree, from a dict, a YAML file or ``KVMESH_*`` variables.
 
-LMCache's key names are accepted as they are (``chunk_size``, ``local_cpu``,
-``max_local_cpu_size`` in GB, ``local_disk``, ``max_local_disk_size``, ``remote_url``,
-``remote_serde``), so an LMCache YAML file works unchanged where it names features kvmesh
-has. Any other unknown key, or a bad value, is a :class:`~kvmesh.errors.ConfigError` that
-names the key and lists the valid ones.
+LMCache configurations load unchanged: LMCache's key names that are kvmesh's too
+(``chunk_size``, ``local_cpu``, ``max_local_cpu_size`` in GB, ``local_disk``,
+``max_local_disk_size``, ``remote_url``, ``remote_serde``) are taken as they are, and every
+other key of LMCache's v1 and v0 configs, its aliases, ``lmcache.``-prefixed keys,
+``extra_config``, ``LMCACHE_<KEY>`` variables and ``LMCACHE_CONFIG_FILE`` are read by
+:mod:`kvmesh.config_lmcache` (mapped, ignored, or warned about by key; an error with
+``strict: true``). A key nobody knows, a bad value, or a ``remote_url`` scheme kvmesh does
+not serve is a :class:`~kvmesh.errors.ConfigError` that names the key and the valid values.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from kvmesh import config_lmcache as lmc
 from kvmesh.core.policy import POLICIES
-from kvmesh.core.serde import CODEC_ALIASES, CODECS
+from kvmesh.core.serde import check_codec_name
 from kvmesh.errors import ConfigError
 
+log = logging.getLogger(__name__)
 GB = 1024**3
 ENV_PREFIX = "KVMESH_"
+LMCACHE_ENV_PREFIX = "LMCACHE_"
+# Schemes LMCache users write that kvmesh does not serve, and why (shown at config time).
+_UNSERVED = {
+    "lm": "LMCache's own lm:// server protocol",
+    "infinistore": "InfiniStore needs RDMA",
+    "mooncakestore": "Mooncake Store: mooncake-transfer-engine does not run here (see the README)",
+    "resp": "LMCache's fixed-size RESP connector; use redis://",
+    "redis-sentinel": "Redis Sentinel",
+}
 
 
 class CacheConfig(BaseModel):
@@ -35,11 +51,20 @@ class CacheConfig(BaseModel):
     max_local_cpu_size: float = Field(2.0, gt=0, description="CPU pool size in GB (allocated up front)")
     local_disk: str | None = Field(None, description="disk tier: file:///path or a path; None = off")
     max_local_disk_size: float = Field(20.0, ge=0, description="disk tier byte budget in GB (0 = unbounded)")
-    remote_url: str | None = Field(None, description="shared tier: redis://, rediss://, unix://, fs:///path")
-    remote_serde: str = Field(
-        "raw", description="codec in the remote tier: raw | zstd (LMCache: naive = raw)"
+    remote_url: str | None = Field(
+        None,
+        description="shared tier: redis://, rediss://, unix://, valkey://, redis-cluster://h:p,h:p, "
+        "s3://bucket/prefix, fs:///path",
     )
-    disk_serde: str = Field("raw", description="codec in the disk tier: raw | zstd")
+    remote_serde: str = Field(
+        "raw",
+        description="codec in the remote tier: raw | zstd | safetensors | cachegen (lossy) "
+        "(LMCache: naive = raw, safetensor = safetensors)",
+    )
+    disk_serde: str = Field("raw", description="codec in the disk tier: raw | zstd | safetensors | cachegen")
+    strict: bool = Field(
+        False, description="LMCache keys kvmesh has no equivalent for are errors, not warnings"
+    )
     save_unfull_chunk: bool = Field(False, description="also cache the final partial chunk of a prompt")
     cache_salt: str | None = Field(None, description="tenant isolation: different salts never share")
     write_mode: Literal["through", "back"] = Field(
@@ -89,13 +114,31 @@ class CacheConfig(BaseModel):
         None, description="router base URL to register with and heartbeat to, e.g. http://router:8080"
     )
 
+    _readings: list[lmc.KeyReading] = PrivateAttr(default_factory=list)
+
     @field_validator("remote_serde", "disk_serde")
     @classmethod
     def _codec_known(cls, v: str) -> str:
-        name = CODEC_ALIASES.get(v, v)
-        if name not in CODECS:
-            raise ValueError(f"unknown codec {v!r}; valid: {', '.join(sorted(CODECS))}")
-        return name
+        try:
+            return check_codec_name(v)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_validator("remote_url")
+    @classmethod
+    def _scheme_served(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        from kvmesh.tiers.base import served_schemes
+
+        scheme = urlsplit(v).scheme
+        served = served_schemes()
+        if scheme not in served:
+            why = f" ({_UNSERVED[scheme]})" if scheme in _UNSERVED else ""
+            raise ValueError(
+                f"kvmesh does not serve URL scheme {scheme!r}{why}; served schemes: {', '.join(served)}"
+            )
+        return v
 
     @field_validator("eviction_policy")
     @classmethod
@@ -106,59 +149,90 @@ class CacheConfig(BaseModel):
 
     # -- constructors --------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> CacheConfig:
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"config must be a mapping of keys to values, got {type(data).__name__}")
-        valid = sorted(cls.model_fields)
-        unknown = sorted(set(data) - set(valid))
-        if unknown:
+    def from_dict(cls, data: Mapping[str, Any], source: str = "dict") -> CacheConfig:
+        return cls.from_layers([(source, data)])
+
+    @classmethod
+    def from_layers(cls, layers: Iterable[tuple[str, Mapping[str, Any]]]) -> CacheConfig:
+        """One config from ``(source, keys)`` layers (later ones win), kvmesh's or LMCache's
+        keys. LMCache keys with no kvmesh equivalent are logged as warnings, or with
+        ``strict: true`` raise :class:`ConfigError`."""
+        values, readings = lmc.translate(layers, cls.model_fields)
+        unsupported = [r for r in readings if r.action == "unsupported"]
+        if unsupported and values.get("strict") is True:
             raise ConfigError(
-                f"unknown config key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(valid)}"
+                "strict: true and these keys have no kvmesh equivalent: "
+                + "; ".join(f"{r.key} [{r.source}]: {r.note}" for r in unsupported)
             )
+        cfg = cls._validated(values)
+        for r in unsupported:
+            log.warning("kvmesh config: %s [%s] not applied: %s", r.key, r.source, r.note)
+        cfg._readings = readings
+        return cfg
+
+    @classmethod
+    def _validated(cls, values: Mapping[str, Any]) -> CacheConfig:
         try:
-            return cls(**data)
+            return cls(**values)
         except ValidationError as exc:
             err = exc.errors()[0]
             where = ".".join(str(p) for p in err["loc"]) or "config"
-            raise ConfigError(f"config key {where!r}: {err['msg']} (got {err.get('input')!r})") from None
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            raise ConfigError(f"config key {where!r}: {msg} (got {err.get('input')!r})") from None
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> CacheConfig:
-        p = Path(path)
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
-        return cls.from_dict(data)
+        return cls.from_layers([read_file_layer(path)])
 
     @classmethod
     def from_env(
         cls, environ: Mapping[str, str] | None = None, base: Mapping[str, Any] | None = None
     ) -> CacheConfig:
-        """``KVMESH_CHUNK_SIZE=512`` sets ``chunk_size``; ``KVMESH_CONFIG_FILE`` names a YAML
-        file read first. Values are parsed as YAML scalars (``true``, ``2.5``, ``null``)."""
+        """``KVMESH_CHUNK_SIZE=512`` sets ``chunk_size``; ``KVMESH_CONFIG_FILE`` (or LMCache's
+        ``LMCACHE_CONFIG_FILE``) names a YAML file read first, then ``base``, then
+        ``LMCACHE_<KEY>`` variables, then ``KVMESH_<KEY>`` ones. Values are parsed as YAML
+        scalars (``true``, ``2.5``, ``null``)."""
+        return cls.from_layers(cls.env_layers(environ, base))
+
+    @classmethod
+    def env_layers(
+        cls, environ: Mapping[str, str] | None = None, base: Mapping[str, Any] | None = None
+    ) -> list[tuple[str, Mapping[str, Any]]]:
         env = os.environ if environ is None else environ
-        data: dict[str, Any] = dict(base or {})
-        cfg_file = env.get(ENV_PREFIX + "CONFIG_FILE")
+        layers: list[tuple[str, Mapping[str, Any]]] = []
+        cfg_file = env.get(ENV_PREFIX + "CONFIG_FILE") or env.get(LMCACHE_ENV_PREFIX + "CONFIG_FILE")
         if cfg_file:
-            data.update(cls.from_file(cfg_file).model_dump(exclude_unset=True))
-        for name, value in env.items():
-            if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG_FILE":
-                continue
-            key = name[len(ENV_PREFIX) :].lower()
-            if key not in cls.model_fields:
-                continue  # other KVMESH_* variables belong to the router, admin API, ...
-            parsed = yaml.safe_load(value) if value != "" else None
-            if parsed is not None and not isinstance(parsed, str) and cls._is_text_field(key):
-                parsed = value  # KVMESH_CACHE_SALT=123 is the salt "123", not the int 123
-            data[key] = parsed
-        return cls.from_dict(data)
+            layers.append(read_file_layer(cfg_file))
+        if base:
+            layers.append(("config", base))
+        for prefix in (LMCACHE_ENV_PREFIX, ENV_PREFIX):
+            for name, value in env.items():
+                if not name.startswith(prefix) or name == prefix + "CONFIG_FILE":
+                    continue
+                key = name[len(prefix) :].lower()
+                if not cls.accepts(key) or (prefix == ENV_PREFIX and key not in cls.model_fields):
+                    continue  # other KVMESH_* / LMCACHE_* variables belong elsewhere
+                parsed = yaml.safe_load(value) if value != "" else None
+                if parsed is not None and not isinstance(parsed, str) and cls._is_text_field(key):
+                    parsed = value  # KVMESH_CACHE_SALT=123 is the salt "123", not the int 123
+                layers.append((f"env {name}", {key: parsed}))
+        return layers
+
+    @classmethod
+    def accepts(cls, key: str) -> bool:
+        """Whether ``key`` is a kvmesh or LMCache configuration key (``lmcache.`` prefix allowed)."""
+        bare = key.removeprefix(lmc.LMCACHE_PREFIX)
+        return bare in cls.model_fields or lmc.is_lmcache_key(bare) or bare.startswith("mp.")
+
+    @property
+    def readings(self) -> list[lmc.KeyReading]:
+        """How each key given was read (``kvmesh config check`` prints these)."""
+        return list(self._readings)
 
     @classmethod
     def _is_text_field(cls, key: str) -> bool:
-        return cls.model_fields[key].annotation in (str, str | None)
+        field = cls.model_fields.get(key)
+        return field is not None and field.annotation in (str, str | None)
 
     # -- derived -------------------------------------------------------------------------
     @property
@@ -182,3 +256,19 @@ class CacheConfig(BaseModel):
         for name, field in cls.model_fields.items():
             rows.append((name, repr(field.default), field.description or ""))
         return rows
+
+
+def read_file_layer(path: str | os.PathLike[str]) -> tuple[str, Mapping[str, Any]]:
+    """``("file NAME", keys)`` of a YAML config file; errors name the file."""
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"config file {p}: config must be a mapping of keys to values, got {type(data).__name__}"
+        )
+    return f"file {p.name}", data

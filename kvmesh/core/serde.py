@@ -22,6 +22,12 @@ Codecs (the ``Codec`` seam, chosen by name from a registry):
 * ``zstd`` — zstd over byte planes: every element's bytes are split into planes (high and low
   bytes of 16-bit values apart) before compressing, which compresses KV far better than
   plain zstd because exponent bytes repeat and mantissa bytes do not.
+* ``safetensors`` — the KV as a safetensors blob (:mod:`kvmesh.core.codecs.safetensors_codec`).
+* ``cachegen`` — lossy, opt-in: CacheGen-style delta quantisation + entropy coding
+  (:mod:`kvmesh.core.codecs.cachegen`).
+
+LMCache's names are accepted: ``naive`` / ``torch`` = raw, ``safetensor`` = safetensors;
+``kivi`` (a stub in LMCache) is refused with a message.
 """
 
 from __future__ import annotations
@@ -60,22 +66,27 @@ def empty_buffer(nbytes: int) -> memoryview:
 
 
 class Codec(Protocol):
-    """Bytes in, bytes out. ``itemsize`` is the element size of the KV dtype."""
+    """Bytes in, bytes out, for ``n_tokens`` tokens of KV in ``layout``.
+
+    ``decode`` raises :class:`CorruptChunkError` for input it cannot decode; a lossless
+    codec (``lossless``) gives back exactly the bytes it was given."""
 
     name: str
+    lossless: bool
 
-    def encode(self, data: memoryview, itemsize: int) -> Buffer: ...
+    def encode(self, data: memoryview, layout: KVLayout, n_tokens: int) -> Buffer: ...
 
-    def decode(self, data: memoryview, itemsize: int, raw_len: int) -> Buffer: ...
+    def decode(self, data: memoryview, layout: KVLayout, n_tokens: int, raw_len: int) -> Buffer: ...
 
 
 class RawCodec:
     name = "raw"
+    lossless = True
 
-    def encode(self, data: memoryview, itemsize: int) -> Buffer:
+    def encode(self, data: memoryview, layout: KVLayout, n_tokens: int) -> Buffer:
         return data
 
-    def decode(self, data: memoryview, itemsize: int, raw_len: int) -> Buffer:
+    def decode(self, data: memoryview, layout: KVLayout, n_tokens: int, raw_len: int) -> Buffer:
         return data
 
 
@@ -83,17 +94,20 @@ class ZstdPlaneCodec:
     """zstd over byte planes (see module docstring)."""
 
     name = "zstd"
+    lossless = True
 
     def __init__(self, level: int = 3) -> None:
         self.level = level
 
-    def encode(self, data: memoryview, itemsize: int) -> Buffer:
+    def encode(self, data: memoryview, layout: KVLayout, n_tokens: int) -> Buffer:
+        itemsize = layout.itemsize
         arr = np.frombuffer(data, dtype=np.uint8)
         if itemsize > 1 and arr.size % itemsize == 0:
             arr = np.ascontiguousarray(arr.reshape(-1, itemsize).T)
         return zstandard.ZstdCompressor(level=self.level).compress(arr.tobytes())
 
-    def decode(self, data: memoryview, itemsize: int, raw_len: int) -> Buffer:
+    def decode(self, data: memoryview, layout: KVLayout, n_tokens: int, raw_len: int) -> Buffer:
+        itemsize = layout.itemsize
         try:
             out = zstandard.ZstdDecompressor().decompress(bytes(data), max_output_size=raw_len)
         except zstandard.ZstdError as exc:
@@ -106,17 +120,53 @@ class ZstdPlaneCodec:
         return out
 
 
-CODECS: dict[str, Callable[[], Codec]] = {"raw": RawCodec, "zstd": ZstdPlaneCodec}
-# LMCache's serde names, accepted so its config files work unchanged.
-CODEC_ALIASES = {"naive": "raw", "kv": "raw"}
+def _safetensors() -> Codec:
+    from kvmesh.core.codecs.safetensors_codec import SafetensorsCodec
+
+    return SafetensorsCodec()
+
+
+def _cachegen() -> Codec:
+    from kvmesh.core.codecs.cachegen import CacheGenCodec
+
+    return CacheGenCodec()
+
+
+# Codecs load on first use: raw and zstd never import torch or constriction.
+CODECS: dict[str, Callable[[], Codec]] = {
+    "raw": RawCodec,
+    "zstd": ZstdPlaneCodec,
+    "safetensors": _safetensors,
+    "cachegen": _cachegen,
+}
+# LMCache's serde names (v1 and v0), accepted so its config files work unchanged.
+CODEC_ALIASES = {"naive": "raw", "kv": "raw", "torch": "raw", "safetensor": "safetensors"}
+REFUSED_CODECS = {
+    "kivi": "LMCache's kivi serde is a stub there (it stores the KV unchanged); use raw, zstd, "
+    "or cachegen for a smaller lossy encoding",
+}
+_INSTANCES: dict[str, Codec] = {}
+
+
+def check_codec_name(name: str) -> str:
+    """The canonical name of codec ``name`` (LMCache's names allowed), or ConfigError."""
+    if name in REFUSED_CODECS:
+        raise ConfigError(f"codec {name!r} is not supported: {REFUSED_CODECS[name]}")
+    canonical = CODEC_ALIASES.get(name, name)
+    if canonical not in CODECS:
+        raise ConfigError(
+            f"unknown codec {name!r}; valid codecs: {', '.join(sorted(CODECS))} "
+            f"(LMCache names: {', '.join(f'{k} = {v}' for k, v in sorted(CODEC_ALIASES.items()))})"
+        )
+    return canonical
 
 
 def get_codec(name: str) -> Codec:
-    name = CODEC_ALIASES.get(name, name)
-    try:
-        return CODECS[name]()
-    except KeyError:
-        raise ConfigError(f"unknown codec {name!r}; valid codecs: {', '.join(sorted(CODECS))}") from None
+    canonical = check_codec_name(name)
+    codec = _INSTANCES.get(canonical)
+    if codec is None:  # codecs hold no per-call state: one instance each is enough
+        codec = _INSTANCES[canonical] = CODECS[canonical]()
+    return codec
 
 
 @dataclass(frozen=True)
@@ -147,13 +197,13 @@ def encode(
     without concatenating a large payload."""
     raw = memoryview(payload).cast("B")
     cod = get_codec(codec)
-    body = cod.encode(raw, layout.itemsize)
     n_tokens = len(tokens)
     if raw.nbytes != n_tokens * layout.bytes_per_token:
         raise ValueError(
             f"payload is {raw.nbytes} bytes, expected {n_tokens * layout.bytes_per_token} "
             f"for {n_tokens} tokens of layout {layout}"
         )
+    body = cod.encode(raw, layout, n_tokens)
     meta = {
         "key": str(key),
         "layout": layout.to_dict(),
@@ -233,7 +283,7 @@ def decode_payload(header: ChunkHeader, body: Buffer) -> Buffer:
         raise CorruptChunkError("payload checksum mismatch")
     if header.codec not in CODECS:
         raise CorruptChunkError(f"unknown codec {header.codec!r} in chunk header")
-    raw = get_codec(header.codec).decode(mv, header.layout.itemsize, header.raw_len)
+    raw = get_codec(header.codec).decode(mv, header.layout, len(header.tokens), header.raw_len)
     if memoryview(raw).nbytes != header.raw_len:
         raise CorruptChunkError("decoded payload has the wrong length")
     return raw

@@ -220,6 +220,8 @@ _BUILTIN_MODULES = {
     "unix": "kvmesh.tiers.redis",
     "valkey": "kvmesh.tiers.redis",
     "fs": "kvmesh.tiers.fs",
+    "s3": "kvmesh.tiers.s3",
+    "redis-cluster": "kvmesh.tiers.redis_cluster",
     "mem": "kvmesh.tiers.testing",
     "faulty": "kvmesh.tiers.testing",
 }
@@ -246,6 +248,11 @@ def open_tier(url: str, options: TierOptions | None = None) -> Tier:
         known = sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
         raise ConfigError(f"no tier for URL {url!r} (scheme {scheme!r}); known schemes: {', '.join(known)}")
     return factory(url, options or TierOptions())
+
+
+def served_schemes() -> list[str]:
+    """Every URL scheme :func:`open_tier` can open (config validation lists these)."""
+    return sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
 
 
 def url_path(url: str) -> str:

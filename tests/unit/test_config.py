@@ -98,9 +98,10 @@ def test_unreadable_or_invalid_yaml_file(tmp_path: Path) -> None:
 
 def test_yaml_file_with_unknown_key_names_it(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text(LMCACHE_YAML + "use_layerwise: true\n")
-    with pytest.raises(ConfigError, match="use_layerwise"):
+    path.write_text(LMCACHE_YAML + "use_layerwize: true\n")  # a typo, not LMCache's use_layerwise
+    with pytest.raises(ConfigError, match="use_layerwize") as exc:
         CacheConfig.from_file(path)
+    assert "c.yaml" in str(exc.value)
 
 
 def test_from_env() -> None:

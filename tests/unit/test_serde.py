@@ -27,7 +27,7 @@ def _bytes_of(kv: torch.Tensor) -> np.ndarray:
     return kv.contiguous().view(torch.uint8).reshape(-1).numpy()
 
 
-@pytest.mark.parametrize("codec", ["raw", "zstd"])
+@pytest.mark.parametrize("codec", ["raw", "zstd", "safetensors"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_round_trip(codec: str, dtype: str) -> None:
     key, layout, tokens, kv = _chunk(dtype)
@@ -45,7 +45,7 @@ def test_round_trip(codec: str, dtype: str) -> None:
     assert torch.equal(back, kv)
 
 
-@pytest.mark.parametrize("codec", ["raw", "zstd"])
+@pytest.mark.parametrize("codec", ["raw", "zstd", "safetensors"])
 def test_round_trip_of_special_values(codec: str) -> None:
     layout = KVLayout(1, 1, 8, "float16")
     tokens = np.arange(4, dtype=np.uint32)
@@ -76,7 +76,7 @@ def test_zstd_byte_planes_beat_plain_zstd_on_smooth_float16() -> None:
     noise = 0.01 * torch.randn(layout.shape(n), generator=gen)
     kv = (torch.sin(t + d) + noise).to(torch.float16).contiguous()
     raw = _bytes_of(kv)
-    planes = serde.ZstdPlaneCodec(level=3).encode(memoryview(raw), 2)
+    planes = serde.ZstdPlaneCodec(level=3).encode(memoryview(raw), layout, n)
     plain = zstandard.ZstdCompressor(level=3).compress(raw.tobytes())
     assert len(planes) < 0.9 * len(plain), (len(planes), len(plain), raw.nbytes)
     blob = serde.encode_bytes("k", layout, np.arange(n, dtype=np.uint32), raw, "zstd")
@@ -92,11 +92,11 @@ def _small_blob(codec: str) -> tuple[bytes, str]:
     return serde.encode_bytes(key, layout, tokens, _bytes_of(kv), codec), key.text
 
 
-@pytest.mark.parametrize("codec", ["raw", "zstd"])
+@pytest.mark.parametrize("codec", ["raw", "zstd", "safetensors", "cachegen"])
 @pytest.mark.parametrize("mask", [0x01, 0x80, 0xFF])
 def test_every_single_byte_flip_is_detected(codec: str, mask: int) -> None:
     blob, key = _small_blob(codec)
-    assert len(blob) < 1024  # small enough to try every position
+    assert len(blob) < 2048  # small enough to try every position
     serde.decode(blob, expected_key=key)  # the intact blob decodes
     undetected = []
     for pos in range(len(blob)):
@@ -111,7 +111,7 @@ def test_every_single_byte_flip_is_detected(codec: str, mask: int) -> None:
     assert not undetected, f"flips not detected at {undetected[:10]} of {len(blob)} bytes"
 
 
-@pytest.mark.parametrize("codec", ["raw", "zstd"])
+@pytest.mark.parametrize("codec", ["raw", "zstd", "safetensors", "cachegen"])
 def test_truncation_is_detected(codec: str) -> None:
     blob, key = _small_blob(codec)
     for n in range(len(blob)):
@@ -166,3 +166,40 @@ def test_payload_of_the_wrong_size_is_refused_on_encode() -> None:
     key, layout, tokens, kv = _chunk("float32")
     with pytest.raises(ValueError, match="expected"):
         serde.encode(key, layout, tokens, _bytes_of(kv)[:-4], "raw")
+
+
+def test_lmcache_v0_and_v1_codec_names() -> None:
+    assert serde.get_codec("safetensor").name == "safetensors"
+    assert serde.get_codec("torch").name == "raw"
+    assert serde.get_codec("cachegen").lossless is False
+    assert all(serde.get_codec(n).lossless for n in ("raw", "zstd", "safetensors"))
+
+
+def test_kivi_is_refused_with_a_reason() -> None:
+    with pytest.raises(ConfigError, match=r"kivi.*not supported.*stub"):
+        serde.get_codec("kivi")
+
+
+def test_safetensors_payload_is_a_safetensors_file() -> None:
+    from safetensors.torch import load
+
+    key, layout, tokens, kv = _chunk("bfloat16")
+    _head, body = serde.encode(key, layout, tokens, _bytes_of(kv), "safetensors")
+    tensors = load(bytes(body))
+    assert torch.equal(tensors["kv"], kv)
+
+
+def test_cachegen_is_smaller_and_close_on_smooth_kv() -> None:
+    layout = KVLayout(4, 2, 64, "bfloat16")
+    n = 256
+    t = torch.linspace(0, 8, n).view(1, 1, n, 1, 1)
+    d = torch.linspace(0, 3, 64).view(1, 1, 1, 1, 64)
+    gen = torch.Generator().manual_seed(1)
+    kv = (torch.sin(t + d) + 0.01 * torch.randn(layout.shape(n), generator=gen)).to(torch.bfloat16)
+    blob = serde.encode_bytes("k", layout, np.arange(n, dtype=np.uint32), _bytes_of(kv), "cachegen")
+    header, raw = serde.decode(blob, expected_key="k")
+    assert header.codec == "cachegen"
+    back = torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).view(layout.shape(n))
+    assert len(blob) * 6 < kv.numel() * 2
+    rel = (back.float() - kv.float()).norm() / kv.float().norm()
+    assert rel < 0.1, rel

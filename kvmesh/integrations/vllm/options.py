@@ -49,7 +49,7 @@ class ConnectorOptions:
         base: dict[str, Any] = {}
         if own.get("config_file"):
             base.update(CacheConfig.from_file(str(own["config_file"])).model_dump(exclude_unset=True))
-        unknown = sorted(set(extra) - set(CacheConfig.model_fields))
+        unknown = sorted(k for k in extra if not CacheConfig.accepts(k))  # LMCache's keys too
         if unknown:
             raise ConfigError(
                 f"unknown kv_connector_extra_config key(s) {', '.join(map(repr, unknown))}; "

@@ -1,0 +1,275 @@
+"""Redis Cluster tier: ``redis-cluster://[user:pass@]host:port,host:port,...`` (LMCache's
+scheme; ``valkey://`` with LMCache's ``extra_config.valkey_mode: cluster`` maps onto it).
+
+Chunks spread over the cluster's shards by key: every chunk is one Redis hash (see
+:mod:`kvmesh.tiers.redis`), so its header and all its parts live in one slot, on one
+shard, with no hash tag needed, and a batch read is one pipeline per shard, run in
+parallel. Each primary is served by its own :class:`~kvmesh.tiers.redis.RedisTier` (its
+own retries, breaker and probe), so a shard that is down is a miss for its keys only; the
+others keep answering. For that the servers must run with
+``cluster-require-full-coverage no`` (else every node refuses commands while one slot is
+uncovered) — or have replicas, whose promotion the slot map picks up.
+
+The slot map (``CLUSTER SLOTS``, from any node that answers) is refreshed in the
+background every ``10 * probe_interval_s`` and when a shard's requests fail, so failovers
+and resharding reach the tier within seconds; until then keys of moved slots are misses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import redis
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+
+from kvmesh.config_lmcache import redact_url
+from kvmesh.core.keys import ChunkKey
+from kvmesh.errors import ConfigError
+from kvmesh.metrics import TierMetrics
+from kvmesh.tiers.base import ChunkData, Into, TierOptions, register_tier
+from kvmesh.tiers.redis import RedisTier
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Addr = tuple[str, int]
+
+
+class _ShardMetrics(TierMetrics):
+    """A shard's counters add up into the cluster tier's; its ``up`` gauge stays its own."""
+
+    def __init__(self, parent: TierMetrics, addr: Addr) -> None:
+        super().__init__(f"{parent.tier}@{addr[0]}:{addr[1]}")
+        self.parent = parent
+
+    def inc(self, name: str, value: int = 1) -> None:
+        super().inc(name, value)
+        self.parent.inc(name, value)
+
+
+class RedisClusterTier:
+    """A remote tier over the primaries of a Redis (or Valkey) Cluster."""
+
+    def __init__(self, url: str, options: TierOptions) -> None:
+        self.name = options.name or "redis-cluster"
+        self.metrics = options.metrics
+        self.url = redact_url(url)
+        self.options = options
+        self._auth, self.seeds = _parse(url)
+        self._lock = threading.Lock()
+        self._shards: dict[Addr, RedisTier] = {}
+        self._slots: list[Addr | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
+        self._closed = threading.Event()
+        self._stale = threading.Event()
+        self._pool = ThreadPoolExecutor(8, thread_name_prefix=f"kvmesh-{self.name}")
+        if not self._refresh():
+            log.warning(
+                "kvmesh tier %s: no node of %s answers CLUSTER SLOTS; starting down", self.name, self.url
+            )
+        self._refresher = threading.Thread(
+            target=self._refresh_loop, name=f"kvmesh-slots-{self.name}", daemon=True
+        )
+        self._refresher.start()
+
+    # ---- the slot map -------------------------------------------------------------------
+    def _refresh(self) -> bool:
+        """Reload the slot map from the first node that answers; open tiers for new primaries."""
+        with self._lock:
+            known = list(self._shards)
+        for host, port in dict.fromkeys([*known, *self.seeds]):
+            client = redis.Redis(
+                host=host,
+                port=port,
+                socket_timeout=1.0,
+                socket_connect_timeout=1.0,
+                username=self._auth.get("username"),
+                password=self._auth.get("password"),
+            )
+            try:
+                reply: list[Any] = client.execute_command("CLUSTER", "SLOTS")
+            except (redis.RedisError, OSError):
+                continue
+            finally:
+                with contextlib.suppress(redis.RedisError, OSError):
+                    client.close()
+            slots: list[Addr | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
+            # each entry: [start, end, [primary host, port, id, ...], replicas...]
+            for start, end, primary, *_replicas in reply:
+                h = primary[0].decode() if isinstance(primary[0], bytes) else str(primary[0])
+                addr = (h or host, int(primary[1]))
+                slots[int(start) : int(end) + 1] = [addr] * (int(end) - int(start) + 1)
+            self._install(slots)
+            return True
+        return False
+
+    def _install(self, slots: list[Addr | None]) -> None:
+        wanted = {a for a in slots if a is not None}
+        with self._lock:
+            new = [a for a in wanted if a not in self._shards]
+        opened = {a: self._open_shard(a) for a in new}  # outside the lock: opening pings
+        with self._lock:
+            self._shards.update(opened)
+            self._slots = slots
+            self.metrics.set("shards", len(wanted))
+        self._stale.clear()
+
+    def _open_shard(self, addr: Addr) -> RedisTier:
+        user, password = self._auth.get("username"), self._auth.get("password")
+        auth = f"{user or ''}:{password}@" if password else ""
+        opts = replace(
+            self.options, name=f"{self.name}@{addr[0]}:{addr[1]}", metrics=_ShardMetrics(self.metrics, addr)
+        )
+        return RedisTier(f"redis://{auth}{addr[0]}:{addr[1]}/0", opts)
+
+    def _refresh_loop(self) -> None:
+        interval = max(0.2, 10 * self.options.probe_interval_s)
+        while not self._closed.is_set():
+            self._stale.wait(interval)
+            if self._closed.is_set():
+                return
+            self._refresh()
+            self._update_up()
+
+    def _update_up(self) -> None:
+        self.metrics.set("up", 1 if self.health() != "down" else 0)
+
+    # ---- routing ------------------------------------------------------------------------
+    def _route(self, keys: Sequence[ChunkKey]) -> dict[Addr | None, list[int]]:
+        groups: dict[Addr | None, list[int]] = {}
+        slots = self._slots
+        for i, k in enumerate(keys):
+            groups.setdefault(slots[key_slot(k.text.encode())], []).append(i)
+        return groups
+
+    def _fan(
+        self, keys: Sequence[ChunkKey], op: Callable[[RedisTier, list[int]], list[T]], miss: T
+    ) -> list[T]:
+        out: list[T] = [miss] * len(keys)
+        groups = self._route(keys)
+        with self._lock:
+            shards = {a: self._shards.get(a) if a else None for a in groups}
+
+        def run(addr: Addr | None) -> None:
+            tier = shards[addr]
+            idx = groups[addr]
+            if tier is None:  # slot not covered (yet): a miss
+                self._stale.set()
+                return
+            results = op(tier, idx)
+            if tier.health() != "up":
+                self._stale.set()  # a failing shard may mean a failover: reload the map soon
+            for i, r in zip(idx, results, strict=True):
+                out[i] = r
+
+        list(self._pool.map(run, list(groups)))
+        return out
+
+    # ---- the Tier protocol --------------------------------------------------------------
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return self._fan(keys, lambda t, idx: t.contains([keys[i] for i in idx]), False)
+
+    def get(self, keys: Sequence[ChunkKey], into: Into | None = None) -> list[ChunkData | None]:
+        uncovered = sum(len(v) for a, v in self._route(keys).items() if a is None)
+        self.metrics.inc("misses", uncovered)
+        return self._fan(keys, lambda t, idx: t.get([keys[i] for i in idx], into), None)
+
+    def put(self, keys: Sequence[ChunkKey], chunks: Sequence[ChunkData]) -> list[bool]:
+        if len(keys) != len(chunks):
+            raise ValueError(f"put got {len(keys)} keys but {len(chunks)} chunks; pass one chunk per key")
+        return self._fan(keys, lambda t, idx: t.put([keys[i] for i in idx], [chunks[i] for i in idx]), False)
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        return sum(self._fan(keys, lambda t, idx: _delete_by_slot(t, [keys[i] for i in idx]), 0))
+
+    def clear(self) -> int:
+        """Delete every kvmesh chunk on every reachable shard; other keys are left alone."""
+        removed = 0
+        for t in self._tiers():
+            keys = []
+            for text in t.keys():  # noqa: SIM118 - a tier's chunk keys, not a dict
+                with contextlib.suppress(ValueError):
+                    keys.append(ChunkKey.parse(text, self.options.chunk_size))
+            removed += sum(_delete_by_slot(t, keys))
+        return removed
+
+    def keys(self) -> Iterator[str]:
+        for t in self._tiers():
+            yield from t.keys()
+
+    def recode(self, keys: Sequence[ChunkKey], codec: str) -> tuple[int, int]:
+        before = after = 0
+        for addr, idx in self._route(keys).items():
+            tier = self._shards.get(addr) if addr else None
+            if tier is not None:
+                b, a = tier.recode([keys[i] for i in idx], codec)
+                before, after = before + b, after + a
+        return before, after
+
+    def _tiers(self) -> list[RedisTier]:
+        with self._lock:
+            return list(self._shards.values())
+
+    def health(self) -> str:
+        tiers = self._tiers()
+        if self._closed.is_set() or not tiers:
+            return "down"
+        states = {t.health() for t in tiers}
+        if states == {"up"} and None not in self._slots:
+            return "up"
+        return "down" if states == {"down"} else "degraded"
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._stale.set()
+        self._refresher.join(timeout=5)
+        self._pool.shutdown(wait=True)
+        for t in self._tiers():
+            t.close()
+
+
+def _delete_by_slot(tier: RedisTier, keys: Sequence[ChunkKey]) -> list[int]:
+    """``tier.delete`` one slot at a time (a multi-key UNLINK across slots is a CROSSSLOT
+    error in a cluster). Returns one count per key: the keys deleted, spread for ``_fan``."""
+    by_slot: dict[int, list[ChunkKey]] = {}
+    for k in keys:
+        by_slot.setdefault(key_slot(k.text.encode()), []).append(k)
+    total = sum(tier.delete(group) for group in by_slot.values())
+    return [total] + [0] * (len(keys) - 1) if keys else []
+
+
+def _parse(url: str) -> tuple[dict[str, str], list[Addr]]:
+    """Auth and seed nodes of ``redis-cluster://[user:pass@]h:p,h:p``."""
+    rest = url.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0]
+    auth: dict[str, str] = {}
+    if "@" in rest:
+        cred, rest = rest.rsplit("@", 1)
+        user, _, password = cred.partition(":")
+        if password:
+            auth["password"] = password
+            if user:
+                auth["username"] = user
+        elif user:
+            auth["password"] = user  # redis-cluster://secret@h:p: a password alone
+    seeds: list[Addr] = []
+    for part in rest.split(","):
+        p = urlsplit("//" + part.strip())
+        if not p.hostname or not p.port:
+            raise ConfigError(
+                f"redis-cluster URL {redact_url(url)!r}: node {part!r} is not host:port; "
+                "write redis-cluster://host:port,host:port,..."
+            )
+        seeds.append((p.hostname, p.port))
+    return auth, seeds
+
+
+@register_tier("redis-cluster")
+def _open_cluster(url: str, options: TierOptions) -> RedisClusterTier:
+    return RedisClusterTier(url, options)

@@ -1,0 +1,414 @@
+"""S3 tier: ``s3://bucket/prefix`` (any S3-compatible server).
+
+URL forms: ``s3://bucket/prefix`` and LMCache's virtual-host form
+``s3://bucket.s3.<region>.amazonaws.com/prefix``. Query parameters (LMCache's
+``extra_config`` S3 keys are mapped onto these by the config): ``endpoint_url``,
+``region``, ``access_key_id``, ``secret_access_key``, ``max_concurrency`` (parallel
+requests, default 16), ``range_bytes`` (size of one ranged GET, default 8 MiB),
+``multipart_bytes`` (objects larger than this are uploaded in parts, default 64 MiB),
+``disable_tls``. Otherwise botocore's usual sources apply: ``AWS_ENDPOINT_URL``,
+``AWS_REGION``, ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, ``~/.aws``.
+
+Layout: one object per chunk, ``<prefix>/<chunk key>``, holding the serialized chunk
+(header then payload). A read GETs the first ``range_bytes`` (which holds the header and,
+for most chunks, the whole payload); a larger object's remaining ranges are fetched in
+parallel straight into the destination buffer. Every read is verified (header key,
+payload checksum); a corrupt object is deleted and counted, a missing one is a miss.
+
+Failures: connection errors, timeouts and 5xx/throttling answers are retried with
+jittered exponential backoff; after ``failure_threshold`` consecutive failures a breaker
+marks the tier down (misses and ``False`` at once, no network) until a background
+``HeadBucket`` succeeds. Nothing botocore raises leaves a method.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, urlsplit
+
+import numpy as np
+
+from kvmesh.config_lmcache import redact_url
+from kvmesh.core import serde
+from kvmesh.core.keys import ChunkKey
+from kvmesh.core.serde import Buffer, ChunkHeader
+from kvmesh.errors import ConfigError, CorruptChunkError, TierUnavailableError
+from kvmesh.tiers.base import ChunkData, Into, TierOptions, counted_read, payload_buffer, register_tier
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_VHOST = re.compile(r"^(?P<bucket>[^.]+)\.s3[.-](?:(?P<region>[a-z0-9-]+)\.)?amazonaws\.com$")
+_MISSING = {"404", "NoSuchKey", "NotFound"}
+_MIN_PART = 5 << 20  # S3's smallest multipart part (all but the last)
+
+
+class S3Tier:
+    """A remote tier on an S3 bucket; see the module docstring."""
+
+    def __init__(self, url: str, options: TierOptions, failure_threshold: int = 3) -> None:
+        import boto3
+        from botocore.config import Config
+
+        self.name = options.name or "s3"
+        self.metrics = options.metrics
+        self.codec = serde.get_codec(options.codec).name
+        self.url = redact_url(url)
+        q = _parse(url)
+        self.bucket, self.prefix = q.pop("bucket"), q.pop("prefix")
+        self.range_bytes = max(64 << 10, int(q.pop("range_bytes", 8 << 20)))
+        self.multipart_bytes = max(_MIN_PART, int(q.pop("multipart_bytes", 64 << 20)))
+        workers = max(1, int(q.pop("max_concurrency", 16)))
+        self.retries = max(0, options.retries)
+        self.failure_threshold = max(1, failure_threshold)
+        self.probe_interval_s = options.probe_interval_s
+        session = boto3.session.Session(
+            aws_access_key_id=q.pop("access_key_id", None),
+            aws_secret_access_key=q.pop("secret_access_key", None),
+            region_name=q.pop("region", None),
+        )
+        no_tls = q.pop("disable_tls", "false").lower() in ("1", "true", "yes")
+        endpoint = q.pop("endpoint_url", None)
+        if q:
+            raise ConfigError(f"s3 URL {self.url!r}: unknown parameter(s) {', '.join(sorted(q))}")
+        # botocore's retries are off: the tier retries whole operations and counts every
+        # failed attempt towards its breaker, which hidden retries would blur.
+        cfg = Config(
+            connect_timeout=options.timeout_s,
+            read_timeout=options.timeout_s,
+            retries={"max_attempts": 1, "mode": "standard"},
+            max_pool_connections=workers + 2,
+        )
+        self._client = session.client("s3", endpoint_url=endpoint, use_ssl=not no_tls, config=cfg)
+        probe_cfg = cfg.merge(Config(connect_timeout=1.0, read_timeout=1.0))
+        self._probe_client = session.client("s3", endpoint_url=endpoint, use_ssl=not no_tls, config=probe_cfg)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"kvmesh-{self.name}")
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._up = threading.Event()
+        self._closed = threading.Event()
+        if self._ping():
+            self._mark_up()
+        else:
+            log.warning("kvmesh tier %s: %s unreachable at start; starting down", self.name, self.url)
+            self.metrics.set("up", 0)
+        self._probe = threading.Thread(target=self._probe_loop, name=f"kvmesh-probe-{self.name}", daemon=True)
+        self._probe.start()
+
+    def _object(self, key: ChunkKey | str) -> str:
+        text = key.text if isinstance(key, ChunkKey) else key
+        return f"{self.prefix}{text}"
+
+    # ---- the Tier protocol ------------------------------------------------------------
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        def one(k: ChunkKey) -> bool:
+            return (
+                self._guard(lambda: self._client.head_object(Bucket=self.bucket, Key=self._object(k)))
+                is not None
+            )
+
+        return self._map(one, keys, False)
+
+    def get(self, keys: Sequence[ChunkKey], into: Into | None = None) -> list[ChunkData | None]:
+        items = self._map(lambda k: self._read(k, into), keys, None)
+        return [counted_read(self.metrics, k, item) for k, item in zip(keys, items, strict=True)]
+
+    def put(self, keys: Sequence[ChunkKey], chunks: Sequence[ChunkData]) -> list[bool]:
+        if len(keys) != len(chunks):
+            raise ValueError(f"put got {len(keys)} keys but {len(chunks)} chunks; pass one chunk per key")
+        if not self._up.is_set() or self._closed.is_set():
+            self.metrics.inc("skipped_stores", len(keys))
+            return [False] * len(keys)
+
+        def one(pair: tuple[ChunkKey, ChunkData]) -> bool:
+            k, c = pair
+            head, body = serde.encode(k, c.layout, c.tokens, c.data, self.codec)
+            ok = self._write(self._object(k), head, body)
+            self.metrics.inc("stores" if ok else "skipped_stores")
+            if ok:
+                self.metrics.inc("bytes_in", len(head) + memoryview(body).nbytes)
+            return ok
+
+        return self._map(one, list(zip(keys, chunks, strict=True)), False)
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        n = self._delete_objects([self._object(k) for k in keys], existing_only=True)
+        self.metrics.inc("deletes", n)
+        return n
+
+    def clear(self) -> int:
+        """Delete every kvmesh chunk under the prefix; other objects are left alone."""
+        n = self._delete_objects(list(self._list()), existing_only=False)
+        self.metrics.inc("deletes", n)
+        return n
+
+    def keys(self) -> Iterator[str]:
+        for name in self._list():
+            yield name[len(self.prefix) :]
+
+    def health(self) -> str:
+        if self._closed.is_set() or not self._up.is_set():
+            return "down"
+        return "degraded" if self._failures else "up"
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._probe.join(timeout=max(2.0, self.probe_interval_s + 1.0))
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for client in (self._client, self._probe_client):
+            with contextlib.suppress(Exception):
+                client.close()
+
+    # ---- reads and writes -------------------------------------------------------------
+    def _map(self, fn: Callable[[Any], T], items: Sequence[Any], down: T) -> list[T]:
+        if not items:
+            return []
+        if not self._up.is_set() or self._closed.is_set():
+            return [down] * len(items)
+        return list(self._pool.map(fn, items))
+
+    def _get_range(self, name: str, start: int, end: int) -> tuple[bytes, int] | None:
+        """Bytes ``[start, end]`` of object ``name`` and its total size; None if absent."""
+        reply = self._guard(
+            lambda: self._client.get_object(Bucket=self.bucket, Key=name, Range=f"bytes={start}-{end}")
+        )
+        if reply is None:
+            return None
+        total = int(str(reply.get("ContentRange", "")).rsplit("/", 1)[-1] or reply["ContentLength"])
+        data = self._guard(lambda: reply["Body"].read())
+        # a body cut off by a failing server is a miss, not a corrupt object to delete
+        return None if data is None else (data, total)
+
+    def _read(self, key: ChunkKey, into: Into | None) -> tuple[ChunkHeader, Buffer, int] | None:
+        name = self._object(key)
+        first = self._get_range(name, 0, self.range_bytes - 1)
+        if first is None:
+            return None
+        data, total = first
+        try:
+            header = serde.decode_header(data, expected_key=key.text)
+            hsize = header.header_size
+            if hsize + header.payload_len != total:
+                raise CorruptChunkError(f"object is {total} bytes, header says {hsize + header.payload_len}")
+            body = payload_buffer(into, header.payload_len, header.codec)
+            out = np.frombuffer(body, dtype=np.uint8)
+            have = data[hsize:]
+            out[: len(have)] = np.frombuffer(have, dtype=np.uint8)
+            if not self._fetch_rest(name, out, len(data), hsize, total):
+                return None
+            raw = serde.decode_payload(header, body)
+        except CorruptChunkError as exc:
+            log.warning("kvmesh tier %s: dropping corrupt chunk %s: %s", self.name, key.text, exc)
+            self.metrics.inc("corrupt")
+            self._guard(lambda: self._client.delete_object(Bucket=self.bucket, Key=name))
+            return None
+        return header, raw, total
+
+    def _fetch_rest(self, name: str, out: np.ndarray, pos: int, hsize: int, total: int) -> bool:
+        """Fetch bytes ``[pos, total)`` in parallel ranged GETs into ``out`` (payload-relative)."""
+        ranges = [(s, min(s + self.range_bytes, total) - 1) for s in range(pos, total, self.range_bytes)]
+        if not ranges:
+            return True
+
+        def fetch(r: tuple[int, int]) -> bool:
+            got = self._get_range(name, r[0], r[1])
+            if got is None or len(got[0]) != r[1] - r[0] + 1:
+                return False
+            out[r[0] - hsize : r[1] + 1 - hsize] = np.frombuffer(got[0], dtype=np.uint8)
+            return True
+
+        # Threads of their own, not the tier's pool: a pool worker waiting on work queued
+        # behind it in the same pool could deadlock a busy tier.
+        with ThreadPoolExecutor(min(8, len(ranges))) as ex:
+            return all(ex.map(fetch, ranges))
+
+    def _write(self, name: str, head: bytes, body: Buffer) -> bool:
+        size = len(head) + memoryview(body).nbytes
+        if size <= self.multipart_bytes:
+            blob = head + bytes(body)
+            return (
+                self._guard(lambda: self._client.put_object(Bucket=self.bucket, Key=name, Body=blob))
+                is not None
+            )
+        return self._write_multipart(name, head, memoryview(body).cast("B"), size)
+
+    def _write_multipart(self, name: str, head: bytes, body: memoryview, size: int) -> bool:
+        up = self._guard(lambda: self._client.create_multipart_upload(Bucket=self.bucket, Key=name))
+        if up is None:
+            return False
+        uid = up["UploadId"]
+        part = max(_MIN_PART, self.range_bytes)
+        cuts = list(range(0, size, part))
+
+        def send(i: int) -> dict[str, Any] | None:
+            s, e = cuts[i], min(cuts[i] + part, size)
+            # only the first part holds the header; payload bytes are sliced, not copied twice
+            data = (
+                (head + bytes(body[: e - len(head)]))
+                if s == 0
+                else bytes(body[s - len(head) : e - len(head)])
+            )
+            r = self._guard(
+                lambda: self._client.upload_part(
+                    Bucket=self.bucket, Key=name, UploadId=uid, PartNumber=i + 1, Body=data
+                )
+            )
+            return None if r is None else {"ETag": r["ETag"], "PartNumber": i + 1}
+
+        with ThreadPoolExecutor(min(8, len(cuts))) as ex:
+            parts = list(ex.map(send, range(len(cuts))))
+        if any(p is None for p in parts):
+            self._guard(
+                lambda: self._client.abort_multipart_upload(Bucket=self.bucket, Key=name, UploadId=uid)
+            )
+            return False
+        done = self._guard(
+            lambda: self._client.complete_multipart_upload(
+                Bucket=self.bucket, Key=name, UploadId=uid, MultipartUpload={"Parts": parts}
+            )
+        )
+        return done is not None
+
+    def _list(self) -> Iterator[str]:
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix + "kvm1-"}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page: dict[str, Any] | None = self._guard(partial(self._client.list_objects_v2, **kwargs))
+            if page is None:
+                return
+            for obj in page.get("Contents", []):
+                yield str(obj["Key"])
+            token = page.get("NextContinuationToken")
+            if not token:
+                return
+
+    def _delete_objects(self, names: list[str], existing_only: bool) -> int:
+        if existing_only:
+            names = [n for n, ok in zip(names, self._map(self._exists, names, False), strict=True) if ok]
+        removed = 0
+        for i in range(0, len(names), 1000):
+            objects = [{"Key": n} for n in names[i : i + 1000]]
+            batch = {"Objects": objects, "Quiet": True}
+            reply: dict[str, Any] | None = self._guard(
+                partial(self._client.delete_objects, Bucket=self.bucket, Delete=batch)
+            )
+            if reply is not None:
+                removed += len(objects) - len(reply.get("Errors", []))
+        return removed
+
+    def _exists(self, name: str) -> bool:
+        return self._guard(lambda: self._client.head_object(Bucket=self.bucket, Key=name)) is not None
+
+    # ---- retries and the circuit breaker ----------------------------------------------
+    def _guard(self, op: Callable[[], T]) -> T | None:
+        """Run ``op`` with retries; ``None`` for a missing object or when it could not run."""
+        try:
+            return self._run(op)
+        except (TierUnavailableError, _Missing):
+            return None
+
+    def _run(self, op: Callable[[], T]) -> T:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        if self._closed.is_set():
+            raise TierUnavailableError(f"tier {self.name} is closed")
+        if not self._up.is_set():
+            raise TierUnavailableError(f"tier {self.name}: {self.url} is down")
+        attempt = 0
+        while True:
+            try:
+                result = op()
+            except ClientError as exc:
+                err = exc.response.get("Error", {})
+                status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+                if str(err.get("Code")) in _MISSING or status == 404:
+                    raise _Missing() from None
+                if status < 500 and err.get("Code") not in ("SlowDown", "Throttling", "RequestTimeout"):
+                    self.metrics.inc("errors")  # the server answered: a 4xx does not trip the breaker
+                    log.debug("kvmesh tier %s: %s", self.name, exc)
+                    raise TierUnavailableError(f"tier {self.name}: {exc}") from None
+                failure: BaseException = exc
+            except (BotoCoreError, OSError) as exc:
+                failure = exc
+            else:
+                with self._lock:
+                    self._failures = 0
+                return result
+            self.metrics.inc("errors")
+            if self._record_failure(failure) or attempt >= self.retries:
+                raise TierUnavailableError(f"tier {self.name}: {self.url} unreachable: {failure}") from None
+            attempt += 1
+            time.sleep(min(0.5, 0.02 * 2**attempt) * (0.5 + random.random() / 2))
+
+    def _record_failure(self, exc: BaseException) -> bool:
+        with self._lock:
+            self._failures += 1
+            if self._failures < self.failure_threshold and self._up.is_set():
+                return False
+            if self._up.is_set():
+                self._up.clear()
+                self.metrics.set("up", 0)
+                log.warning(
+                    "kvmesh tier %s: %d consecutive failures (%s); marking down",
+                    self.name,
+                    self._failures,
+                    exc,
+                )
+            return True
+
+    def _mark_up(self) -> None:
+        with self._lock:
+            self._failures = 0
+            self._up.set()
+        self.metrics.set("up", 1)
+
+    def _ping(self) -> bool:
+        try:
+            self._probe_client.head_bucket(Bucket=self.bucket)
+            return True
+        except Exception:  # any failure of the probe means "not up yet"
+            return False
+
+    def _probe_loop(self) -> None:
+        while not self._closed.wait(self.probe_interval_s):
+            if not self._up.is_set() and self._ping():
+                log.warning("kvmesh tier %s: %s answers again; marking up", self.name, self.url)
+                self._mark_up()
+
+
+class _Missing(Exception):
+    """The object does not exist (a miss, not a failure)."""
+
+
+def _parse(url: str) -> dict[str, str]:
+    parts = urlsplit(url)
+    q = dict(parse_qsl(parts.query))
+    host = parts.netloc
+    m = _VHOST.match(host)
+    if m:
+        host = m.group("bucket")
+        if m.group("region"):
+            q.setdefault("region", m.group("region"))
+    if not host:
+        raise ConfigError(f"s3 URL {redact_url(url)!r} names no bucket; write s3://bucket/prefix")
+    prefix = parts.path.strip("/")
+    q["bucket"] = host
+    q["prefix"] = prefix + "/" if prefix else ""
+    return q
+
+
+@register_tier("s3")
+def _open_s3(url: str, options: TierOptions) -> S3Tier:
+    return S3Tier(url, options)
