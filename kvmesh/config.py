@@ -49,6 +49,17 @@ class CacheConfig(BaseModel):
     eviction_policy: str = Field("lru", description=f"cpu eviction order: {' | '.join(POLICIES)}")
     disk_o_direct: bool = Field(False, description="write disk chunks with O_DIRECT (aligned buffers)")
     disk_io_trace: str | None = Field(None, description="path of a JSON-lines trace of every disk I/O")
+    disk_placement: Literal["none", "hints", "segments"] = Field(
+        "none",
+        description="disk layout by write lifetime: none (file per chunk) | hints (file per chunk + "
+        "F_SET_RW_HINT) | segments (per-class log segments of disk_ru_size)",
+    )
+    disk_ru_size: int = Field(
+        64 << 20, ge=1 << 20, description="bytes per segment = the drive's reclaim-unit size (segments)"
+    )
+    disk_placement_map: dict[str, str] | None = Field(
+        None, description="lifetime class -> none|short|medium|long|extreme (see kvmesh.tiers.placement)"
+    )
     remote_ttl_s: float | None = Field(None, gt=0, description="expire remote chunks after this many seconds")
     remote_part_size: int = Field(1 << 20, gt=0, le=512 << 20, description="bytes per Redis value part")
     remote_timeout_s: float = Field(5.0, gt=0, description="socket timeout of remote operations")

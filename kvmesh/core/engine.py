@@ -96,6 +96,9 @@ class CacheEngine:
             chunk_size=cfg.chunk_size,
             o_direct=cfg.disk_o_direct,
             io_trace=cfg.disk_io_trace if name == "disk" else None,
+            placement=cfg.disk_placement,
+            ru_size=cfg.disk_ru_size,
+            placement_map=cfg.disk_placement_map,
             ttl_s=cfg.remote_ttl_s,
             part_bytes=cfg.remote_part_size,
             timeout_s=cfg.remote_timeout_s,
@@ -159,11 +162,13 @@ class CacheEngine:
             except BaseException:
                 obj.release()
                 raise
+            # Lifetime class (kvmesh.tiers.placement): a partial tail is superseded soonest.
+            lifetime = "tail" if e - s < self.config.chunk_size else "store"
             if self.config.write_mode == "through":
                 for writer in self.writers.values():
-                    writer.submit(key, obj)
+                    writer.submit(key, obj, lifetime)
             elif "remote" in self.writers:
-                self.writers["remote"].submit(key, obj)
+                self.writers["remote"].submit(key, obj, lifetime)
             self.cpu.put(key, obj)
             stored_to = e
         return stored_to
@@ -175,7 +180,8 @@ class CacheEngine:
                     return
             except TierError:
                 return
-            self.writers["disk"].submit(key, obj)
+            tail = obj.tokens is not None and len(obj.tokens) < self.config.chunk_size
+            self.writers["disk"].submit(key, obj, "tail" if tail else "evict")
 
     # -- lookup --------------------------------------------------------------------------
     def _locate(self, keys: Sequence[ChunkKey]) -> list[str | None]:
@@ -424,9 +430,10 @@ class CacheEngine:
                     try:
                         if not t.contains([key])[0]:
                             raw = c.kv.contiguous().view(torch.uint8).reshape(-1).numpy().data
-                            if not t.put(
-                                [key], [ChunkData(key, self.layout, arr[c.start : c.end].copy(), raw)]
-                            )[0]:
+                            toks = arr[c.start : c.end].copy()
+                            # Moved here on purpose (prewarm, pin): the longest-lived class.
+                            chunk = ChunkData(key, self.layout, toks, raw, lifetime="pinned")
+                            if not t.put([key], [chunk])[0]:
                                 continue
                             moved += nbytes
                     except TierError:

@@ -23,18 +23,23 @@ million page writes per second; nothing here loops over pages in Python.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 from numba import njit
 
 from kvmesh.errors import ConfigError
+from kvmesh.storage.trace import OP_READ, OP_TRIM, OP_WRITE
 
-OP_WRITE = 0
-OP_TRIM = 1
-OP_READ = 2
 GC_POLICIES = {"greedy": 0, "cost-benefit": 1}
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _jit(fn: _F) -> _F:
+    """numba.njit with its type kept (numba has no stubs); compiled once, cached on disk."""
+    return cast(_F, njit(cache=True)(fn))
 
 
 @dataclass(frozen=True)
@@ -110,14 +115,16 @@ class FTLResult:
         }
 
 
-@njit(cache=True)
+@_jit
 def _alloc(free: np.ndarray, nfree: np.ndarray) -> int:
     nfree[0] -= 1
     return int(free[nfree[0]])
 
 
-@njit(cache=True)
-def _victim(state: np.ndarray, valid: np.ndarray, closed_at: np.ndarray, now: float, ppr: int, policy: int) -> int:
+@_jit
+def _victim(
+    state: np.ndarray, valid: np.ndarray, closed_at: np.ndarray, now: float, ppr: int, policy: int
+) -> int:
     best = -1
     best_score = -1.0
     for r in range(state.shape[0]):
@@ -136,7 +143,7 @@ def _victim(state: np.ndarray, valid: np.ndarray, closed_at: np.ndarray, now: fl
     return best
 
 
-@njit(cache=True)
+@_jit
 def _place(
     s: int,
     lpn: int,
@@ -168,7 +175,7 @@ def _place(
     valid[open_ru[s]] += 1
 
 
-@njit(cache=True)
+@_jit
 def _simulate(
     ops: np.ndarray,
     lpns: np.ndarray,
@@ -238,7 +245,9 @@ def _simulate(
                     if p2l[q] >= 0:
                         moved = p2l[q]
                         p2l[q] = -1
-                        _place(gc_s, moved, l2p, p2l, valid, state, closed_at, open_ru, wp, free, nfree, ppr, now)
+                        _place(
+                            gc_s, moved, l2p, p2l, valid, state, closed_at, open_ru, wp, free, nfree, ppr, now
+                        )
                         req_copies += 1
                 valid[v] = 0
                 state[v] = 0
@@ -284,10 +293,22 @@ def simulate(
     par = cfg.parallelism
     t0 = time.perf_counter()
     host, copies, erases, lat, gcr = _simulate(
-        ops, lpns, npages, st, arr, cfg.logical_pages, cfg.n_ru, cfg.pages_per_ru, cfg.streams,
-        GC_POLICIES[cfg.gc], cfg.min_free_rus, cfg.t_prog_us * 1e-6 / par, cfg.t_read_us * 1e-6 / par,
-        cfg.t_erase_us * 1e-6 / par, cfg.blocks_per_ru,
-    )  # fmt: skip
+        ops,
+        lpns,
+        npages,
+        st,
+        arr,
+        cfg.logical_pages,
+        cfg.n_ru,
+        cfg.pages_per_ru,
+        cfg.streams,
+        GC_POLICIES[cfg.gc],
+        cfg.min_free_rus,
+        cfg.t_prog_us * 1e-6 / par,
+        cfg.t_read_us * 1e-6 / par,
+        cfg.t_erase_us * 1e-6 / par,
+        cfg.blocks_per_ru,
+    )
     seconds = time.perf_counter() - t0
     return FTLResult(int(host), int(copies), np.repeat(erases, cfg.blocks_per_ru), lat, gcr, seconds)
 
@@ -322,7 +343,9 @@ def uniform_random(cfg: FTLConfig, passes: float, seed: int = 0) -> tuple[np.nda
     return np.zeros(len(lp), np.int8), lp, np.ones(len(lp), np.int64)
 
 
-def validate(ops_levels: tuple[float, ...] = (0.07, 0.15, 0.28, 0.5), logical_pages: int = 1 << 18) -> list[dict[str, Any]]:
+def validate(
+    ops_levels: tuple[float, ...] = (0.07, 0.15, 0.28, 0.5), logical_pages: int = 1 << 18
+) -> list[dict[str, Any]]:
     """Greedy GC vs the closed form at several over-provisioning levels, and a sequential
     overwrite workload (DLWA must be 1)."""
     rows = []
@@ -333,13 +356,29 @@ def validate(ops_levels: tuple[float, ...] = (0.07, 0.15, 0.28, 0.5), logical_pa
         res = simulate(cfg, ops, lp, npg)
         sim = 1 + res.gc_copies_per_request[warm:].sum() / (len(lp) - warm)
         want = greedy_wa_closed_form(op)
-        rows.append({"workload": "uniform-random", "op": op, "dlwa": float(sim), "closed_form": want,
-                     "error": float(sim / want - 1), "sim_pages_per_s": res.host_pages / res.seconds})  # fmt: skip
+        rows.append(
+            {
+                "workload": "uniform-random",
+                "op": op,
+                "dlwa": float(sim),
+                "closed_form": want,
+                "error": float(sim / want - 1),
+                "sim_pages_per_s": res.host_pages / res.seconds,
+            }
+        )
     cfg = FTLConfig(logical_pages=logical_pages, overprovisioning=0.07, pages_per_block=256)
     lp = np.tile(np.arange(cfg.logical_pages), 4)
     res = simulate(cfg, np.zeros(len(lp), np.int8), lp, np.ones(len(lp), np.int64))
-    rows.append({"workload": "sequential", "op": 0.07, "dlwa": res.dlwa, "closed_form": 1.0,
-                 "error": res.dlwa - 1.0, "sim_pages_per_s": res.host_pages / res.seconds})  # fmt: skip
+    rows.append(
+        {
+            "workload": "sequential",
+            "op": 0.07,
+            "dlwa": res.dlwa,
+            "closed_form": 1.0,
+            "error": res.dlwa - 1.0,
+            "sim_pages_per_s": res.host_pages / res.seconds,
+        }
+    )
     return rows
 
 

@@ -36,7 +36,9 @@ import xxhash
 from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey
 from kvmesh.errors import CorruptChunkError, TierUnavailableError
-from kvmesh.tiers.base import ChunkData, Into, TierOptions, payload_buffer, register_tier, url_path
+from kvmesh.storage.trace import fiemap, fiemap_path
+from kvmesh.tiers.base import ChunkData, Into, Tier, TierOptions, payload_buffer, register_tier, url_path
+from kvmesh.tiers.placement import Placement, check_class
 
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
@@ -70,6 +72,9 @@ class DiskTier:
         self.codec = serde.get_codec(opts.codec).name
         self.capacity = opts.capacity_bytes
         self.o_direct = opts.o_direct
+        # none | hints: where a write of each lifetime class goes (segments is SegmentTier).
+        mode = opts.placement if opts.placement != "segments" else "none"
+        self.placement = Placement(mode, opts.ru_size, opts.placement_map)
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._lru: OrderedDict[str, None] = OrderedDict()  # unpinned keys only, oldest first
@@ -147,7 +152,7 @@ class DiskTier:
             if header.codec != codec:
                 head, body = serde.encode(k, header.layout, header.tokens, raw, codec)
                 try:
-                    tmp, new_size = self._write_file(k.text, head, body)
+                    tmp, new_size = self._write_file(k.text, head, body, "rewrite")
                 except OSError:
                     self.metrics.inc("errors")
                     continue
@@ -249,7 +254,7 @@ class DiskTier:
             self.metrics.inc("skipped_stores")
             return False
         try:
-            tmp, size = self._write_file(text, head, body)
+            tmp, size = self._write_file(text, head, body, check_class(chunk.lifetime))
         except OSError as exc:
             with self._lock:
                 self._reserved -= want
@@ -265,12 +270,12 @@ class DiskTier:
         self.metrics.inc("bytes_in", size)
         return True
 
-    def _write_file(self, text: str, head: bytes, body: serde.Buffer) -> tuple[str, int]:
+    def _write_file(self, text: str, head: bytes, body: serde.Buffer, cls: str = "store") -> tuple[str, int]:
         """Write a durable temp file beside ``text``'s final name: ``(temp path, size)``."""
         tmp = f"{self._file(text)}.{os.getpid()}.{next(self._tmp_seq)}{TMP_SUFFIX}"
         direct = self.o_direct
         try:
-            return tmp, self._write_tmp(tmp, text, head, body, direct)
+            return tmp, self._write_tmp(tmp, text, head, body, direct, cls)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -279,9 +284,11 @@ class DiskTier:
             msg = f"O_DIRECT refused under {self.path} ({exc}); the disk tier falls back to buffered I/O"
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
             self.o_direct = False
-            return self._write_file(text, head, body)
+            return self._write_file(text, head, body, cls)
 
-    def _write_tmp(self, tmp: str, text: str, head: bytes, body: serde.Buffer, direct: bool) -> int:
+    def _write_tmp(
+        self, tmp: str, text: str, head: bytes, body: serde.Buffer, direct: bool, cls: str = "store"
+    ) -> int:
         n = len(head) + memoryview(body).nbytes
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
         try:
@@ -290,7 +297,9 @@ class DiskTier:
             os.makedirs(os.path.dirname(tmp), exist_ok=True)
             fd = os.open(tmp, flags, 0o644)
         try:
+            self.placement.apply(fd, cls)
             with self._traced("write", text) as rec:
+                rec["class"] = cls
                 if direct:
                     # O_DIRECT wants an aligned buffer and length: copy into a page-aligned
                     # mmap kept per thread, padded; the header's payload_len marks the end.
@@ -307,6 +316,8 @@ class DiskTier:
                     self._write_all(fd, memoryview(head))
                     self._write_all(fd, memoryview(body).cast("B"))
                 rec["bytes"] = size
+                if self._trace is not None:  # the LBAs the filesystem gave the file
+                    rec["extents"] = fiemap(fd)
             with self._lock:
                 stamp = self._stamp()
             os.utime(fd, ns=(stamp, stamp))
@@ -385,6 +396,8 @@ class DiskTier:
         self._used -= ent.size
         self._gauges()
         with self._traced("delete", text) as rec, contextlib.suppress(FileNotFoundError):
+            if self._trace is not None:  # a delete is a trim of the file's extents
+                rec["extents"] = fiemap_path(self._file(text))
             os.unlink(self._file(text))
             rec["bytes"] = ent.size
         return True
@@ -473,5 +486,10 @@ class DiskTier:
 
 
 @register_tier("file")
-def open_disk_tier(url: str, options: TierOptions) -> DiskTier:
+def open_disk_tier(url: str, options: TierOptions) -> Tier:
+    if options.placement == "segments":
+        from kvmesh.tiers.segments import SegmentTier
+
+        placement = Placement("segments", options.ru_size, options.placement_map)
+        return SegmentTier(url_path(url), options, placement)
     return DiskTier(url_path(url), options)
