@@ -293,7 +293,7 @@ class SegmentTier:
             if slot is not None:
                 self._close_slot(slot)
             free = self._free_slot()
-        for _ in range(self.n_slots):
+        for _ in range(2 * self.n_slots):
             if free is not None:
                 break
             if not self._reclaim_one():
@@ -333,12 +333,18 @@ class SegmentTier:
             if not closed:
                 return False
             _, _, victim = min(closed)
-            keep = []
-            for text in list(self._slots[victim].keys):
-                ent = self._entries[text]
-                if ent.pins or (self.reclaim_policy == "hot" and ent.hit):
+            ents = [(text, self._entries[text]) for text in self._slots[victim].keys]
+            # Pinned chunks first, then hot ones, up to half a segment: every reclaim then
+            # frees at least half a segment, so a cache of nothing but hot chunks still
+            # makes progress (the rest of its hot chunks get dropped, oldest segment first).
+            ents.sort(key=lambda te: (not te[1].pins, te[1].off))
+            keep, budget = [], self.ru // 2
+            for text, ent in ents:
+                hot = self.reclaim_policy == "hot" and ent.hit
+                if ent.pins or (hot and budget >= ent.size):
                     keep.append((text, ent.pins))
-        if len(keep) == len(self._slots[victim].keys) and keep and all(p for _, p in keep):
+                    budget -= ent.size
+        if keep and len(keep) == len(ents) and all(p for _, p in keep):
             return False  # a slot of pinned chunks only: nothing can be freed
         saved = []
         for text, pins in keep:
@@ -520,10 +526,14 @@ class SegmentTier:
         if self._closed:
             raise TierUnavailableError(f"disk tier {self.path} is closed; open a new one")
 
-    def _traced(self, op: str, t0: float, extents: list[list[int]], **extra: Any) -> None:
+    def _traced(self, op: str, t0: float, extents: list[list[int]], cls: str = "", key: str = "") -> None:
         if self._trace is None:
             return
-        rec = {"op": op, "start": t0, "end": time.time(), "extents": extents, **extra}
+        rec: dict[str, Any] = {"op": op, "start": t0, "end": time.time(), "extents": extents}
+        if cls:
+            rec["class"] = cls
+        if key:
+            rec["key"] = key
         if extents:
             rec["bytes"] = sum(e[1] for e in extents)
         self._trace.write(json.dumps(rec) + "\n")
