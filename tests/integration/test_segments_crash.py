@@ -27,8 +27,9 @@ RU = 1 << 20
 SLOTS = 10
 N_KEYS = 400  # about 6 times what fits: the child reclaims segments while it writes
 
-CHILD = textwrap.dedent(
-    """
+CHILD = (
+    textwrap.dedent(
+        """
     import sys
     from tests.integration.test_segments_crash import chunk, open_tier
     t = open_tier(sys.argv[1])
@@ -42,7 +43,10 @@ CHILD = textwrap.dedent(
             t.get([chunk((i * 13) %% %(n)d).key])  # reads make some chunks hot: reclaim rewrites them
         i += 1
     """
-).replace("%(n)d", str(N_KEYS)).replace("%%", "%")
+    )
+    .replace("%(n)d", str(N_KEYS))
+    .replace("%%", "%")
+)
 
 KB = KeyBuilder("crash", LAYOUT, chunk_size=CHUNK)
 
