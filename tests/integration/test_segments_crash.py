@@ -59,8 +59,14 @@ def chunk(i: int) -> ChunkData:
 
 
 def open_tier(path: str) -> SegmentTier:
-    o = TierOptions(name="disk", capacity_bytes=SLOTS * RU, chunk_size=CHUNK, metrics=TierMetrics("disk"),
-                    placement="segments", ru_size=RU)  # fmt: skip
+    o = TierOptions(
+        name="disk",
+        capacity_bytes=SLOTS * RU,
+        chunk_size=CHUNK,
+        metrics=TierMetrics("disk"),
+        placement="segments",
+        ru_size=RU,
+    )
     return SegmentTier(path, o, Placement("segments", RU))
 
 
@@ -70,8 +76,12 @@ def test_sigkill_mid_write_is_exact_or_miss(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), *sys.path])}
     start = 0
     for _round in range(4):
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), str(start)],
-                                stdout=subprocess.PIPE, env=env, cwd=Path(__file__).parents[2])  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(tmp_path), str(start)],
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=Path(__file__).parents[2],
+        )
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
         time.sleep(rng.uniform(0.3, 1.2))
         proc.send_signal(signal.SIGKILL)

@@ -29,10 +29,13 @@ def test_levels_and_streams() -> None:
 
 @pytest.mark.parametrize(
     ("args", "match"),
-    [(("bogus",), "disk_placement"), (("hints", 1000), "disk_ru_size"),
-     (("hints", 1 << 20, {"evict": "soon"}), "disk_placement_map"),
-     (("hints", 1 << 20, {"nope": "short"}), "lifetime class")],
-)  # fmt: skip
+    [
+        (("bogus",), "disk_placement"),
+        (("hints", 1000), "disk_ru_size"),
+        (("hints", 1 << 20, {"evict": "soon"}), "disk_placement_map"),
+        (("hints", 1 << 20, {"nope": "short"}), "lifetime class"),
+    ],
+)
 def test_bad_config_names_the_key(args: tuple[object, ...], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         Placement(*args)  # type: ignore[arg-type]
@@ -59,8 +62,12 @@ def test_disk_tier_tags_files_and_traces_extents(tmp_path: Path) -> None:
     kb = KeyBuilder("m", layout, chunk_size=16)
     tokens = np.arange(32, dtype=np.uint32)
     keys = kb.keys(tokens)
-    cs = [ChunkData(k, layout, tokens[i * 16 : (i + 1) * 16], bytearray(16 * layout.bytes_per_token),
-                    lifetime=cls) for i, (k, cls) in enumerate(zip(keys, ("tail", "pinned"), strict=True))]  # fmt: skip
+    cs = [
+        ChunkData(
+            k, layout, tokens[i * 16 : (i + 1) * 16], bytearray(16 * layout.bytes_per_token), lifetime=cls
+        )
+        for i, (k, cls) in enumerate(zip(keys, ("tail", "pinned"), strict=True))
+    ]
     trace = tmp_path / "t.jsonl"
     o = TierOptions(name="disk", metrics=TierMetrics("disk"), placement="hints", io_trace=str(trace))
     t = DiskTier(str(tmp_path / "d"), o)

@@ -32,14 +32,24 @@ def chunks(n: int, seed: int = 0, lifetime: str = "") -> list[ChunkData]:
     out = []
     for i, key in enumerate(KB.keys(tokens)):
         kv = rng.standard_normal(CHUNK * LAYOUT.bytes_per_token // 4).astype(np.float32)
-        out.append(ChunkData(key, LAYOUT, tokens[i * CHUNK : (i + 1) * CHUNK], bytearray(kv.tobytes()),
-                             lifetime=lifetime))  # fmt: skip
+        out.append(
+            ChunkData(
+                key, LAYOUT, tokens[i * CHUNK : (i + 1) * CHUNK], bytearray(kv.tobytes()), lifetime=lifetime
+            )
+        )
     return out
 
 
 def tier(path: Path, slots: int = 8, trace: Path | None = None, reclaim: str = "hot") -> SegmentTier:
-    o = TierOptions(name="disk", capacity_bytes=slots * RU, chunk_size=CHUNK, metrics=TierMetrics("disk"),
-                    io_trace=str(trace) if trace else None, placement="segments", ru_size=RU)  # fmt: skip
+    o = TierOptions(
+        name="disk",
+        capacity_bytes=slots * RU,
+        chunk_size=CHUNK,
+        metrics=TierMetrics("disk"),
+        io_trace=str(trace) if trace else None,
+        placement="segments",
+        ru_size=RU,
+    )
     return SegmentTier(str(path), o, Placement("segments", RU), reclaim=reclaim)
 
 
@@ -182,10 +192,16 @@ def test_config_errors(tmp_path: Path) -> None:
 def test_open_tier_and_engine_with_segments(tmp_path: Path) -> None:
     o = TierOptions(capacity_bytes=8 * RU, placement="segments", ru_size=RU, chunk_size=CHUNK)
     assert isinstance(open_tier(f"file://{tmp_path / 'x'}", o), SegmentTier)
-    cfg = {"chunk_size": CHUNK, "max_local_cpu_size": 4 * CHUNK * LAYOUT.bytes_per_token / 1024**3,
-           "local_disk": str(tmp_path / "e"), "max_local_disk_size": 16 * RU / 1024**3,
-           "disk_placement": "segments", "disk_ru_size": RU, "write_mode": "back",
-           "disk_io_trace": str(tmp_path / "t.jsonl")}  # fmt: skip
+    cfg = {
+        "chunk_size": CHUNK,
+        "max_local_cpu_size": 4 * CHUNK * LAYOUT.bytes_per_token / 1024**3,
+        "local_disk": str(tmp_path / "e"),
+        "max_local_disk_size": 16 * RU / 1024**3,
+        "disk_placement": "segments",
+        "disk_ru_size": RU,
+        "write_mode": "back",
+        "disk_io_trace": str(tmp_path / "t.jsonl"),
+    }
     tokens = np.arange(12 * CHUNK, dtype=np.uint32)
     kv = torch.randn(LAYOUT.shape(len(tokens)), dtype=torch.float32)
     with CacheEngine(cfg, layout=LAYOUT, model_id="m") as eng:
