@@ -258,7 +258,7 @@ def run(
     full: bool = False,
     rounds: int | None = None,
 ) -> dict[str, Any]:
-    n_conv, n_mt = (50, 1000) if quick else (200, 4000)
+    n_conv, n_mt = (50, 1000) if quick else (150, 4000)
     rounds = rounds or (1 if quick else 2)
     work = tempfile.mkdtemp(prefix="kvmesh-bench-disk-")
     cells: list[tuple[str, str, int, float, str]] = []
