@@ -296,9 +296,7 @@ def run(
             }
         )
         for p in PLACEMENTS:
-            real.append(
-                real_cell(p, n_conv // 2 if quick else n_conv, directory, read_back=20 if quick else 100)
-            )
+            real.append(real_cell(p, n_conv // 2, directory, read_back=20 if quick else 100))
     shutil.rmtree(work, ignore_errors=True)
     out = _summarise(rows, real, fio)
     print_table(
