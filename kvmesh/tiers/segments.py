@@ -168,12 +168,12 @@ class SegmentTier:
             with self._lock:
                 ent = self._entries.get(k.text)
                 old, pins = (ent.size, ent.pins) if ent else (0, 0)
-            old_codec, self.codec = self.codec, codec
-            try:
-                with self._wlock:
+            with self._wlock:  # puts read self.codec under the same lock
+                old_codec, self.codec = self.codec, codec
+                try:
                     ok = self._append([(k, got, "rewrite")], replace=True)[0]
-            finally:
-                self.codec = old_codec
+                finally:
+                    self.codec = old_codec
             if ok:
                 with self._lock:
                     new = self._entries[k.text]
@@ -357,9 +357,10 @@ class SegmentTier:
                 saved.append((got, pins))
         with self._lock:
             for text in list(self._slots[victim].keys):
-                self._unindex(text, self._entries[text])
+                self._unindex(text, self._entries[text])  # the last one punches the slot
                 self.metrics.inc("evictions")
-            self._punch(victim)
+            if self._slots[victim].state != "free":
+                self._punch(victim)
         for got, pins in saved:
             if self._append([(got.key, got, "rewrite")])[0] and pins:
                 with self._lock:
