@@ -56,6 +56,15 @@ def _bench_router(args: argparse.Namespace) -> int:
     return 0 if all("error" not in r for r in out["results"]) else 1
 
 
+def _bench_disk(args: argparse.Namespace) -> int:
+    from kvmesh.bench import disk
+
+    out = disk.run(
+        quick=args.quick, json_path=args.json, plot_path=args.plot, directory=args.dir, full=args.full
+    )
+    return 0 if all(r["skipped"] == 0 for r in out["grid"]) else 1
+
+
 def _model_make_tiny(args: argparse.Namespace) -> int:
     import os
 
@@ -148,6 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
     br.set_defaults(func=_bench_router)
     gpu_cli.register(bsub)
 
+    bd = bsub.add_parser(
+        "disk", help="disk tier vs an SSD: DLWA per placement (FTL sim), write/read latency, fio"
+    )
+    bd.add_argument("--quick", action="store_true", help="fewer requests and cells, one round")
+    bd.add_argument("--full", action="store_true", help="every trace x write mode x chunk x utilisation cell")
+    bd.add_argument("--json", help="write results here")
+    bd.add_argument("--plot", help="write a PNG plot here")
+    bd.add_argument("--dir", help="directory on the disk to measure (default ./.cache)")
+    bd.set_defaults(func=_bench_disk)
+
     model = sub.add_parser("model", help="build local test models")
     msub = model.add_subparsers(dest="model", required=True)
     mt = msub.add_parser("make-tiny", help="write a random-weight Llama + locally trained BPE tokenizer")
@@ -173,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvmesh.config_cli import register as add_config_parser
 
     add_config_parser(sub)
+    from kvmesh.storage.cli import register as add_ftl_parser
+
+    add_ftl_parser(sub)
 
     dm = sub.add_parser(
         "demo",

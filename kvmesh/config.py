@@ -79,6 +79,17 @@ class CacheConfig(BaseModel):
         description="disk tier directory under local_disk: auto = rank<k>/slot<n> (first free), "
         "'' = local_disk itself, NAME = NAME/rank<k>",
     )
+    disk_placement: Literal["none", "hints", "segments"] = Field(
+        "none",
+        description="disk layout by write lifetime: none (file per chunk) | hints (file per chunk + "
+        "F_SET_RW_HINT) | segments (per-class log segments of disk_ru_size)",
+    )
+    disk_ru_size: int = Field(
+        64 << 20, ge=1 << 20, description="bytes per segment = the drive's reclaim-unit size (segments)"
+    )
+    disk_placement_map: dict[str, str] | None = Field(
+        None, description="lifetime class -> none|short|medium|long|extreme (see kvmesh.tiers.placement)"
+    )
     remote_ttl_s: float | None = Field(None, gt=0, description="expire remote chunks after this many seconds")
     remote_part_size: int = Field(1 << 20, gt=0, le=512 << 20, description="bytes per Redis value part")
     remote_timeout_s: float = Field(

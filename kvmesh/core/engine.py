@@ -163,11 +163,13 @@ class CacheEngine:
             except BaseException:
                 obj.release()
                 raise
+            # Lifetime class (kvmesh.tiers.placement): a partial tail is superseded soonest.
+            lifetime = "tail" if e - s < self.config.chunk_size else "store"
             if self.config.write_mode == "through":
                 for writer in self.writers.values():
-                    writer.submit(key, obj)
+                    writer.submit(key, obj, lifetime)
             elif "remote" in self.writers:
-                self.writers["remote"].submit(key, obj)
+                self.writers["remote"].submit(key, obj, lifetime)
             self.cpu.put(key, obj)
             stored_to = e
         return stored_to
@@ -179,7 +181,8 @@ class CacheEngine:
                     return
             except TierError:
                 return
-            self.writers["disk"].submit(key, obj)
+            tail = obj.tokens is not None and len(obj.tokens) < self.config.chunk_size
+            self.writers["disk"].submit(key, obj, "tail" if tail else "evict")
 
     # -- lookup --------------------------------------------------------------------------
     def _locate(self, keys: Sequence[ChunkKey]) -> list[str | None]:
@@ -345,7 +348,8 @@ class CacheEngine:
                 nbytes = c.kv.numel() * c.kv.element_size()
                 if target != "cpu":
                     raw = c.kv.contiguous().view(torch.uint8).reshape(-1).numpy().data
-                    chunk = ChunkData(key, self.layout, arr[c.start : c.end].copy(), raw)
+                    # Moved here on purpose (prewarm, pin): the longest-lived class.
+                    chunk = ChunkData(key, self.layout, arr[c.start : c.end].copy(), raw, lifetime="pinned")
                     stored = self._lower.put_if_absent(target, key, chunk)
                     if stored is None:
                         continue  # not in the target: keep it where it is

@@ -29,7 +29,7 @@ class WriteBehind:
     def __init__(self, tier: Tier, maxsize: int, wait_s: float = 0.0) -> None:
         self.tier = tier
         self.wait_s = wait_s
-        self._q: queue.Queue[tuple[ChunkKey, MemoryObj] | None] = queue.Queue(maxsize)
+        self._q: queue.Queue[tuple[ChunkKey, MemoryObj, str] | None] = queue.Queue(maxsize)
         self._queued: set[str] = set()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -49,8 +49,9 @@ class WriteBehind:
         with self._lock:
             return self._submitted
 
-    def submit(self, key: ChunkKey, obj: MemoryObj) -> bool:
-        """Queue ``obj`` for writing; takes its own reference. ``False`` if dropped."""
+    def submit(self, key: ChunkKey, obj: MemoryObj, lifetime: str = "") -> bool:
+        """Queue ``obj`` for writing (``lifetime``: its class, see kvmesh.tiers.placement);
+        takes its own reference. ``False`` if dropped."""
         with self._lock:
             if key.text in self._queued:
                 return True
@@ -59,8 +60,8 @@ class WriteBehind:
             self._submitted += 1
         obj.ref_up()
         try:
-            self._q.put((key, obj), timeout=self.wait_s) if self.wait_s > 0 else self._q.put_nowait(
-                (key, obj)
+            self._q.put((key, obj, lifetime), timeout=self.wait_s) if self.wait_s > 0 else self._q.put_nowait(
+                (key, obj, lifetime)
             )
         except queue.Full:
             obj.release()
@@ -110,12 +111,12 @@ class WriteBehind:
             if stop:
                 return
 
-    def _write(self, batch: list[tuple[ChunkKey, MemoryObj]]) -> None:
-        keys = [k for k, _ in batch]
+    def _write(self, batch: list[tuple[ChunkKey, MemoryObj, str]]) -> None:
+        keys = [k for k, _, _ in batch]
         chunks = []
-        for k, obj in batch:
+        for k, obj, lifetime in batch:
             assert obj.layout is not None and obj.tokens is not None  # set before submit
-            chunks.append(ChunkData(k, obj.layout, obj.tokens, obj.raw()))
+            chunks.append(ChunkData(k, obj.layout, obj.tokens, obj.raw(), lifetime=lifetime))
         try:
             self.tier.put(keys, chunks)
         except TierError as exc:
@@ -125,7 +126,7 @@ class WriteBehind:
             self.tier.metrics.inc("errors")
             log.exception("write-behind to %s crashed", self.tier.name)
         finally:
-            for _, obj in batch:
+            for _, obj, _ in batch:
                 obj.release()
             self._done([k.text for k in keys], landed=True)
 

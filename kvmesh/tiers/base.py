@@ -62,6 +62,7 @@ class ChunkData:
     data: Buffer  # raw KV bytes, layout.shape(len(tokens)), C order
     codec: str = "raw"  # codec it is stored with (informational on get)
     stored_bytes: int = 0  # bytes it occupies in the tier (set on get)
+    lifetime: str = ""  # lifetime class of a write (kvmesh.tiers.placement); "" = store
 
 
 @dataclass
@@ -74,6 +75,9 @@ class TierOptions:
     chunk_size: int = 256
     o_direct: bool = False
     io_trace: str | None = None  # path of a JSON-lines I/O trace
+    placement: str = "none"  # disk: none | hints | segments (kvmesh.tiers.placement)
+    ru_size: int = 64 << 20  # disk: reclaim-unit (segment) size for segments placement
+    placement_map: dict[str, str] | None = None  # disk: lifetime class -> level
     ttl_s: float | None = None
     part_bytes: int = 1 << 20
     retries: int = 3

@@ -29,6 +29,7 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey
@@ -46,6 +47,10 @@ from kvmesh.tiers.base import (
     url_path,
 )
 from kvmesh.tiers.diskfiles import ALIGN, SUFFIX, TMP_SUFFIX, ChunkFiles
+from kvmesh.tiers.placement import Placement, check_class
+
+if TYPE_CHECKING:
+    from kvmesh.tiers.segments import SegmentTier
 
 __all__ = ["ALIGN", "CULL_LIMIT", "SUFFIX", "TMP_SUFFIX", "DiskTier", "open_disk_tier"]
 
@@ -91,7 +96,10 @@ class DiskTier:
         self._closed = False
         self._dirlock = lock or dirlock.DirLock(self.path)
         try:
-            self.files = ChunkFiles(self.path, opts.o_direct, opts.io_trace)
+            # none | hints: where a write of each lifetime class goes (segments is SegmentTier).
+            mode = opts.placement if opts.placement != "segments" else "none"
+            placement = Placement(mode, opts.ru_size, opts.placement_map)
+            self.files = ChunkFiles(self.path, opts.o_direct, opts.io_trace, placement)
             self._rebuild()
         except BaseException:
             self._dirlock.release()
@@ -182,7 +190,7 @@ class DiskTier:
         the byte budget: a chunk that grows stays, later puts evict to make room."""
         self._check_open()
         try:
-            tmp, size = self.files.write_tmp(key.text, head, body)
+            tmp, size = self.files.write_tmp(key.text, head, body, "rewrite")
         except OSError:
             self.metrics.inc("errors")
             return None
@@ -237,7 +245,7 @@ class DiskTier:
             self.metrics.inc("skipped_stores")
             return False
         try:
-            tmp, size = self.files.write_tmp(text, head, body)
+            tmp, size = self.files.write_tmp(text, head, body, check_class(chunk.lifetime))
         except OSError as exc:
             with self._lock:
                 self._reserved -= want
@@ -360,8 +368,14 @@ class DiskTier:
 
 
 @register_tier("file")
-def open_disk_tier(url: str, options: TierOptions) -> DiskTier:
+def open_disk_tier(url: str, options: TierOptions) -> DiskTier | SegmentTier:
     """The disk tier of ``url``, in the sub-directory ``options.subdir`` asks for
-    (``"auto"``: ``<path>/rank<shard>/slot<n>``; see :mod:`kvmesh.tiers.dirlock`)."""
+    (``"auto"``: ``<path>/rank<shard>/slot<n>``; see :mod:`kvmesh.tiers.dirlock`), laid out
+    as ``options.placement`` says (``segments``: :class:`~kvmesh.tiers.segments.SegmentTier`)."""
     where, lock = dirlock.claim(os.path.abspath(url_path(url)), options.subdir, options.shard)
+    if options.placement == "segments":
+        from kvmesh.tiers.segments import SegmentTier
+
+        placement = Placement("segments", options.ru_size, options.placement_map)
+        return SegmentTier(where, options, placement, lock=lock)
     return DiskTier(where, options, lock=lock)

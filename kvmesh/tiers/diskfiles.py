@@ -25,7 +25,9 @@ import xxhash
 
 from kvmesh.core import serde
 from kvmesh.errors import CorruptChunkError
+from kvmesh.storage.trace import fiemap, fiemap_path
 from kvmesh.tiers.base import Into, StoredChunk, payload_buffer
+from kvmesh.tiers.placement import Placement
 
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
@@ -35,7 +37,14 @@ ALIGN = 4096
 class ChunkFiles:
     """``<root>/<2 hex>/<key>.kvc`` files: one serialized chunk each. Thread-safe."""
 
-    def __init__(self, root: str, o_direct: bool = False, io_trace: str | None = None) -> None:
+    def __init__(
+        self,
+        root: str,
+        o_direct: bool = False,
+        io_trace: str | None = None,
+        placement: Placement | None = None,
+    ) -> None:
+        self.placement = placement or Placement("none")
         self.root = root
         self.o_direct = o_direct
         self._tmp_seq = itertools.count()
@@ -111,12 +120,13 @@ class ChunkFiles:
 
     # ---- writes -----------------------------------------------------------------------
 
-    def write_tmp(self, text: str, head: bytes, body: serde.Buffer) -> tuple[str, int]:
-        """Write a durable temp file beside ``text``'s final name: ``(temp path, size)``."""
+    def write_tmp(self, text: str, head: bytes, body: serde.Buffer, cls: str = "store") -> tuple[str, int]:
+        """Write a durable temp file beside ``text``'s final name: ``(temp path, size)``;
+        ``cls``: the write's lifetime class (placement hints, the trace)."""
         tmp = f"{self.path(text)}.{os.getpid()}.{next(self._tmp_seq)}{TMP_SUFFIX}"
         direct = self.o_direct
         try:
-            return tmp, self._write(tmp, text, head, body, direct)
+            return tmp, self._write(tmp, text, head, body, direct, cls)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -125,9 +135,9 @@ class ChunkFiles:
             msg = f"O_DIRECT refused under {self.root} ({exc}); the disk tier falls back to buffered I/O"
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
             self.o_direct = False
-            return self.write_tmp(text, head, body)
+            return self.write_tmp(text, head, body, cls)
 
-    def _write(self, tmp: str, text: str, head: bytes, body: serde.Buffer, direct: bool) -> int:
+    def _write(self, tmp: str, text: str, head: bytes, body: serde.Buffer, direct: bool, cls: str) -> int:
         n = len(head) + memoryview(body).nbytes
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
         try:
@@ -137,7 +147,9 @@ class ChunkFiles:
             sync_dir(self.root)  # the new subdirectory's entry must survive a crash too
             fd = os.open(tmp, flags, 0o644)
         try:
+            self.placement.apply(fd, cls)
             with self.traced("write", text) as rec:
+                rec["class"] = cls
                 if direct:
                     # O_DIRECT wants an aligned buffer and length: copy into a page-aligned
                     # mmap kept per thread, padded; the header's payload_len marks the end.
@@ -154,6 +166,8 @@ class ChunkFiles:
                     _write_all(fd, memoryview(head))
                     _write_all(fd, memoryview(body).cast("B"))
                 rec["bytes"] = size
+                if self._trace is not None:  # the LBAs the filesystem gave the file
+                    rec["extents"] = fiemap(fd)
             stamp = self.stamp()
             os.utime(fd, ns=(stamp, stamp))
             with self.traced("fsync", text):
@@ -169,6 +183,8 @@ class ChunkFiles:
 
     def unlink(self, text: str, size: int) -> None:
         with self.traced("delete", text) as rec, contextlib.suppress(FileNotFoundError):
+            if self._trace is not None:  # a delete is a trim of the file's extents
+                rec["extents"] = fiemap_path(self.path(text))
             os.unlink(self.path(text))
             rec["bytes"] = size
 

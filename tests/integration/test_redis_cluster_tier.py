@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import redis
 import torch
+from tests.integration.conftest import find_redis_server, free_port
 
 from kvmesh.core.keys import KeyBuilder, KVLayout
 from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import ChunkData, TierOptions, open_tier
-from tests.integration.conftest import find_redis_server, free_port
 
 LAYOUT = KVLayout(2, 2, 16, "bfloat16")
 

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tests.integration.conftest import free_port
 
 from kvmesh.core.keys import KeyBuilder, KVLayout
 from kvmesh.core.memory import torch_dtype
 from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import ChunkData, TierOptions, open_tier
-from tests.integration.conftest import free_port
 
 CREDS = {
     "AWS_ACCESS_KEY_ID": "testing",

@@ -1,0 +1,540 @@
+"""The ``segments`` layout of the disk tier: log-structured, per-lifetime-level segments.
+
+One preallocated file ``<dir>/segments.kvs`` of ``n`` slots of ``ru_size`` bytes each (the
+device's reclaim-unit size), slot ``i`` at offset ``i * ru_size``: on a raw device or a
+file with stable extents, slot boundaries are reclaim-unit boundaries. Each lifetime level
+(see :mod:`kvmesh.tiers.placement`) appends into its own open slot, so the device sees
+sequential writes per stream. A slot is reclaimed whole: its live chunks are rewritten
+(pinned ones always; with ``reclaim="hot"`` also those read since written) or dropped,
+then the slot is punched (``fallocate(PUNCH_HOLE)``: a trim of the whole unit).
+
+On disk, 4 KiB aligned::
+
+    slot   = slot header (4 KiB: magic, slot seq, ru_size, level, xxh64) + records
+    record = prefix (magic, level, slot seq, record length, xxh64) + serde header + payload
+
+Crash safety (exact or miss): a batch of records is written, fdatasynced, and only then
+indexed. At start the index is rebuilt by scanning each slot's records until the first
+that does not parse or carries another slot seq (a leftover of a punched incarnation);
+the last record of each slot has its payload verified (a torn tail), and every read
+verifies header and payload checksums anyway. A key found twice keeps its newest copy.
+Deletes are not persisted: a deleted chunk may come back after a restart — still exact,
+it is the chunk its key names — until its slot is reclaimed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import os
+import struct
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import xxhash
+
+from kvmesh.core import serde
+from kvmesh.core.keys import ChunkKey
+from kvmesh.errors import ConfigError, CorruptChunkError, TierUnavailableError
+from kvmesh.tiers.base import ChunkData, Into, TierOptions, payload_buffer
+from kvmesh.tiers.placement import Placement, check_class
+
+FILE_NAME = "segments.kvs"
+ALIGN = 4096
+SLOT_MAGIC = b"KVSEG001"
+REC_MAGIC = b"KVSR"
+_SLOT = struct.Struct("<8sQQI")  # magic, seq, ru_size, level
+_REC = struct.Struct("<4sIQQ")  # magic, level, slot seq, record length (unpadded)
+_SUM = struct.Struct("<Q")
+REC_PREFIX = _REC.size + _SUM.size
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x1, 0x2
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+
+
+def _pad(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass
+class _Entry:
+    slot: int
+    off: int  # file offset of the record
+    length: int  # record bytes, unpadded
+    size: int  # padded bytes on disk
+    gen: int
+    pins: int = 0
+    hit: bool = False
+
+
+@dataclass
+class _Slot:
+    seq: int = 0
+    level: int = 0
+    state: str = "free"  # free | open | closed
+    used: int = ALIGN  # write pointer (the slot header takes the first 4 KiB)
+    live: int = 0
+    pending: int = 0  # records written, not yet indexed: the slot must not be reclaimed
+    keys: set[str] = field(default_factory=set)
+
+
+class SegmentTier:
+    """The disk tier with ``disk_placement=segments`` (same contract as ``DiskTier``)."""
+
+    def __init__(self, path: str, options: TierOptions, placement: Placement, reclaim: str = "hot") -> None:
+        if reclaim not in ("hot", "drop"):
+            raise ConfigError(f"segment reclaim={reclaim!r} is unknown; valid: hot, drop")
+        if not options.capacity_bytes:
+            raise ConfigError("disk_placement=segments needs a byte budget: set max_local_disk_size > 0 (GB)")
+        self.name = options.name or "disk"
+        self.metrics = options.metrics
+        self.path = os.path.abspath(path)
+        self.placement = placement
+        self.ru = placement.ru_size
+        self.reclaim_policy = reclaim
+        self.codec = serde.get_codec(options.codec).name
+        self.chunk_size = options.chunk_size
+        self.n_slots = options.capacity_bytes // self.ru
+        if self.n_slots < len(placement.levels) + 2:
+            raise ConfigError(
+                f"max_local_disk_size holds {self.n_slots} segments of disk_ru_size={self.ru}; "
+                f"segments needs >= {len(placement.levels) + 2}: raise the size or lower disk_ru_size"
+            )
+        self._lock = threading.Lock()  # index and slot table
+        self._wlock = threading.Lock()  # one writer appends at a time: writes stay sequential
+        self._entries: dict[str, _Entry] = {}
+        self._slots = [_Slot() for _ in range(self.n_slots)]
+        self._open: dict[int, int] = {}  # level -> open slot
+        self._seq = 1
+        self._gen = 0
+        self._closed = False
+        self._trace: TextIO | None = None
+        if options.io_trace:
+            self._trace = open(options.io_trace, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        os.makedirs(self.path, exist_ok=True)
+        self.file = os.path.join(self.path, FILE_NAME)
+        self._fd = os.open(self.file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._rebuild()
+
+    # -- Tier API ------------------------------------------------------------------------
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        self._check_open()
+        with self._lock:
+            return [k.text in self._entries for k in keys]
+
+    def get(self, keys: Sequence[ChunkKey], into: Into | None = None) -> list[ChunkData | None]:
+        self._check_open()
+        with self.metrics.timed("get"):
+            return [self._get_one(k, into) for k in keys]
+
+    def put(self, keys: Sequence[ChunkKey], chunks: Sequence[ChunkData]) -> list[bool]:
+        self._check_open()
+        with self.metrics.timed("put"), self._wlock:
+            return self._append([(k, c, check_class(c.lifetime)) for k, c in zip(keys, chunks, strict=True)])
+
+    def delete(self, keys: Sequence[ChunkKey], force: bool = False) -> int:
+        self._check_open()
+        with self._lock:
+            n = sum(self._remove(k.text, force) for k in keys)
+        self.metrics.inc("deletes", n)
+        return n
+
+    def clear(self, force: bool = False) -> int:
+        self._check_open()
+        with self._lock:
+            n = sum(self._remove(t, force) for t in list(self._entries))
+        self.metrics.inc("deletes", n)
+        return n
+
+    def pin(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        with self._lock:
+            return [self._pin(k.text, +1) for k in keys]
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        with self._lock:
+            return [self._pin(k.text, -1) for k in keys]
+
+    def recode(self, keys: Sequence[ChunkKey], codec: str) -> tuple[int, int]:
+        """Re-encode chunks with ``codec``: appended anew as ``rewrite``, the old copy dropped."""
+        codec = serde.get_codec(codec).name
+        before = after = 0
+        for k in keys:
+            got = self._get_one(k, None)
+            if got is None or got.codec == codec:
+                continue
+            with self._lock:
+                ent = self._entries.get(k.text)
+                old, pins = (ent.size, ent.pins) if ent else (0, 0)
+            with self._wlock:  # puts read self.codec under the same lock
+                old_codec, self.codec = self.codec, codec
+                try:
+                    ok = self._append([(k, got, "rewrite")], replace=True)[0]
+                finally:
+                    self.codec = old_codec
+            if ok:
+                with self._lock:
+                    new = self._entries[k.text]
+                    new.pins = pins
+                before, after = before + old, after + new.size
+        return before, after
+
+    def health(self) -> str:
+        return "up"
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._wlock, self._lock:
+            os.close(self._fd)
+            if self._trace is not None:
+                self._trace.close()
+                self._trace = None
+
+    def keys(self) -> Iterator[str]:
+        with self._lock:
+            return iter(list(self._entries))
+
+    def size_bytes(self) -> int:
+        with self._lock:
+            return sum(s.live for s in self._slots)
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            states = [s.state for s in self._slots]
+        return {
+            **self.placement.status(self.path),
+            "slots": self.n_slots,
+            "free_slots": states.count("free"),
+            "open_slots": states.count("open"),
+        }
+
+    # -- writes --------------------------------------------------------------------------
+    def _append(self, items: list[tuple[ChunkKey, ChunkData, str]], replace: bool = False) -> list[bool]:
+        """Append records (caller holds ``_wlock``), fdatasync once, then index them."""
+        done: list[tuple[str, int, int, int]] = []  # key, slot, off, length
+        results = []
+        for key, chunk, cls in items:
+            with self._lock:
+                present = key.text in self._entries
+            if present and not replace:
+                results.append(True)
+                continue
+            head, body = serde.encode(key, chunk.layout, chunk.tokens, chunk.data, self.codec)
+            level = self.placement.stream(cls)
+            length = REC_PREFIX + len(head) + memoryview(body).nbytes
+            if _pad(length) > self.ru - ALIGN:
+                self.metrics.inc("skipped_stores")  # a chunk larger than a segment never fits
+                results.append(False)
+                continue
+            slot = self._room(level, _pad(length))
+            if slot is None:
+                self.metrics.inc("skipped_stores")
+                results.append(False)
+                continue
+            s = self._slots[slot]
+            off = slot * self.ru + s.used
+            prefix = _REC.pack(REC_MAGIC, level, s.seq, length)
+            rec = prefix + _SUM.pack(xxhash.xxh3_64_intdigest(prefix)) + head
+            pad = bytes(_pad(length) - length)
+            t0 = time.time()
+            try:
+                os.pwritev(self._fd, [rec, memoryview(body).cast("B"), pad], off)
+            except OSError:
+                self.metrics.inc("errors")
+                self.metrics.inc("skipped_stores")
+                results.append(False)
+                continue
+            s.used += _pad(length)
+            s.pending += 1
+            self._traced("write", t0, [[off, _pad(length)]], cls=cls, key=key.text)
+            done.append((key.text, slot, off, length))
+            results.append(True)
+        if done:
+            t0 = time.time()
+            try:
+                os.fdatasync(self._fd)
+            except OSError:  # nothing of this batch is known durable: index none of it
+                self.metrics.inc("errors")
+                with self._lock:
+                    for _, slot, _, _ in done:
+                        self._slots[slot].pending -= 1
+                return [False] * len(results)
+            self._traced("fsync", t0, [])
+        with self._lock:
+            for text, slot, off, length in done:
+                self._slots[slot].pending -= 1
+                old = self._entries.get(text)
+                pins = old.pins if old else 0
+                if old is not None:
+                    self._unindex(text, old)
+                self._gen += 1
+                self._entries[text] = _Entry(slot, off, length, _pad(length), self._gen, pins)
+                self._slots[slot].keys.add(text)
+                self._slots[slot].live += _pad(length)
+                self.metrics.inc("stores")
+                self.metrics.inc("bytes_in", _pad(length))
+            for slot in {d[1] for d in done}:
+                s = self._slots[slot]
+                if s.state == "closed" and s.live == 0 and not s.pending:
+                    self._punch(slot)
+            self._gauges()
+        return results
+
+    def _room(self, level: int, size: int) -> int | None:
+        """The open slot of ``level`` with ``size`` bytes free, opening (and reclaiming) as needed."""
+        slot = self._open.get(level)
+        if slot is not None and self._slots[slot].used + size <= self.ru:
+            return slot
+        with self._lock:
+            if slot is not None:
+                self._close_slot(slot)
+            free = self._free_slot()
+        for _ in range(2 * self.n_slots):
+            if free is not None:
+                break
+            if not self._reclaim_one():
+                return None
+            with self._lock:
+                free = self._free_slot()
+        if free is None:
+            return None
+        s = self._slots[free]
+        s.seq, s.level, s.state, s.used, s.live, s.keys = self._seq, level, "open", ALIGN, 0, set()
+        self._seq += 1
+        head = _SLOT.pack(SLOT_MAGIC, s.seq, self.ru, level)
+        head += _SUM.pack(xxhash.xxh3_64_intdigest(head))
+        t0 = time.time()
+        os.pwrite(self._fd, head + bytes(ALIGN - len(head)), free * self.ru)
+        self._traced("write", t0, [[free * self.ru, ALIGN]], cls="meta")
+        self._open[level] = free
+        return free
+
+    def _close_slot(self, slot: int) -> None:
+        s = self._slots[slot]
+        self._open.pop(s.level, None)
+        s.state = "closed"
+        if s.live == 0 and not s.pending:
+            self._punch(slot)
+
+    def _free_slot(self) -> int | None:
+        return next((i for i, s in enumerate(self._slots) if s.state == "free"), None)
+
+    def _reclaim_one(self) -> bool:
+        """Reclaim the closed slot with the least live data (oldest first on ties): keep its
+        pinned (and, for ``hot``, recently read) chunks by rewriting them, drop the rest."""
+        with self._lock:
+            closed = [
+                (s.live, s.seq, i) for i, s in enumerate(self._slots) if s.state == "closed" and not s.pending
+            ]
+            if not closed:
+                return False
+            _, _, victim = min(closed)
+            ents = [(text, self._entries[text]) for text in self._slots[victim].keys]
+            # Pinned chunks first, then hot ones, up to half a segment: every reclaim then
+            # frees at least half a segment, so a cache of nothing but hot chunks still
+            # makes progress (the rest of its hot chunks get dropped, oldest segment first).
+            ents.sort(key=lambda te: (not te[1].pins, te[1].off))
+            keep, budget = [], self.ru // 2
+            for text, ent in ents:
+                hot = self.reclaim_policy == "hot" and ent.hit
+                if ent.pins or (hot and budget >= ent.size):
+                    keep.append((text, ent.pins))
+                    budget -= ent.size
+        if keep and len(keep) == len(ents) and all(p for _, p in keep):
+            return False  # a slot of pinned chunks only: nothing can be freed
+        saved = []
+        for text, pins in keep:
+            try:
+                key = ChunkKey.parse(text, self.chunk_size)
+            except ValueError:
+                continue
+            got = self._get_one(key, None, count=False)
+            if got is not None:
+                saved.append((got, pins))
+        with self._lock:
+            for text in list(self._slots[victim].keys):
+                self._unindex(text, self._entries[text])  # the last one punches the slot
+                self.metrics.inc("evictions")
+            if self._slots[victim].state != "free":
+                self._punch(victim)
+        for got, pins in saved:
+            if self._append([(got.key, got, "rewrite")])[0] and pins:
+                with self._lock:
+                    if got.key.text in self._entries:
+                        self._entries[got.key.text].pins = pins
+            self.metrics.inc("rewrites")
+        return True
+
+    def _punch(self, slot: int) -> None:
+        """Free ``slot`` and trim it whole (caller holds ``_lock``)."""
+        s = self._slots[slot]
+        s.state, s.live, s.keys, s.used = "free", 0, set(), ALIGN
+        t0 = time.time()
+        if (
+            _libc.fallocate(
+                self._fd,
+                FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                ctypes.c_int64(slot * self.ru),
+                ctypes.c_int64(self.ru),
+            )
+            != 0
+        ):
+            # No hole punching here: at least wipe the header so a restart sees a free slot.
+            os.pwrite(self._fd, bytes(ALIGN), slot * self.ru)
+        self._traced("trim", t0, [[slot * self.ru, self.ru]])
+
+    # -- reads ---------------------------------------------------------------------------
+    def _get_one(self, key: ChunkKey, into: Into | None, count: bool = True) -> ChunkData | None:
+        with self._lock:
+            ent = self._entries.get(key.text)
+            where = (ent.off, ent.length, ent.gen, self._slots[ent.slot].seq) if ent else None
+        got = self._read(key.text, *where, into) if where else None
+        if got is None:
+            if count:
+                self.metrics.inc("misses")
+            return None
+        header, raw, stored = got
+        with self._lock:
+            ent = self._entries.get(key.text)
+            if ent is not None:
+                ent.hit = ent.hit or count
+        if count:
+            self.metrics.inc("hits")
+            self.metrics.inc("bytes_out", stored)
+        return ChunkData(key, header.layout, header.tokens, raw, header.codec, stored)
+
+    def _read(
+        self, text: str, off: int, length: int, gen: int, seq: int, into: Into | None
+    ) -> tuple[serde.ChunkHeader, serde.Buffer, int] | None:
+        t0 = time.time()
+        try:
+            first = os.pread(self._fd, min(length, REC_PREFIX + 4096), off)
+            if self._parse_prefix(first, seq) != length:
+                raise CorruptChunkError(f"record of {text} at {off} does not carry slot seq {seq}")
+            hlen = serde.header_length(first[REC_PREFIX:])
+            hbytes = first[REC_PREFIX : REC_PREFIX + hlen]
+            if len(hbytes) < hlen:
+                hbytes = os.pread(self._fd, hlen, off + REC_PREFIX)
+            header = serde.decode_header(hbytes, text)
+            body = payload_buffer(into, header.payload_len, header.codec)
+            if os.preadv(self._fd, [body], off + REC_PREFIX + hlen) != len(body):
+                raise CorruptChunkError(f"record of {text} truncated")
+            raw = serde.decode_payload(header, body)
+        except CorruptChunkError:
+            with self._lock:
+                ent = self._entries.get(text)
+                if ent is not None and ent.gen == gen:
+                    self._unindex(text, ent)
+            self.metrics.inc("corrupt")
+            return None
+        except OSError:
+            self.metrics.inc("errors")
+            return None
+        self._traced("read", t0, [[off, _pad(length)]], key=text)
+        return header, body if header.codec == "raw" else raw, length
+
+    @staticmethod
+    def _parse_prefix(buf: bytes, seq: int | None) -> int:
+        """The record length a prefix declares, or -1 if it is not a record (of ``seq``)."""
+        if len(buf) < REC_PREFIX or buf[:4] != REC_MAGIC:
+            return -1
+        if _SUM.unpack_from(buf, _REC.size)[0] != xxhash.xxh3_64_intdigest(buf[: _REC.size]):
+            return -1
+        _, _, rseq, length = _REC.unpack_from(buf)
+        return int(length) if seq is None or rseq == seq else -1
+
+    # -- index ---------------------------------------------------------------------------
+    def _unindex(self, text: str, ent: _Entry) -> None:
+        del self._entries[text]
+        s = self._slots[ent.slot]
+        s.keys.discard(text)
+        s.live -= ent.size
+        if s.state == "closed" and s.live == 0 and not s.pending:
+            self._punch(ent.slot)  # whole-unit invalidation: the device never copies it
+        self._gauges()
+
+    def _remove(self, text: str, force: bool) -> bool:
+        ent = self._entries.get(text)
+        if ent is None or (ent.pins and not force):
+            return False
+        self._unindex(text, ent)
+        return True
+
+    def _pin(self, text: str, delta: int) -> bool:
+        ent = self._entries.get(text)
+        if ent is None or ent.pins + delta < 0:
+            return False
+        ent.pins += delta
+        return True
+
+    def _rebuild(self) -> None:
+        size = os.fstat(self._fd).st_size
+        want = self.n_slots * self.ru
+        if size != want:  # new file, or a new budget: resize (slots past the end are gone)
+            os.ftruncate(self._fd, want)
+        found: dict[str, tuple[int, int, int, int]] = {}  # key -> (seq, slot, off, length)
+        for i in range(min(size, want) // self.ru):
+            head = os.pread(self._fd, _SLOT.size + _SUM.size, i * self.ru)
+            if len(head) < _SLOT.size + _SUM.size or head[:8] != SLOT_MAGIC:
+                continue
+            if _SUM.unpack_from(head, _SLOT.size)[0] != xxhash.xxh3_64_intdigest(head[: _SLOT.size]):
+                continue
+            _, seq, ru, level = _SLOT.unpack_from(head)
+            if ru != self.ru:
+                continue  # written under another disk_ru_size: not ours to read
+            s = self._slots[i]
+            s.seq, s.level, s.state = int(seq), int(level), "closed"
+            self._seq = max(self._seq, s.seq + 1)
+            last = None
+            while s.used + REC_PREFIX <= self.ru:
+                off = i * self.ru + s.used
+                buf = os.pread(self._fd, REC_PREFIX + 4096, off)
+                length = self._parse_prefix(buf, s.seq)
+                if length < 0 or s.used + _pad(length) > self.ru:
+                    break
+                try:
+                    hlen = serde.header_length(buf[REC_PREFIX:])
+                    if len(buf) < REC_PREFIX + hlen:
+                        buf = os.pread(self._fd, REC_PREFIX + hlen, off)
+                    header = serde.decode_header(buf[REC_PREFIX:])
+                except CorruptChunkError:
+                    break
+                last = (header.key, s.seq, i, off, length)
+                if header.key not in found or found[header.key][0] <= s.seq:
+                    found[header.key] = (s.seq, i, off, length)
+                s.used += _pad(length)
+            if last is not None and self._read(last[0], last[3], last[4], -1, s.seq, None) is None:
+                found.pop(last[0], None)  # a torn last record
+        for text, (_, slot, off, length) in found.items():
+            self._gen += 1
+            self._entries[text] = _Entry(slot, off, length, _pad(length), self._gen)
+            self._slots[slot].keys.add(text)
+            self._slots[slot].live += _pad(length)
+        for i, s in enumerate(self._slots):
+            if s.state == "closed" and s.live == 0:
+                self._punch(i)
+        self._gauges()
+
+    def _gauges(self) -> None:
+        self.metrics.set("bytes_used", sum(s.live for s in self._slots))
+        self.metrics.set("objects", len(self._entries))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierUnavailableError(f"disk tier {self.path} is closed; open a new one")
+
+    def _traced(self, op: str, t0: float, extents: list[list[int]], cls: str = "", key: str = "") -> None:
+        if self._trace is None:
+            return
+        rec: dict[str, Any] = {"op": op, "start": t0, "end": time.time(), "extents": extents}
+        if cls:
+            rec["class"] = cls
+        if key:
+            rec["key"] = key
+        if extents:
+            rec["bytes"] = sum(e[1] for e in extents)
+        self._trace.write(json.dumps(rec) + "\n")
