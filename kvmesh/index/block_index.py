@@ -25,13 +25,14 @@ import heapq
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
 from kvmesh.core.keys import as_token_array
 from kvmesh.events.codec import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
+from kvmesh.index.matching import BITS, NIBBLE, match_chain
 from kvmesh.index.prefix import (
     Medium,
     PrefixMatch,
@@ -44,10 +45,8 @@ from kvmesh.index.prefix import (
 )
 from kvmesh.index.speculative import SpeculativeTable
 
-_BITS = 4  # bits per replica in a block mask, one per Medium
-_NIBBLE = (1 << _BITS) - 1
-# A replica's 4 mask bits → its best medium; no bit of its own means REMOTE from another replica.
-_NIB_MEDIUM = tuple(Medium(max(nib.bit_length() - 1, 0)) for nib in range(1 << _BITS))
+_BITS = BITS
+_NIBBLE = NIBBLE
 _COUNTERS = (
     "stored_blocks",
     "removed_blocks",
@@ -346,63 +345,12 @@ class BlockIndex:
                     rid = self._rids.get(name)
                     if rid is not None:
                         wanted |= 1 << (_BITS * rid)
+            spec = self._spec.maps()
             for bs, keys in chains:
-                for rid, ranges in self._match_chain(bs, keys, wanted, now).items():
+                for rid, ranges in match_chain(self._blocks, self._low, spec, bs, keys, wanted, now).items():
                     per_rid.setdefault(rid, []).append(ranges)
             names = self._names
             return {names[rid]: PrefixMatch(combine_ranges(parts)) for rid, parts in per_rid.items()}
-
-    def _match_chain(
-        self, bs: int, keys: Sequence[bytes], wanted: int, now: float
-    ) -> dict[int, list[tuple[int, int, Medium]]]:
-        blocks, low = self._blocks, self._low
-        spec = [(1 << (_BITS * rid + Medium.GPU), m) for rid, m in self._spec.maps()]
-        alive = wanted
-        masks: list[int] = []
-        alives: list[int] = []
-        for key in keys:
-            entry = blocks.get(key)
-            mask = entry[0] if entry is not None else 0
-            for bit, m in spec:
-                if m.get(key, now) > now:
-                    mask |= bit
-            # Bit 4*rid is a REMOTE holding: shared, so it makes the block count for everyone.
-            present = low if mask & low else (mask >> 1 | mask >> 2 | mask >> 3) & low
-            alive &= present
-            if not alive:
-                break
-            if entry is not None:
-                blocks.move_to_end(key)
-            masks.append(mask)
-            alives.append(alive)
-        out: dict[int, list[tuple[int, int, Medium]]] = {}
-        if not masks:
-            return out
-        # Neighbouring blocks mostly have the same holders: work per run, not per block.
-        runs: list[tuple[int, int, int]] = []
-        for i, mask in enumerate(masks):
-            if runs and runs[-1][2] == mask:
-                runs[-1] = (runs[-1][0], i + 1, mask)
-            else:
-                runs.append((i, i + 1, mask))
-        for rid in self._rids.values():
-            bit = 1 << (_BITS * rid)
-            if not alives[0] & bit:
-                continue
-            n = _leading(alives, bit)
-            shift = _BITS * rid
-            ranges: list[tuple[int, int, Medium]] = []
-            for start, end, mask in runs:
-                if start >= n:
-                    break
-                med = _NIB_MEDIUM[(mask >> shift) & _NIBBLE]
-                end = min(end, n) * bs
-                if ranges and ranges[-1][2] == med:
-                    ranges[-1] = (ranges[-1][0], end, med)
-                else:
-                    ranges.append((start * bs, end, med))
-            out[rid] = ranges
-        return out
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -420,15 +368,3 @@ class BlockIndex:
 
     def __len__(self) -> int:
         return len(self._blocks)
-
-
-def _leading(alives: list[int], bit: int) -> int:
-    """How many leading entries of ``alives`` (a shrinking bit set) still have ``bit``."""
-    lo, hi = 1, len(alives)
-    while lo < hi:  # alives[lo-1] has the bit; find the first entry without it
-        mid = (lo + hi + 1) // 2
-        if alives[mid - 1] & bit:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
