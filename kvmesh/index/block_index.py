@@ -345,7 +345,7 @@ class BlockIndex:
                     rid = self._rids.get(name)
                     if rid is not None:
                         wanted |= 1 << (_BITS * rid)
-            spec = self._spec.maps()
+            spec = self._spec.keys
             for bs, keys in chains:
                 for rid, ranges in match_chain(self._blocks, self._low, spec, bs, keys, wanted, now).items():
                     per_rid.setdefault(rid, []).append(ranges)

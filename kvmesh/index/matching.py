@@ -24,7 +24,7 @@ _GPU_SHIFT = int(Medium.GPU)
 def match_chain(
     blocks: OrderedDict[bytes, tuple[Any, ...]],
     low: int,
-    spec: Sequence[tuple[int, dict[bytes, float]]],
+    spec: dict[bytes, dict[int, float]],
     bs: int,
     keys: Sequence[bytes],
     wanted: int,
@@ -34,19 +34,21 @@ def match_chain(
 
     ``blocks``: key → entry whose first item is the holder mask (matched keys are moved to
     the LRU end). ``low``: bit ``BITS*rid`` of every registered replica. ``spec``: speculative
-    ``(rid, key → expiry)`` maps, counting as GPU while unexpired. ``wanted``: the ``low`` bits
+    entries, key → rid → expiry, counting as GPU while unexpired. ``wanted``: the ``low`` bits
     of the replicas asked about.
     """
-    spec_bits = [(1 << (BITS * rid + _GPU_SHIFT), m) for rid, m in spec]
     alive = wanted
     masks: list[int] = []
     alives: list[int] = []
     for key in keys:
         entry = blocks.get(key)
         mask = entry[0] if entry is not None else 0
-        for bit, m in spec_bits:
-            if m.get(key, now) > now:
-                mask |= bit
+        if spec:
+            held = spec.get(key)
+            if held:
+                for rid, expiry in held.items():
+                    if expiry > now:
+                        mask |= 1 << (BITS * rid + _GPU_SHIFT)
         # Bit 4*rid is a REMOTE holding: shared, so it makes the block count for everyone.
         present = low if mask & low else (mask >> 1 | mask >> 2 | mask >> 3) & low
         alive &= present
