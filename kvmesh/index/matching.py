@@ -32,17 +32,17 @@ def match_chain(
 ) -> dict[int, list[tuple[int, int, Medium]]]:
     """Per replica id: the ``(start, end, medium)`` token ranges of its longest prefix of ``keys``.
 
-    ``blocks``: key → entry whose first item is the holder mask (matched keys are moved to
-    the LRU end). ``low``: bit ``BITS*rid`` of every registered replica. ``spec``: speculative
-    entries, key → rid → expiry, counting as GPU while unexpired. ``wanted``: the ``low`` bits
-    of the replicas asked about.
+    ``blocks``: key → entry whose first two items are the holder mask, shifted down, and the
+    shift (matched keys are moved to the LRU end). ``low``: bit ``BITS*rid`` of every
+    registered replica. ``spec``: speculative entries, key → rid → expiry, counting as GPU
+    while unexpired. ``wanted``: the ``low`` bits of the replicas asked about.
     """
     alive = wanted
     masks: list[int] = []
     alives: list[int] = []
     for key in keys:
         entry = blocks.get(key)
-        mask = entry[0] if entry is not None else 0
+        mask = entry[0] << entry[1] if entry is not None else 0
         if spec:
             held = spec.get(key)
             if held:

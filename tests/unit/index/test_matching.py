@@ -60,3 +60,15 @@ def test_lookup_probes_do_not_grow_with_the_fleet() -> None:
         probes.append(CountingDict.probes)
     # One probe per prompt block (32 blocks of 16 tokens), at 10 replicas as at 1,000.
     assert probes == [32, 32]
+
+
+def test_a_high_replica_id_does_not_make_every_block_wide() -> None:
+    """Memory per block follows the spread of its holders' ids, not the fleet size."""
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(0, 50_000, 256).astype(np.uint32)
+    idx = fleet(1000, (999,), tokens)
+    widths = [entry[0].bit_length() for entry in idx._blocks.values()]
+    assert len(widths) == 16 and max(widths) <= 4
+    assert {k: m.tokens for k, m in idx.match(tokens).items()} == {"r999": 256}
+    idx.remove("r999", [999_000], "GPU")  # its first block: the prefix is gone
+    assert idx.match(tokens) == {}
