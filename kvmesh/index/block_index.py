@@ -213,7 +213,7 @@ class BlockIndex:
             self._drop_holder(rid, old, ~0)
         entry = self._blocks.get(key)
         if entry is None:
-            self._blocks[key] = (1 << medium, _BITS * rid, bs, rid, eh)
+            self._blocks[key] = (1 << medium, _shift(rid), bs, rid, eh)
             self._size_blocks[bs] = self._size_blocks.get(bs, 0) + 1
         else:
             self._blocks.move_to_end(key)
@@ -374,5 +374,14 @@ class BlockIndex:
 def _pack(mask: int) -> tuple[int, int]:
     """``(mask >> shift, shift)``, shifted down to its lowest holder: a block held by replica
     999 alone is a 4-bit int and a shift, not a 4,000-bit int (~530 bytes more per block)."""
-    shift = ((mask & -mask).bit_length() - 1) // _BITS * _BITS
+    shift = _shift(((mask & -mask).bit_length() - 1) // _BITS)
     return mask >> shift, shift
+
+
+def _shift(rid: int) -> int:
+    """``BITS * rid`` as one shared int object per rid (ints over 256 are not cached by
+    Python: a fresh one per block would cost 28 bytes)."""
+    return _SHIFTS[rid] if rid < len(_SHIFTS) else rid * _BITS
+
+
+_SHIFTS = tuple(range(0, 4096 * _BITS, _BITS))
