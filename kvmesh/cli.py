@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="words in each tenant's system prompt (default 250, about 1,000 tokens)",
     )
     br.set_defaults(func=_bench_router)
+    from kvmesh.bench.scale import add_parser as add_bench_scale
+
+    add_bench_scale(bsub)
 
     model = sub.add_parser("model", help="build local test models")
     msub = model.add_subparsers(dest="model", required=True)
@@ -166,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_parser(sub)
     add_prewarm_parser(sub)
     add_cache_parser(sub)
+    from kvmesh.sim.cli import register as add_sim_parser
+
+    add_sim_parser(sub)
 
     dm = sub.add_parser(
         "demo", help="2 vLLM replicas + kvmesh router: round-robin vs kvmesh on a multi-tenant chat"

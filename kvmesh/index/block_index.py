@@ -179,6 +179,28 @@ class BlockIndex:
             while len(self._blocks) > self.max_blocks:
                 self._evict_oldest()
 
+    def store_keys(
+        self, replica: str, medium: str | None, block_size: int, blocks: Iterable[tuple[BlockHash, bytes]]
+    ) -> None:
+        """Record ``(engine hash, index key)`` pairs whose keys the caller already has.
+
+        For callers that keep the index's keys themselves (the fleet simulator, which names
+        blocks by trace ids): the same holdings as :meth:`store` without hashing tokens.
+        """
+        med = parse_medium(medium)
+        if med is None:
+            raise ValueError(f"unknown medium {medium!r}; valid: GPU, CPU, DISK, STORAGE, REMOTE")
+        with self._lock:
+            rid = self._rid(replica)
+            emap = self._emap[rid].setdefault(block_size, {})
+            n = 0
+            for eh, key in blocks:
+                self._hold(rid, med, block_size, emap, eh, key)
+                n += 1
+            self._counts["stored_blocks"] += n
+            while len(self._blocks) > self.max_blocks:
+                self._evict_oldest()
+
     def _event_keys(self, ev: BlockStored) -> tuple[np.ndarray, list[bytes | None] | None] | None:
         """Validated tokens and per-block extra-key bytes, computed outside the lock."""
         if ev.block_size <= 0 or len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
