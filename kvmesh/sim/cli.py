@@ -36,12 +36,13 @@ def _workload(args: argparse.Namespace) -> Workload:
     return load_trace(os.path.join(TRACE_DIR, path) if path else args.trace, limit=args.limit)
 
 
-def _fleet(replicas: int, args: argparse.Namespace, tiers: bool) -> FleetConfig:
+def _fleet(replicas: int, args: argparse.Namespace, tiers: bool, copies: int = 1) -> FleetConfig:
+    # The shared tier grows with the users (copies) it serves, like a Redis cluster would.
     return FleetConfig(
         replicas,
         args.gpu_blocks,
         cpu_blocks=args.cpu_blocks if tiers else 0,
-        shared_blocks=args.shared_blocks if tiers else 0,
+        shared_blocks=args.shared_blocks * copies if tiers else 0,
     )
 
 
@@ -59,9 +60,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         work = tile(base, copies, scale)
         for fleet_kind in args.fleets.split(","):
             for name in names:
-                out = simulate(
-                    work, name, _fleet(n, args, fleet_kind == "kvmesh"), cost, progress=not args.no_progress
-                )
+                fleet = _fleet(n, args, fleet_kind == "kvmesh", copies)
+                out = simulate(work, name, fleet, cost, progress=not args.no_progress)
                 out.update(fleet=fleet_kind, workload=work.name, requests_offered=work.num_requests)
                 results.append(out)
                 print(json.dumps({k: v for k, v in out.items() if k != "hit_by_tier"}), flush=True)
@@ -200,7 +200,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--limit", type=int, help="first N requests of the trace")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--replicas", default="16,128", help="fleet sizes; the first one plays the trace once")
-    r.add_argument("--policies", default=",".join(policies.POLICIES))
+    r.add_argument(
+        "--policies",
+        default=",".join(p for p in policies.POLICIES if p != "prefix"),
+        help=f"comma-separated subset of {','.join(policies.POLICIES)}",
+    )
     r.add_argument(
         "--fleets", default="plain,kvmesh", help="plain (GPU cache only) and/or kvmesh (with tiers)"
     )
@@ -212,7 +216,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--gpu-blocks", type=int, default=880, help="GPU prefix cache per replica, in trace blocks"
     )
     r.add_argument("--cpu-blocks", type=int, default=3200, help="kvmesh CPU tier per replica (kvmesh fleet)")
-    r.add_argument("--shared-blocks", type=int, default=200_000, help="kvmesh shared tier (kvmesh fleet)")
+    r.add_argument(
+        "--shared-blocks", type=int, default=200_000, help="kvmesh shared tier per trace copy (kvmesh fleet)"
+    )
     r.add_argument("--json")
     r.add_argument("--plot")
     r.add_argument("--no-progress", action="store_true")
