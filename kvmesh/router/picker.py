@@ -94,7 +94,7 @@ class Picker:
         overloaded = np.fromiter(map(over.__contains__, names), bool, count=n) if over else np.zeros(n, bool)
         # Rounded so that float noise (1e-17) cannot beat the deterministic tie-break.
         order = np.lexsort((_tie_break(request.key, names), -np.round(totals, 9), overloaded))
-        ranked = [names[i] for i in order.tolist()]
+        ranked = list(map(names.__getitem__, order.tolist()))
         return Decision(
             self.policy, ranked, dict(zip(names, totals.tolist(), strict=True)), parts, sorted(over)
         )
@@ -109,27 +109,30 @@ class Picker:
         return {r.name for r, load in zip(replicas, loads, strict=True) if load > bar}
 
 
-_NAME_HASHES: dict[str, int] = {}
+_NAME_HASHES: dict[tuple[str, ...], np.ndarray] = {}
 _M64 = (1 << 64) - 1
+
+
+def _name_hashes(names: Sequence[str]) -> np.ndarray:
+    """xxh3 of each name, as one array cached per candidate list (it rarely changes)."""
+    key = tuple(names)
+    arr = _NAME_HASHES.get(key)
+    if arr is None:
+        if len(_NAME_HASHES) >= 64:  # bounded under replica churn
+            _NAME_HASHES.clear()
+        arr = np.array([xxhash.xxh3_64_intdigest(n.encode()) for n in names], dtype=np.uint64)
+        _NAME_HASHES[key] = arr
+    return arr
 
 
 def _tie_break(key: int, names: Sequence[str]) -> np.ndarray:
     """Rendezvous hash of the request key with each name (splitmix64 of key ^ xxh3(name)).
 
     No replica is favoured by its place in the list, equal keys order alike, and it costs one
-    vectorised mix per decision (names are hashed once per process, not per request).
+    vectorised mix per decision (names are hashed once per candidate list, not per request).
     """
-    cached = _NAME_HASHES
-    if len(cached) > 65_536:  # names come from config, but bound it under replica churn
-        cached.clear()
-    hashes = []
-    for name in names:
-        h = cached.get(name)
-        if h is None:
-            h = cached[name] = xxhash.xxh3_64_intdigest(name.encode())
-        hashes.append(h)
     with np.errstate(over="ignore"):
-        x = np.array(hashes, dtype=np.uint64) ^ np.uint64(key & _M64)
+        x = _name_hashes(names) ^ np.uint64(key & _M64)
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         return x ^ (x >> np.uint64(31))

@@ -258,7 +258,9 @@ class RoundRobinScorer:
             return {}
         chosen = replicas[self._n % len(replicas)].name
         self._n += 1
-        return {r.name: 1.0 if r.name == chosen else 0.0 for r in replicas}
+        out = dict.fromkeys([r.name for r in replicas], 0.0)
+        out[chosen] = 1.0
+        return out
 
 
 class RandomScorer:
