@@ -18,6 +18,7 @@ one, 1 of 4 a ``BlockRemoved`` of blocks it stored earlier (so the index stays b
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -75,8 +76,6 @@ def sink_main(endpoints: list[str], expected: int, max_blocks: int) -> None:
             break
     cpu_s = time.process_time() - c0
     end = time.time()
-    for s in subs:
-        s.close(timeout=0.5)
     arr = np.array(lags) if lags else np.array([float("nan")])
     span = end - first[0] if first else float("nan")
     out = {
@@ -88,6 +87,9 @@ def sink_main(endpoints: list[str], expected: int, max_blocks: int) -> None:
         "index": index.stats(),
     }
     print(json.dumps(out), flush=True)
+    # Closing 1,000 busy subscribers one by one takes minutes; this process is done: leave.
+    del subs
+    os._exit(0)
 
 
 class _Sender:

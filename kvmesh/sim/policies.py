@@ -9,8 +9,11 @@ arrive in the index the instant they happen, and block keys are the trace's chai
 
 ``llm-d``: llm-d's precise prefix-cache scorer shape over the same index and events: the
 fraction of the prompt's blocks held (any medium the events report, no speculative entries),
-weight 3, with its queue scorer (weight 2) and KV-cache-utilisation scorer (weight 2), as in
-llm-d's ``precise-prefix-cache-aware`` guide; picked by the router's own :class:`Picker`.
+weight 2, with a KV-cache-utilisation scorer (weight 1) and a queue scorer (weight 1), as in
+llm-d's ``guides/precise-prefix-cache-aware`` scheduler config (llm-d/llm-d, EndpointPickerConfig
+``precise-prefix-cache-scorer`` 2.0, ``kv-cache-utilization-scorer`` 1.0, ``queue-scorer``
+1.0); the router's scorer classes stand in for llm-d's (its queue scorer normalises by the
+min-max range, ours by the busiest replica). Picked by the router's own :class:`Picker`.
 
 ``cache-aware``: SGLang router's ``cache_aware`` policy: an approximate radix tree per
 replica of the prompts *routed* there (not what the replica holds), LRU-bounded; when the
@@ -249,7 +252,7 @@ def make(
         index = BlockIndex(max_blocks=50_000_000, clock=clock)
         weights = {"GPU": 1.0, "CPU": 1.0, "DISK": 1.0, "REMOTE": 1.0}
         picker = Picker(
-            name, [(PrefixScorer(index, weights), 3.0), (QueueScorer(), 2.0), (KVUtilScorer(), 2.0)]
+            name, [(PrefixScorer(index, weights), 2.0), (KVUtilScorer(), 1.0), (QueueScorer(), 1.0)]
         )
         return RouterPolicy(name, picker, index, speculative=False, config=cfg, clock=clock)
     if name in ("kvmesh", "prefix"):
