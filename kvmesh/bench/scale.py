@@ -245,6 +245,9 @@ def _summary(points: list[dict[str, Any]], ingest: list[dict[str, Any]]) -> dict
         slope = _slope(xs, p99) if len(at1k) > 1 else 0.0
         s["largest_measured_blocks"] = big["blocks"]
         s["decision_2k_p99_ms_at_1000r_largest"] = big["decision_2k"]["wall_p99_ms"]
+        # Thread CPU time: the decision's own cost, without other processes' preemption.
+        s["decision_2k_cpu_p99_ms_at_1000r_largest"] = big["decision_2k"]["cpu_p99_ms"]
+        s["decision_32k_cpu_p99_ms_at_1000r_largest"] = big["decision_32k"]["cpu_p99_ms"]
         s["decision_2k_p99_growth_exponent_in_blocks"] = round(slope, 3)
         # A dict lookup does not grow with its size; a positive slope is cache misses and noise.
         s["decision_2k_p99_ms_at_1000r_10M_extrapolated"] = round(
@@ -264,6 +267,7 @@ def _summary(points: list[dict[str, Any]], ingest: list[dict[str, Any]]) -> dict
     s["ingest_peak_events_per_s"] = max(peak) if peak else 0
     s["targets_met"] = {
         "decision_p99_le_5ms_2k": s.get("decision_2k_p99_ms_at_1000r_10M_extrapolated", 1e9) <= 5.0,
+        "decision_cpu_p99_le_5ms_2k": s.get("decision_2k_cpu_p99_ms_at_1000r_largest", 1e9) <= 5.0,
         "ingest_ge_100k_lag_le_100ms": by_r.get(1000, 0) >= 100_000,
         "bytes_per_block_le_200": s.get("bytes_per_block_at_1000r_largest", 1e9) <= 200,
     }
@@ -281,14 +285,12 @@ def _plot(path: str, points: list[dict[str, Any]], ingest: list[dict[str, Any]])
     rs = sorted((p for p in points if p["blocks"] == small), key=lambda p: p["replicas"])
     bs = sorted((p for p in points if p["replicas"] == 1000), key=lambda p: p["blocks"])
     ax = axes[0]
+    # Wall time on this shared machine includes other processes' preemption; CPU time does not.
     for n in ("2k", "32k"):
+        xs = [p["replicas"] for p in rs]
+        ax.plot(xs, [p[f"decision_{n}"]["wall_p99_ms"] for p in rs], "o-", label=f"{n} wall p99")
         for q in ("p50", "p99"):
-            ax.plot(
-                [p["replicas"] for p in rs],
-                [p[f"decision_{n}"][f"wall_{q}_ms"] for p in rs],
-                "o-",
-                label=f"{n} {q}",
-            )
+            ax.plot(xs, [p[f"decision_{n}"][f"cpu_{q}_ms"] for p in rs], "s--", label=f"{n} CPU {q}")
     ax.axhline(5.0, ls="--", c="grey", lw=1)
     ax.set(
         xscale="log",
@@ -300,9 +302,9 @@ def _plot(path: str, points: list[dict[str, Any]], ingest: list[dict[str, Any]])
     ax.legend(fontsize=8)
     ax = axes[1]
     for n in ("2k", "32k"):
-        ax.plot(
-            [p["blocks"] for p in bs], [p[f"decision_{n}"]["wall_p99_ms"] for p in bs], "o-", label=f"{n} p99"
-        )
+        xs = [p["blocks"] for p in bs]
+        ax.plot(xs, [p[f"decision_{n}"]["wall_p99_ms"] for p in bs], "o-", label=f"{n} wall p99")
+        ax.plot(xs, [p[f"decision_{n}"]["cpu_p99_ms"] for p in bs], "s--", label=f"{n} CPU p99")
     ax.axhline(5.0, ls="--", c="grey", lw=1)
     ax.set(
         xscale="log",
@@ -362,7 +364,24 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--plot", help="write a PNG (log-log) here")
     p.add_argument("--model", help="tokenizer's model directory (default .cache/models/tiny)")
     p.add_argument("--max-blocks", type=int, help="largest index to measure (default 3M; 300k with --quick)")
-    p.set_defaults(func=lambda a: int(bool(run(a.quick, a.json, a.plot, a.model, a.max_blocks)) and 0))
+    p.add_argument("--from-json", help="recompute the summary and plot of an earlier run's JSON")
+    p.set_defaults(func=_cli)
+
+
+def _cli(a: argparse.Namespace) -> int:
+    if a.from_json:
+        from kvmesh.bench.report import write_json
+
+        with open(a.from_json) as f:
+            out = json.load(f)
+        out["summary"] = _summary(out["points"], out["ingest"])
+        print(json.dumps(out["summary"], indent=1))
+        write_json(a.json or a.from_json, out)
+        if a.plot:
+            _plot(a.plot, [p for p in out["points"] if "error" not in p], out["ingest"])
+        return 0
+    run(a.quick, a.json, a.plot, a.model, a.max_blocks)
+    return 0
 
 
 if __name__ == "__main__":

@@ -34,7 +34,13 @@ def test_ingest_delivers_every_event_in_vllm_format_to_the_sink_process() -> Non
 
 def test_summary_reads_targets_from_points() -> None:
     pts = [
-        {"replicas": 1000, "blocks": b, "bytes_per_block": 390, "decision_2k": {"wall_p99_ms": 3.0}}
+        {
+            "replicas": 1000,
+            "blocks": b,
+            "bytes_per_block": 390,
+            "decision_2k": {"wall_p99_ms": 3.0, "cpu_p99_ms": 2.0},
+            "decision_32k": {"wall_p99_ms": 30.0, "cpu_p99_ms": 20.0},
+        }
         for b in (100_000, 1_000_000)
     ]
     ing = [{"replicas": 1000, "offered_events_per_s": 10_000, "sustained": True, "lag_p99_ms": 20.0}]
@@ -42,6 +48,7 @@ def test_summary_reads_targets_from_points() -> None:
     assert s["decision_2k_p99_ms_at_1000r_10M_extrapolated"] == 3.0  # flat in blocks
     assert s["targets_met"] == {
         "decision_p99_le_5ms_2k": True,
+        "decision_cpu_p99_le_5ms_2k": True,
         "ingest_ge_100k_lag_le_100ms": False,
         "bytes_per_block_le_200": False,
     }
