@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--plot", help="write a PNG plot here")
     bd.add_argument("--dir", help="directory on the disk to measure (default ./.cache)")
     bd.set_defaults(func=_bench_disk)
+    from kvmesh.bench.scale import add_parser as add_bench_scale
+
+    add_bench_scale(bsub)
 
     model = sub.add_parser("model", help="build local test models")
     msub = model.add_subparsers(dest="model", required=True)
@@ -195,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvmesh.storage.cli import register as add_ftl_parser
 
     add_ftl_parser(sub)
+    from kvmesh.sim.cli import register as add_sim_parser
+
+    add_sim_parser(sub)
 
     dm = sub.add_parser(
         "demo",

@@ -8,9 +8,11 @@ them. Engine hashes are kept per replica only as opaque ids, to find the parent 
 
 Layout, chosen for memory (1M blocks in a few hundred MB) and lookup speed:
 
-* ``_blocks``: our key → ``[mask, block_size, rid, engine_hash, rid, engine_hash, …]`` in
-  LRU order. ``mask`` has 4 bits per replica id, bit ``4*rid + medium``; one Python int
-  answers "who holds this block, where" with a few shifts.
+* ``_blocks``: our key → ``(mask >> shift, shift, block_size, rid, engine_hash, rid,
+  engine_hash, …)`` in LRU order. ``mask`` has 4 bits per replica id, bit ``4*rid + medium``;
+  one Python int answers "who holds this block, where" with a few shifts. It is stored
+  shifted down to its lowest holder, so its size follows the spread of the holders' ids,
+  not the highest id (at 1,000 replicas that was 250-500 of ~650 bytes per block).
 * ``_emap[rid][block_size]``: engine hash → our key. Split by block size because vLLM's
   offloading may reuse a GPU block's hash for a larger CPU block with other tokens.
 
@@ -25,13 +27,14 @@ import heapq
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
 from kvmesh.core.keys import as_token_array
 from kvmesh.events.codec import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
+from kvmesh.index.matching import BITS, NIBBLE, match_chain
 from kvmesh.index.prefix import (
     Medium,
     PrefixMatch,
@@ -44,10 +47,8 @@ from kvmesh.index.prefix import (
 )
 from kvmesh.index.speculative import SpeculativeTable
 
-_BITS = 4  # bits per replica in a block mask, one per Medium
-_NIBBLE = (1 << _BITS) - 1
-# A replica's 4 mask bits → its best medium; no bit of its own means REMOTE from another replica.
-_NIB_MEDIUM = tuple(Medium(max(nib.bit_length() - 1, 0)) for nib in range(1 << _BITS))
+_BITS = BITS
+_NIBBLE = NIBBLE
 _COUNTERS = (
     "stored_blocks",
     "removed_blocks",
@@ -178,6 +179,28 @@ class BlockIndex:
             while len(self._blocks) > self.max_blocks:
                 self._evict_oldest()
 
+    def store_keys(
+        self, replica: str, medium: str | None, block_size: int, blocks: Iterable[tuple[BlockHash, bytes]]
+    ) -> None:
+        """Record ``(engine hash, index key)`` pairs whose keys the caller already has.
+
+        For callers that keep the index's keys themselves (the fleet simulator, which names
+        blocks by trace ids): the same holdings as :meth:`store` without hashing tokens.
+        """
+        med = parse_medium(medium)
+        if med is None:
+            raise ValueError(f"unknown medium {medium!r}; valid: GPU, CPU, DISK, STORAGE, REMOTE")
+        with self._lock:
+            rid = self._rid(replica)
+            emap = self._emap[rid].setdefault(block_size, {})
+            n = 0
+            for eh, key in blocks:
+                self._hold(rid, med, block_size, emap, eh, key)
+                n += 1
+            self._counts["stored_blocks"] += n
+            while len(self._blocks) > self.max_blocks:
+                self._evict_oldest()
+
     def _event_keys(self, ev: BlockStored) -> tuple[np.ndarray, list[bytes | None] | None] | None:
         """Validated tokens and per-block extra-key bytes, computed outside the lock."""
         if ev.block_size <= 0 or len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
@@ -210,17 +233,16 @@ class BlockIndex:
         if old is not None and old != key:
             # The engine reused this hash for other tokens: the old block is gone from it.
             self._drop_holder(rid, old, ~0)
-        bit = 1 << (_BITS * rid + medium)
         entry = self._blocks.get(key)
         if entry is None:
-            self._blocks[key] = (bit, bs, rid, eh)
+            self._blocks[key] = (1 << medium, _shift(rid), bs, rid, eh)
             self._size_blocks[bs] = self._size_blocks.get(bs, 0) + 1
         else:
             self._blocks.move_to_end(key)
-            holders = entry[2:]
+            holders = entry[3:]
             if not any(holders[i] == rid and holders[i + 1] == eh for i in range(0, len(holders), 2)):
                 holders += (rid, eh)
-            self._blocks[key] = (entry[0] | bit, bs, *holders)
+            self._blocks[key] = (*_pack(entry[0] << entry[1] | 1 << (_BITS * rid + medium)), bs, *holders)
         emap[eh] = key
 
     def remove(
@@ -253,22 +275,22 @@ class BlockIndex:
         entry = self._blocks.get(key)
         shift = _BITS * rid
         bits &= _NIBBLE << shift
-        if entry is None or not entry[0] & bits:
+        if entry is None or not (entry[0] << entry[1]) & bits:
             return False
-        mask, bs = entry[0] & ~bits, entry[1]
+        mask, bs = (entry[0] << entry[1]) & ~bits, entry[2]
         if (mask >> shift) & _NIBBLE:
-            self._blocks[key] = (mask, *entry[1:])
+            self._blocks[key] = (*_pack(mask), *entry[2:])
             return True
         emap = self._emap[rid].get(bs, {})
         keep: list[Any] = []
-        for i in range(2, len(entry), 2):
+        for i in range(3, len(entry), 2):
             r, eh = entry[i], entry[i + 1]
             if r != rid:
                 keep += (r, eh)
             elif emap.get(eh) == key:
                 del emap[eh]
         if mask:
-            self._blocks[key] = (mask, bs, *keep)
+            self._blocks[key] = (*_pack(mask), bs, *keep)
         else:
             del self._blocks[key]
             self._size_blocks[bs] -= 1
@@ -276,9 +298,9 @@ class BlockIndex:
 
     def _evict_oldest(self) -> None:
         key, entry = self._blocks.popitem(last=False)
-        self._size_blocks[entry[1]] -= 1
-        for i in range(2, len(entry), 2):
-            emap = self._emap.get(entry[i], {}).get(entry[1])
+        self._size_blocks[entry[2]] -= 1
+        for i in range(3, len(entry), 2):
+            emap = self._emap.get(entry[i], {}).get(entry[2])
             if emap is not None and emap.get(entry[i + 1]) == key:
                 del emap[entry[i + 1]]
         self._counts["evictions"] += 1
@@ -346,63 +368,12 @@ class BlockIndex:
                     rid = self._rids.get(name)
                     if rid is not None:
                         wanted |= 1 << (_BITS * rid)
+            spec = self._spec.keys
             for bs, keys in chains:
-                for rid, ranges in self._match_chain(bs, keys, wanted, now).items():
+                for rid, ranges in match_chain(self._blocks, self._low, spec, bs, keys, wanted, now).items():
                     per_rid.setdefault(rid, []).append(ranges)
             names = self._names
             return {names[rid]: PrefixMatch(combine_ranges(parts)) for rid, parts in per_rid.items()}
-
-    def _match_chain(
-        self, bs: int, keys: Sequence[bytes], wanted: int, now: float
-    ) -> dict[int, list[tuple[int, int, Medium]]]:
-        blocks, low = self._blocks, self._low
-        spec = [(1 << (_BITS * rid + Medium.GPU), m) for rid, m in self._spec.maps()]
-        alive = wanted
-        masks: list[int] = []
-        alives: list[int] = []
-        for key in keys:
-            entry = blocks.get(key)
-            mask = entry[0] if entry is not None else 0
-            for bit, m in spec:
-                if m.get(key, now) > now:
-                    mask |= bit
-            # Bit 4*rid is a REMOTE holding: shared, so it makes the block count for everyone.
-            present = low if mask & low else (mask >> 1 | mask >> 2 | mask >> 3) & low
-            alive &= present
-            if not alive:
-                break
-            if entry is not None:
-                blocks.move_to_end(key)
-            masks.append(mask)
-            alives.append(alive)
-        out: dict[int, list[tuple[int, int, Medium]]] = {}
-        if not masks:
-            return out
-        # Neighbouring blocks mostly have the same holders: work per run, not per block.
-        runs: list[tuple[int, int, int]] = []
-        for i, mask in enumerate(masks):
-            if runs and runs[-1][2] == mask:
-                runs[-1] = (runs[-1][0], i + 1, mask)
-            else:
-                runs.append((i, i + 1, mask))
-        for rid in self._rids.values():
-            bit = 1 << (_BITS * rid)
-            if not alives[0] & bit:
-                continue
-            n = _leading(alives, bit)
-            shift = _BITS * rid
-            ranges: list[tuple[int, int, Medium]] = []
-            for start, end, mask in runs:
-                if start >= n:
-                    break
-                med = _NIB_MEDIUM[(mask >> shift) & _NIBBLE]
-                end = min(end, n) * bs
-                if ranges and ranges[-1][2] == med:
-                    ranges[-1] = (ranges[-1][0], end, med)
-                else:
-                    ranges.append((start * bs, end, med))
-            out[rid] = ranges
-        return out
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -422,13 +393,17 @@ class BlockIndex:
         return len(self._blocks)
 
 
-def _leading(alives: list[int], bit: int) -> int:
-    """How many leading entries of ``alives`` (a shrinking bit set) still have ``bit``."""
-    lo, hi = 1, len(alives)
-    while lo < hi:  # alives[lo-1] has the bit; find the first entry without it
-        mid = (lo + hi + 1) // 2
-        if alives[mid - 1] & bit:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def _pack(mask: int) -> tuple[int, int]:
+    """``(mask >> shift, shift)``, shifted down to its lowest holder: a block held by replica
+    999 alone is a 4-bit int and a shift, not a 4,000-bit int (~530 bytes more per block)."""
+    shift = _shift(((mask & -mask).bit_length() - 1) // _BITS)
+    return mask >> shift, shift
+
+
+def _shift(rid: int) -> int:
+    """``BITS * rid`` as one shared int object per rid (ints over 256 are not cached by
+    Python: a fresh one per block would cost 28 bytes)."""
+    return _SHIFTS[rid] if rid < len(_SHIFTS) else rid * _BITS
+
+
+_SHIFTS = tuple(range(0, 4096 * _BITS, _BITS))

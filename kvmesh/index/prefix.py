@@ -181,6 +181,19 @@ class PromptKeys:
             )
         return tokens
 
+    @classmethod
+    def precomputed(cls, num_tokens: int, chains: dict[int, tuple[bytes, ...]]) -> PromptKeys:
+        """A prompt known only by its length and its block keys per block size (for callers
+        that name blocks themselves, see :meth:`BlockIndex.store_keys`); other block sizes
+        match nothing."""
+        self = cls.__new__(cls)
+        # A zero-copy stand-in of the right length: scorers need len(), never the values.
+        self.tokens = np.broadcast_to(np.uint32(0), (num_tokens,))
+        self.lora_name = None
+        self.cache_salt = None
+        self._chains = dict(chains)
+        return self
+
     def __len__(self) -> int:
         return len(self.tokens)
 
@@ -188,6 +201,8 @@ class PromptKeys:
         """Keys of the prompt's full ``block_size`` blocks (see :func:`query_chain`)."""
         keys = self._chains.get(block_size)
         if keys is None:
+            if self.tokens.strides == (0,):  # precomputed(): no tokens to hash, so no keys
+                return ()
             keys = self._chains[block_size] = tuple(
                 query_chain(self.tokens, block_size, self.lora_name, self.cache_salt)
             )

@@ -113,12 +113,12 @@ class PrefixScorer:
         if request.matches is None:
             query = request.tokens if request.prompt is None else request.prompt
             request.matches = self.source.match(query, lora_name=request.lora_name) if n else {}
-        out = dict.fromkeys((r.name for r in replicas), 0.0)
+        out = dict.fromkeys([r.name for r in replicas], 0.0)
         if not n:
             return out
-        for name in out:
-            m = request.matches.get(name)
-            if m is not None:
+        # Per match, not per candidate: a prefix is held by a few replicas of a large fleet.
+        for name, m in request.matches.items():
+            if name in out:
                 hit = sum((end - start) * self.medium_weight(med) for start, end, med in m.ranges)
                 out[name] = min(1.0, hit / n)
         return out
@@ -162,7 +162,14 @@ class PrefillScorer:
     def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]:
         if not replicas:
             return {}
-        est = {r.name: r.prefill_tokens + prefill_cost(request, r.name, self.load_cost) for r in replicas}
+        n = float(request.num_tokens)
+        matches = request.matches or {}
+        # Only a replica with a match can cost less than the whole prompt: no per-replica call.
+        est = {
+            r.name: r.prefill_tokens
+            + (prefill_cost(request, r.name, self.load_cost) if r.name in matches else n)
+            for r in replicas
+        }
         low = min(est.values()) + self.smoothing
         return {name: low / (e + self.smoothing) for name, e in est.items()}
 
@@ -184,8 +191,9 @@ class QueueScorer:
     def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]:
         if not replicas:
             return {}
-        top = max(r.load for r in replicas) + self.smoothing
-        return {r.name: 1.0 - r.load / top for r in replicas}
+        loads = [r.load for r in replicas]
+        top = max(loads) + self.smoothing
+        return {r.name: 1.0 - load / top for r, load in zip(replicas, loads, strict=True)}
 
 
 class KVUtilScorer:
@@ -231,7 +239,10 @@ class SessionScorer:
 
     def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]:
         last = self.table.get(request.session_id) if request.session_id else None
-        return {r.name: 1.0 if r.name == last else 0.0 for r in replicas}
+        out = dict.fromkeys([r.name for r in replicas], 0.0)
+        if last in out:
+            out[last] = 1.0
+        return out
 
 
 class RoundRobinScorer:
@@ -247,7 +258,9 @@ class RoundRobinScorer:
             return {}
         chosen = replicas[self._n % len(replicas)].name
         self._n += 1
-        return {r.name: 1.0 if r.name == chosen else 0.0 for r in replicas}
+        out = dict.fromkeys([r.name for r in replicas], 0.0)
+        out[chosen] = 1.0
+        return out
 
 
 class RandomScorer:

@@ -143,24 +143,30 @@ class Model:
 
 
 def check_internal_links(index: BlockIndex) -> None:
-    """Engine-hash maps and block holder lists point at each other, and nothing dangles."""
+    """Engine-hash maps and block holder lists point at each other, and nothing dangles.
+
+    Entries are ``(mask >> shift, shift, block_size, rid, engine_hash, ...)``; the mask is
+    stored shifted down to its lowest holder, so its lowest nibble is never empty.
+    """
     blocks, emap = index._blocks, index._emap
     linked = 0
     for rid, sizes in emap.items():
         for bs, maps in sizes.items():
             for eh, key in maps.items():
                 entry = blocks[key]
-                assert entry[1] == bs and (entry[0] >> (4 * rid)) & 0xF, "engine hash of a dropped holding"
-                assert any(entry[i] == rid and entry[i + 1] == eh for i in range(2, len(entry), 2))
+                mask = entry[0] << entry[1]
+                assert entry[2] == bs and (mask >> (4 * rid)) & 0xF, "engine hash of a dropped holding"
+                assert any(entry[i] == rid and entry[i + 1] == eh for i in range(3, len(entry), 2))
                 linked += 1
     pairs = 0
     for key, entry in blocks.items():
-        assert entry[0], "a block nobody holds"
-        for i in range(2, len(entry), 2):
-            assert emap[entry[i]][entry[1]][entry[i + 1]] == key
+        assert entry[0] & 0xF and entry[1] % 4 == 0, "mask not shifted down to its lowest holder"
+        mask = entry[0] << entry[1]
+        for i in range(3, len(entry), 2):
+            assert emap[entry[i]][entry[2]][entry[i + 1]] == key
             pairs += 1
-        holders = {entry[i] for i in range(2, len(entry), 2)}
-        assert holders == {rid for rid in emap if (entry[0] >> (4 * rid)) & 0xF}
+        holders = {entry[i] for i in range(3, len(entry), 2)}
+        assert holders == {rid for rid in emap if (mask >> (4 * rid)) & 0xF}
     assert pairs == linked
 
 

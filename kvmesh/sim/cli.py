@@ -1,0 +1,237 @@
+"""``kvmesh sim``: compare policies on a trace, validate against ``bench router``, time it.
+
+``kvmesh sim run``       policies x fleet sizes on a trace (or the generator); JSON + PNG
+``kvmesh sim validate``  ``bench router``'s workload at 2 replicas vs docs/bench/router.json
+``kvmesh sim speed``     requests/s of the simulator itself at 1,000 replicas
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+from kvmesh.sim import policies
+from kvmesh.sim.cost import PROFILES
+from kvmesh.sim.fleet import FleetConfig
+from kvmesh.sim.run import simulate
+from kvmesh.sim.workload import Workload, generate, load_trace, tile, time_scale_for
+
+TRACES = {"conversation": "conversation_trace.jsonl", "synthetic": "synthetic_trace.jsonl"}
+TRACE_DIR = os.environ.get("KVMESH_TRACES", "/work/shared/traces")
+# measured on this machine by `kvmesh bench router` (docs/bench/router.json), 2 replicas
+MEASURED_SETUPS = {
+    ("kvmesh", "kvmesh"): ("kvmesh", True),
+    ("kvmesh", "round-robin"): ("round-robin", True),
+    ("vllm-router", "round_robin"): ("round-robin", False),
+}
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    if args.trace == "generate":
+        return generate(seed=args.seed)
+    path = TRACES.get(args.trace)
+    return load_trace(os.path.join(TRACE_DIR, path) if path else args.trace, limit=args.limit)
+
+
+def _fleet(replicas: int, args: argparse.Namespace, tiers: bool, copies: int = 1) -> FleetConfig:
+    # The shared tier grows with the users (copies) it serves, like a Redis cluster would.
+    return FleetConfig(
+        replicas,
+        args.gpu_blocks,
+        cpu_blocks=args.cpu_blocks if tiers else 0,
+        shared_blocks=args.shared_blocks * copies if tiers else 0,
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    base = _workload(args)
+    cost = PROFILES[args.profile]
+    names = args.policies.split(",")
+    results: list[dict[str, Any]] = []
+    per_copy = int(args.replicas.split(",")[0])
+    for n in (int(x) for x in args.replicas.split(",")):
+        # Same offered load per replica at every fleet size: more users (copies) and the
+        # arrivals stretched so that recomputing everything would keep `load` of the fleet busy.
+        copies = max(1, n // per_copy)
+        scale = time_scale_for(base, per_copy, args.load, 1.0 / cost.prefill_tps)
+        work = tile(base, copies, scale)
+        for fleet_kind in args.fleets.split(","):
+            for name in names:
+                fleet = _fleet(n, args, fleet_kind == "kvmesh", copies)
+                out = simulate(work, name, fleet, cost, progress=not args.no_progress)
+                out.update(fleet=fleet_kind, workload=work.name, requests_offered=work.num_requests)
+                results.append(out)
+                print(json.dumps({k: v for k, v in out.items() if k != "hit_by_tier"}), flush=True)
+    report = {
+        "workload": base.name,
+        "profile": cost.name,
+        "load": args.load,
+        "config": {k: getattr(args, k) for k in ("gpu_blocks", "cpu_blocks", "shared_blocks", "replicas")},
+        "results": results,
+        "targets": targets(results),
+    }
+    print(json.dumps(report["targets"], indent=1))
+    _write(args.json, report)
+    if args.plot:
+        from kvmesh.sim.plots import plot_policies
+
+        plot_policies(args.plot, results)
+    return 0
+
+
+def targets(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per fleet size: kvmesh hit / oracle hit (>= 0.95), kvmesh TTFT p99 / best other's (<= 0.7)."""
+    out: dict[str, Any] = {}
+    for n in sorted({r["replicas"] for r in results}):
+        rows = [r for r in results if r["replicas"] == n]
+        km = next((r for r in rows if r["policy"] == "kvmesh" and r["fleet"] == "kvmesh"), None)
+        km = km or next((r for r in rows if r["policy"] == "kvmesh"), None)
+        oracle = next((r for r in rows if r["policy"] == "oracle"), None)
+        others = [r for r in rows if r["policy"] not in ("kvmesh", "oracle")]
+        if km is None:
+            continue
+        t: dict[str, Any] = {}
+        if oracle:
+            t["hit_vs_oracle"] = (
+                round(km["hit_ratio"] / oracle["hit_ratio"], 3) if oracle["hit_ratio"] else None
+            )
+            t["hit_ge_0_95_oracle"] = bool(t["hit_vs_oracle"] and t["hit_vs_oracle"] >= 0.95)
+        for fleet in sorted({r["fleet"] for r in others}):
+            pool = [r for r in others if r["fleet"] == fleet]
+            best = min(pool, key=lambda r: r["ttft_p99_s"])
+            ratio = round(km["ttft_p99_s"] / best["ttft_p99_s"], 3)
+            t[f"ttft_p99_vs_best_other_on_{fleet}"] = {
+                "best": best["policy"],
+                "ratio": ratio,
+                "le_0_7": ratio <= 0.7,
+            }
+        out[str(n)] = t
+    return out
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from kvmesh.sim.workload import bench_router
+
+    with open(args.measured) as f:
+        measured = {(r["router"], r["policy"]): r for r in json.load(f)["results"]}
+    work = bench_router(args.model)
+    cost = PROFILES["vllm-cpu-tiny"]
+    rows = []
+    for key, (policy, kv_tiers) in MEASURED_SETUPS.items():
+        m = measured.get(key)
+        if m is None:
+            continue
+        fleet = FleetConfig(2, 40, shared_blocks=1_000_000 if kv_tiers else 0)
+        s = simulate(work, policy, fleet, cost)
+        row = {
+            "setup": f"{key[0]}:{key[1]}",
+            "measured_hit": m["hit_rate"],
+            "sim_hit": s["hit_ratio"],
+            "hit_diff": round(s["hit_ratio"] - m["hit_rate"], 4),
+            "hit_within_0_05": abs(s["hit_ratio"] - m["hit_rate"]) <= 0.05,
+            "measured_ttft_p90_s": m["ttft_p90_s"],
+            "sim_ttft_p90_s": s["ttft_p90_s"],
+            "ttft_p90_ratio": round(s["ttft_p90_s"] / m["ttft_p90_s"], 3),
+            "ttft_p90_within_25pct": abs(s["ttft_p90_s"] / m["ttft_p90_s"] - 1) <= 0.25,
+            "measured_ttft_p50_s": m["ttft_p50_s"],
+            "sim_ttft_p50_s": s["ttft_p50_s"],
+            "measured_rps": m["requests_per_s"],
+            "sim_rps": s["throughput_rps"],
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    _write(
+        args.json,
+        {
+            "profile": cost.name,
+            "workload": "bench-router (2 replicas, 40 blocks of 128 tokens)",
+            "rows": rows,
+        },
+    )
+    return 0 if rows and all(r["hit_within_0_05"] and r["ttft_p90_within_25pct"] for r in rows[:2]) else 1
+
+
+def cmd_speed(args: argparse.Namespace) -> int:
+    base = load_trace(os.path.join(TRACE_DIR, TRACES["conversation"]))
+    cost = PROFILES["h100-llama8b"]
+    copies = max(1, -(-args.requests // base.num_requests))
+    scale = time_scale_for(base, args.replicas // copies or 1, 0.6, 1.0 / cost.prefill_tps)
+    work = tile(base, copies, scale)
+    work = Workload(work.name, work.block_tokens, requests=work.requests[: args.requests])
+    rows = []
+    for name in args.policies.split(","):
+        t0 = time.perf_counter()
+        out = simulate(work, name, FleetConfig(args.replicas, 880), cost, progress=not args.no_progress)
+        wall = time.perf_counter() - t0
+        row = {
+            "policy": name,
+            "replicas": args.replicas,
+            "requests": out["requests"],
+            "wall_s": round(wall, 1),
+            "requests_per_s": round(out["requests"] / wall),
+            "minutes_for_1M_extrapolated": round(1e6 / (out["requests"] / wall) / 60, 1),
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    _write(args.json, {"rows": rows})
+    return 0
+
+
+def _write(path: str | None, data: dict[str, Any]) -> None:
+    if path:
+        from kvmesh.bench.report import write_json
+
+        write_json(path, data)
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``kvmesh sim`` to the ``kvmesh`` command."""
+    p = sub.add_parser(
+        "sim", help="fleet simulator: policies x replicas on a trace, with the router's own scorers"
+    )
+    ssub = p.add_subparsers(dest="sim", required=True)
+    r = ssub.add_parser("run", help="compare policies on a trace at several fleet sizes")
+    r.add_argument(
+        "--trace", default="conversation", help="conversation | synthetic | generate | a JSONL path"
+    )
+    r.add_argument("--limit", type=int, help="first N requests of the trace")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--replicas", default="16,128", help="fleet sizes; the first one plays the trace once")
+    r.add_argument(
+        "--policies",
+        default=",".join(p for p in policies.POLICIES if p != "prefix"),
+        help=f"comma-separated subset of {','.join(policies.POLICIES)}",
+    )
+    r.add_argument(
+        "--fleets", default="plain,kvmesh", help="plain (GPU cache only) and/or kvmesh (with tiers)"
+    )
+    r.add_argument("--profile", default="h100-llama8b", choices=sorted(PROFILES))
+    r.add_argument(
+        "--load", type=float, default=0.6, help="offered prefill load per replica before cache hits"
+    )
+    r.add_argument(
+        "--gpu-blocks", type=int, default=880, help="GPU prefix cache per replica, in trace blocks"
+    )
+    r.add_argument("--cpu-blocks", type=int, default=3200, help="kvmesh CPU tier per replica (kvmesh fleet)")
+    r.add_argument(
+        "--shared-blocks", type=int, default=200_000, help="kvmesh shared tier per trace copy (kvmesh fleet)"
+    )
+    r.add_argument("--json")
+    r.add_argument("--plot")
+    r.add_argument("--no-progress", action="store_true")
+    r.set_defaults(func=cmd_run)
+    v = ssub.add_parser("validate", help="bench router's workload at 2 replicas vs the measured run")
+    v.add_argument("--model", default=os.path.join(".cache", "models", "tiny"))
+    v.add_argument("--measured", default=os.path.join("docs", "bench", "router.json"))
+    v.add_argument("--json")
+    v.set_defaults(func=cmd_validate)
+    s = ssub.add_parser("speed", help="the simulator's own speed at 1,000 replicas")
+    s.add_argument("--replicas", type=int, default=1000)
+    s.add_argument("--requests", type=int, default=50_000)
+    s.add_argument("--policies", default="round-robin,kvmesh")
+    s.add_argument("--json")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(func=cmd_speed)

@@ -1,0 +1,74 @@
+"""The index's lookup at fleet scale: work per prompt block and per holder, not per replica."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvmesh.events import BlockStored, EventBatch
+from kvmesh.index import BlockIndex, Medium
+
+
+class CountingDict(dict[Any, Any]):
+    """A dict that counts ``get`` calls (the lookup's probes); a probe, not a fake index."""
+
+    probes = 0
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        CountingDict.probes += 1
+        return super().get(key, default)
+
+
+def fleet(replicas: int, holders: tuple[int, ...], tokens: np.ndarray) -> BlockIndex:
+    idx = BlockIndex()
+    for r in range(replicas):
+        idx.add_replica(f"r{r}")
+    for r in holders:
+        ev = BlockStored(
+            tuple(range(1000 * r, 1000 * r + len(tokens) // 16)), None, tuple(tokens.tolist()), 16
+        )
+        idx.apply(f"r{r}", EventBatch(0.0, (ev,)))
+    return idx
+
+
+def test_holders_found_among_a_thousand_replicas_with_speculation_on_all() -> None:
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 50_000, 512).astype(np.uint32)
+    idx = fleet(1000, (7, 993), tokens)
+    other = rng.integers(0, 50_000, 512).astype(np.uint32)
+    for r in range(1000):  # a request in flight on every replica, none with this prefix
+        idx.add_speculative(f"r{r}", other)
+    idx.add_speculative("r500", tokens[:256])  # and one that will hold half of it
+    got = idx.match(tokens)
+    assert {k: m.tokens for k, m in got.items()} == {"r7": 512, "r993": 512, "r500": 256}
+    assert got["r500"].ranges == ((0, 256, Medium.GPU),)
+
+
+def test_lookup_probes_do_not_grow_with_the_fleet() -> None:
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, 50_000, 512).astype(np.uint32)
+    probes = []
+    for n in (10, 1000):
+        idx = fleet(n, (1, 2), tokens)
+        for r in range(n):
+            idx.add_speculative(f"r{r}", rng.integers(0, 50_000, 512).astype(np.uint32))
+        counted = CountingDict(idx._spec.keys)
+        idx._spec.keys = counted
+        CountingDict.probes = 0
+        assert set(idx.match(tokens)) == {"r1", "r2"}
+        probes.append(CountingDict.probes)
+    # One probe per prompt block (32 blocks of 16 tokens), at 10 replicas as at 1,000.
+    assert probes == [32, 32]
+
+
+def test_a_high_replica_id_does_not_make_every_block_wide() -> None:
+    """Memory per block follows the spread of its holders' ids, not the fleet size."""
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(0, 50_000, 256).astype(np.uint32)
+    idx = fleet(1000, (999,), tokens)
+    widths = [entry[0].bit_length() for entry in idx._blocks.values()]
+    assert len(widths) == 16 and max(widths) <= 4
+    assert {k: m.tokens for k, m in idx.match(tokens).items()} == {"r999": 256}
+    idx.remove("r999", [999_000], "GPU")  # its first block: the prefix is gone
+    assert idx.match(tokens) == {}
