@@ -24,6 +24,7 @@ SERVED_KEY = "x-gateway-destination-endpoint-served"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+PICKED_HEADER = "x-kvmesh-endpoint"  # on the response: the primary the EPP picked
 
 
 class KubeConfig(BaseModel):

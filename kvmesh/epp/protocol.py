@@ -35,7 +35,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from .config import DEST_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
+from .config import DEST_HEADER, LB_NAMESPACE, PICKED_HEADER, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
 from .scoring import EndpointPicker, Refusal, Ticket
 
 log = logging.getLogger(__name__)
@@ -239,7 +239,15 @@ class StreamHandler:
             self.picker.served(self.ticket, served_endpoint(request, headers), status)
         if request.response_headers.end_of_stream:
             self._done()
-        return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
+        if self.ticket is None:
+            return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
+        # Which endpoint the EPP picked, for clients and logs (the gateway says which served).
+        option = base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=PICKED_HEADER, raw_value=self.ticket.endpoints[0].encode()),
+            append_action=_OVERWRITE,
+        )
+        common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[option]))
+        return [pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))]
 
     def _response_body(self, request: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         chunk = request.response_body
