@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_parser(sub)
     add_prewarm_parser(sub)
     add_cache_parser(sub)
+    from kvmesh.epp.cli import register as add_epp_parser
+
+    add_epp_parser(sub)
 
     dm = sub.add_parser(
         "demo", help="2 vLLM replicas + kvmesh router: round-robin vs kvmesh on a multi-tenant chat"

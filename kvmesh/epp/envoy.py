@@ -90,6 +90,10 @@ def _hcm(name: str, routes: list[dict[str, Any]], filters: list[dict[str, Any]])
             "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
             ".HttpConnectionManager",
             "stat_prefix": name,
+            "access_log": [{"name": "envoy.access_loggers.stderr", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StderrAccessLog",
+                "log_format": {"text_format_source": {"inline_string": f"[access] {name} %RESPONSE_CODE% "
+                               "%RESPONSE_FLAGS% %RESPONSE_CODE_DETAILS% %UPSTREAM_HOST% %DURATION%ms\n"}}}}],
             "stream_idle_timeout": "300s",
             "route_config": {
                 "name": name,
@@ -171,6 +175,7 @@ def envoy_config(
     ports: dict[str, int],
     *,
     admin_port: int,
+    epp_health_port: int | None = None,
     message_timeout_s: float = 30.0,
     route_timeout_s: float = 300.0,
 ) -> dict[str, Any]:
@@ -192,11 +197,23 @@ def envoy_config(
         "connect_timeout": "1s",
         "original_dst_lb_config": {"use_http_header": True, "http_header_name": DEST_HEADER},
     }
-    clusters = [
-        dst,
-        _static_cluster("pool_rr", endpoints),
-        _static_cluster("epp", [f"127.0.0.1:{epp_port}"], True),
-    ]
+    epp = _static_cluster("epp", [f"127.0.0.1:{epp_port}"], True)
+    if epp_health_port:
+        # The EPP's gRPC health decides whether Envoy asks it at all: while it is down (or
+        # not ready) the stream fails at once, before any body was handed to it, and FailOpen
+        # can pass the request on. Without this a connect failure can arrive after the body
+        # went to the dead stream, and Envoy answers 503 even with failure_mode_allow.
+        # No panic mode: a cluster with no healthy host must not fall back to "all hosts".
+        epp["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["health_check_config"] = {
+            "port_value": epp_health_port
+        }
+        epp["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
+        epp["health_checks"] = [{
+            "timeout": "1s", "interval": "0.5s", "no_traffic_interval": "0.5s",
+            "unhealthy_threshold": 1, "healthy_threshold": 1,
+            "grpc_health_check": {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"},
+        }]  # fmt: skip
+    clusters = [dst, _static_cluster("pool_rr", endpoints), epp]
     return {
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
         "static_resources": {"listeners": listeners, "clusters": clusters},

@@ -40,12 +40,15 @@ class Setup:
             health_interval_s=0.2,
         )
         self.cfg = EppConfig(
-            routing=routing, host="127.0.0.1", grpc_port=free_port(), health_port=0, metrics_port=0,
+            routing=routing, host="127.0.0.1", grpc_port=free_port(), health_port=free_port(), metrics_port=0,
             max_body_bytes=1 << 20,
         )  # fmt: skip
         self.epp: EppThread | None = None
         self.start_epp()
-        self.envoy = Envoy(self.cfg.grpc_port, self.names, tmp, message_timeout_s=5).start()
+        self.envoy = Envoy(
+            self.cfg.grpc_port, self.names, tmp, epp_health_port=self.cfg.health_port, message_timeout_s=5
+        ).start()
+        wait_routed(self)
 
     def start_epp(self) -> None:
         self.epp = EppThread(self.cfg).start()
@@ -132,8 +135,20 @@ def test_bad_requests_get_4xx_not_a_stuck_stream(setup: Setup, raw: bytes, statu
     assert time.monotonic() - t0 < 5
 
 
+def wait_routed(setup: Setup, timeout_s: float = 15) -> None:
+    """Until Envoy's health check of the EPP passes and requests are routed through it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = post(setup, body("are you there"), listener="fail_close")
+        if r.status_code == 200 and "x-kvmesh-endpoint" in r.headers:
+            return
+        assert time.monotonic() < deadline, f"routing did not resume: {r.status_code} {r.text}"
+        time.sleep(0.2)
+
+
 def test_epp_down_fail_open_serves_fail_close_errors_then_resumes(setup: Setup) -> None:
     setup.stop_epp()
+    time.sleep(1.2)  # Envoy's health check of the EPP (every 0.5 s) sees it gone
     try:
         r = post(setup, body("while the picker is down"))
         assert r.status_code == 200, r.text  # FailOpen: the gateway's own balancing
@@ -142,10 +157,4 @@ def test_epp_down_fail_open_serves_fail_close_errors_then_resumes(setup: Setup) 
         assert r.status_code == 503  # FailClose: a clean error, at once
     finally:
         setup.start_epp()
-    deadline = time.monotonic() + 15
-    while True:
-        r = post(setup, body("after the restart"), listener="fail_close")
-        if r.status_code == 200 and "x-kvmesh-endpoint" in r.headers:
-            break
-        assert time.monotonic() < deadline, f"routing did not resume: {r.status_code} {r.text}"
-        time.sleep(0.2)
+    wait_routed(setup)
