@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="words in each tenant's system prompt (default 250, about 1,000 tokens)",
     )
     br.set_defaults(func=_bench_router)
+    from kvmesh.bench.epp import register as add_bench_epp
+
+    add_bench_epp(bsub)
 
     model = sub.add_parser("model", help="build local test models")
     msub = model.add_subparsers(dest="model", required=True)
