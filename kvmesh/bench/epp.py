@@ -287,20 +287,16 @@ def _env() -> dict[str, str]:
 
 
 def _wait(cond: Any, timeout_s: float, what: str, log: Path) -> None:
+    import httpx
+
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             if cond():
                 return
-        except (OSError, ValueError, KeyError, *_http_errors()):
+        except (OSError, ValueError, KeyError, httpx.HTTPError):
             pass
         if time.monotonic() > deadline:
             tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
             raise TimeoutError(f"not within {timeout_s:.0f} s: {what}\n{tail}")
         time.sleep(0.1)
-
-
-def _http_errors() -> tuple[type[BaseException], ...]:
-    import httpx
-
-    return (httpx.HTTPError,)
