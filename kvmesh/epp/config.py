@@ -77,7 +77,10 @@ class EppConfig(BaseModel):
             raise ConfigError(f"epp config must be a mapping, got {type(data).__name__}")
         data = dict(data)
         if isinstance(data.get("routing"), Mapping):
-            data["routing"] = RouterConfig.from_dict(data["routing"])
+            try:
+                data["routing"] = RouterConfig.from_dict(data["routing"])
+            except ConfigError as exc:
+                raise ConfigError(f"invalid epp config, key 'routing': {exc}") from exc
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
