@@ -158,6 +158,8 @@ class StreamHandler:
             return await self._request_body(request)
         if kind == "request_trailers":
             out = [] if self.ticket is not None else await self._route(with_body=True, end=False)
+            if self.finished:  # refused: the immediate response is the last word
+                return out
             return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if kind == "response_headers":
             return self._response_headers(request)

@@ -292,3 +292,37 @@ def test_metrics_page(epp: EppThread) -> None:
 
     text = httpx.get(f"http://127.0.0.1:{epp.server.metrics_port}/metrics", timeout=5).text  # type: ignore[union-attr]
     assert "kvmesh_epp_decisions_total" in text and "kvmesh_epp_decision_seconds_bucket" in text
+
+
+def test_body_ended_by_trailers_is_routed_then_trailers_acknowledged(epp: EppThread) -> None:
+    raw = completion("ends with trailers")
+    s = Stream(epp)
+    s.send(headers_msg(), pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=False)))
+    s.send(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+    h, b, t = s.recv(3)
+    assert dest(h)[0]
+    streamed = b.request_body.response.body_mutation.streamed_response
+    assert streamed.body == raw and not streamed.end_of_stream  # the trailers end the stream
+    assert t.WhichOneof("response") == "request_trailers"
+    s.close()
+
+
+def test_buffered_mode_acknowledges_headers_and_routes_on_the_body(epp: EppThread) -> None:
+    buffered = processing_mode_pb2.ProcessingMode.BUFFERED
+    req = headers_msg()
+    req.protocol_config.request_body_mode = buffered
+    s = Stream(epp)
+    s.send(req)
+    (ack,) = s.recv(1)
+    assert ack.WhichOneof("response") == "request_headers"
+    assert not ack.request_headers.response.header_mutation.set_headers
+    s.send(*body_msgs(completion("buffered"), chunk=1 << 20))
+    (b,) = s.recv(1)
+    sets = b.request_body.response.header_mutation.set_headers
+    assert [h.header.key for h in sets] == ["x-gateway-destination-endpoint"]
+    assert (
+        b.dynamic_metadata.fields["envoy.lb"]
+        .struct_value.fields["x-gateway-destination-endpoint"]
+        .string_value
+    )
+    s.close()
