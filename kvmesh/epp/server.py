@@ -128,6 +128,7 @@ class EppServer:
         await self._health_servicer.set("", serving)
         await self._health_servicer.set("readiness", ready)
         await self._health_servicer.set(EXT_PROC_SERVICE, ready)
+        await self._health_servicer.set("inference-extension", ready)  # the name llm-d's probes ask
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
         body = generate_latest(self.picker.metrics.registry)
