@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvmesh.bench.scale import add_parser as add_bench_scale
 
     add_bench_scale(bsub)
+    from kvmesh.bench.epp import register as add_bench_epp
+
+    add_bench_epp(bsub)
 
     model = sub.add_parser("model", help="build local test models")
     msub = model.add_subparsers(dest="model", required=True)
@@ -201,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvmesh.sim.cli import register as add_sim_parser
 
     add_sim_parser(sub)
+    from kvmesh.epp.cli import register as add_epp_parser
+
+    add_epp_parser(sub)
 
     dm = sub.add_parser(
         "demo",

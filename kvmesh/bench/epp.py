@@ -1,0 +1,302 @@
+"""``kvmesh bench epp``: the endpoint picker's decision latency, and what Envoy + EPP add.
+
+Setup, all real processes on loopback: ``kvmesh epp`` started by its CLI (its own
+interpreter), two FakeVLLM model servers (``python -m kvmesh.router.testing``), one KV-event
+publisher per server in this process that fills the EPP's index with the blocks of every
+tenant's prefix (16-token blocks, GPU), and Envoy (kvmesh/epp/envoy.py).
+
+1. Decision latency, as the gateway sees it: the request headers and body are sent on an
+   ext_proc stream (64 KiB chunks, as Envoy forwards them); the clock runs from sending the
+   last chunk (``end_of_stream``) to receiving the routing reply. It includes gRPC on
+   loopback and the EPP's tokenize + index match + scoring. Cases per size: ``hit`` (a
+   tenant prefix the index holds, ~90% of the prompt, plus a unique question; the
+   tokenizer has seen the prefix before) and ``cold`` (a prompt never seen: nothing cached,
+   nothing in the index).
+2. Added latency end to end: the same 2k-token completion through Envoy + EPP
+   (``fail_close`` listener) and through Envoy routing on a client-set
+   ``x-gateway-destination-endpoint`` (``direct``), interleaved pair by pair (order
+   alternating); the median of the paired differences and of the paired ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvmesh.bench.report import print_table, write_json, write_plot
+from kvmesh.bench.workload import words
+
+CHUNK = 64 << 10
+TARGETS_MS = {2048: 2.0, 32768: 5.0}  # decision p50 (issue #17)
+TENANTS = 8
+
+
+def register(bsub: Any) -> None:
+    p = bsub.add_parser("epp", help="kvmesh epp decision latency at 2k/32k tokens; Envoy+EPP added latency")
+    p.add_argument("--quick", action="store_true", help="few trials (a smoke run)")
+    p.add_argument("--model", help="tokenizer/model directory (default .cache/models/tiny, built if missing)")
+    p.add_argument("--json", help="write results here")
+    p.add_argument("--plot", help="write a PNG plot here")
+    p.set_defaults(func=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from kvmesh.demo import ensure_model
+
+    model = ensure_model(args.model or ".cache/models/tiny")
+    result = run(model, quick=args.quick)
+    rows = [
+        {"case": c["case"], "tokens": c["tokens"], "n": c["n"], "p50_ms": f"{c['p50_ms']:.2f}",
+         "p99_ms": f"{c['p99_ms']:.2f}", "target_p50_ms": c.get("target_p50_ms", ""), "met": c.get("met", "")}
+        for c in result["decision"]
+    ]  # fmt: skip
+    print_table(rows, ["case", "tokens", "n", "p50_ms", "p99_ms", "target_p50_ms", "met"])
+    e = result["end_to_end"]
+    print(
+        f"end to end ({e['tokens']} tokens, {e['pairs']} pairs): direct p50 {e['direct_p50_ms']:.2f} ms, "
+        f"envoy+epp p50 {e['epp_p50_ms']:.2f} ms; added {e['added_median_ms']:.2f} ms "
+        f"(median paired ratio {e['ratio_median']:.3f})"
+    )
+    if args.json:
+        write_json(args.json, result)
+    if args.plot:
+        labels = [f"{c['case']} {c['tokens'] // 1024}k" for c in result["decision"]]
+        write_plot(
+            args.plot,
+            labels,
+            {
+                "p50 ms": [c["p50_ms"] for c in result["decision"]],
+                "p99 ms": [c["p99_ms"] for c in result["decision"]],
+            },
+            "ms",
+            f"kvmesh epp decision latency (Envoy+EPP adds {e['added_median_ms']:.2f} ms end to end)",
+            [f"target {c['target_p50_ms']}" if c.get("target_p50_ms") else "" for c in result["decision"]],
+        )
+    return 0
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+class _Stream:
+    """One ext_proc stream driven from this thread (requests go through a queue)."""
+
+    def __init__(self, stub: Any) -> None:
+        self.q: queue.Queue[Any] = queue.Queue()
+        self.responses = stub.Process(iter(self.q.get, None), timeout=60)
+
+    def close(self) -> None:
+        self.q.put(None)
+        for _ in self.responses:
+            pass
+
+
+def _decision_ms(stub: Any, body: bytes) -> float:
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    hs = {":method": "POST", ":path": "/v1/completions", "content-type": "application/json"}
+    hm = base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in hs.items()]
+    )
+    s = _Stream(stub)
+    s.q.put(pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=hm)))
+    chunks = [body[i : i + CHUNK] for i in range(0, len(body), CHUNK)]
+    for c in chunks[:-1]:
+        s.q.put(pb.ProcessingRequest(request_body=pb.HttpBody(body=c)))
+    time.sleep(0.002)  # let the earlier chunks arrive: the clock is for the last one only
+    t0 = time.perf_counter()
+    s.q.put(pb.ProcessingRequest(request_body=pb.HttpBody(body=chunks[-1], end_of_stream=True)))
+    first = next(s.responses)
+    dt = (time.perf_counter() - t0) * 1000
+    if first.WhichOneof("response") != "request_headers":
+        raise AssertionError(f"the EPP did not route: {first}")
+    next(s.responses)  # the body echo
+    s.close()
+    return dt
+
+
+def _publish_prefixes(publishers: list[Any], prefixes: list[Any], block: int = 16) -> int:
+    """BlockStored chains for each prefix on one replica (round robin); returns blocks sent."""
+    from kvmesh.events.codec import BlockStored
+
+    sent = 0
+    ids = iter(range(1, 1 << 60))
+    for i, tokens in enumerate(prefixes):
+        pub = publishers[i % len(publishers)]
+        whole = len(tokens) // block * block
+        parent: int | None = None
+        for start in range(0, whole, 256 * block):  # batches of 256 blocks
+            n = min(256 * block, whole - start)
+            hashes = tuple(next(ids) for _ in range(n // block))
+            toks = tuple(int(t) for t in tokens[start : start + n])
+            pub.publish([BlockStored(hashes, parent, toks, block, medium="GPU")])
+            parent = hashes[-1]
+            sent += len(hashes)
+    return sent
+
+
+def run(model: str, quick: bool = False) -> dict[str, Any]:
+    import grpc
+    import httpx
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    from kvmesh.cluster import spawn, stop_process
+    from kvmesh.epp.envoy import Envoy
+    from kvmesh.events.publisher import EventPublisher
+    from kvmesh.router.tokenize import PromptTokenizer
+    from kvmesh.services import free_port
+
+    rng = random.Random(0)
+    tok = PromptTokenizer.from_dir(model)
+    work = Path(tempfile.mkdtemp(prefix="kvmesh-bench-epp-"))
+    procs, pubs, envoy = [], [], None
+    try:
+        fake_ports = [free_port() for _ in range(2)]
+        for i, port in enumerate(fake_ports):
+            cmd = [sys.executable, "-m", "kvmesh.router.testing", "--port", str(port), "--name", f"f{i}"]
+            procs.append(spawn(cmd, env=_env(), log_path=str(work / f"fake{i}.log")))
+        pubs = [EventPublisher("tcp://127.0.0.1:0") for _ in fake_ports]
+        grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
+        cfg = {"routing": {"model": model, "block_size": 16, "speculative_ttl_s": 0, "health_interval_s": 0.5,
+                           "tokenize_cache_mb": 256}, "max_body_bytes": 16 << 20}  # fmt: skip
+        (work / "epp.yaml").write_text(json.dumps(cfg))
+        args = [sys.executable, "-m", "kvmesh.cli", "epp", "--config", str(work / "epp.yaml"), "--host",
+                "127.0.0.1", "--grpc-port", str(grpc_port), "--health-port", str(health_port),
+                "--metrics-port", str(metrics_port)]  # fmt: skip
+        for port, pub in zip(fake_ports, pubs, strict=True):
+            args += ["--endpoint", f"127.0.0.1:{port},events={pub.endpoint}"]
+        procs.append(spawn(args, env=_env(), log_path=str(work / "epp.log")))
+        state_url = f"http://127.0.0.1:{metrics_port}/kvmesh/state"
+        _wait(
+            lambda: httpx.get(state_url, timeout=1).json()["ready"], 60, "kvmesh epp ready", work / "epp.log"
+        )
+
+        # The live index: every tenant's prefix at both sizes, on one of the replicas.
+        sizes = [2048, 32768]
+        prefixes: dict[int, list[str]] = {
+            s: [words(rng, int(s * 0.9 / 3.6)) for _ in range(TENANTS)] for s in sizes
+        }
+        token_lists = [tok.completion({"prompt": p}) for s in sizes for p in prefixes[s]]
+        time.sleep(0.5)  # the EPP's subscribers connect to the publishers
+        blocks = _publish_prefixes(pubs, token_lists)
+        _wait(lambda: httpx.get(state_url, timeout=1).json()["index"].get("stored_blocks", 0) >= blocks, 60,
+              f"{blocks} blocks in the EPP's index", work / "epp.log")  # fmt: skip
+
+        n = {2048: 20, 32768: 8} if quick else {2048: 300, 32768: 80}
+        decision = []
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+            stub = pb_grpc.ExternalProcessorStub(ch)
+            for s in sizes:
+                for case in ("hit", "cold"):
+                    times = []
+                    for i in range(n[s] + 3):
+                        if case == "hit":
+                            prompt = rng.choice(prefixes[s]) + " " + words(rng, int(s * 0.1 / 3.6))
+                        else:
+                            prompt = words(rng, int(s / 3.6))
+                        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1}).encode()
+                        dt = _decision_ms(stub, body)
+                        if i >= 3:  # the first few warm the connection and code paths
+                            times.append(dt)
+                    row: dict[str, Any] = {
+                        "case": case, "tokens": s, "n": len(times), "p50_ms": statistics.median(times),
+                        "p99_ms": _pct(times, 0.99), "mean_ms": statistics.fmean(times),
+                    }  # fmt: skip
+                    if case == "hit":
+                        row["target_p50_ms"] = TARGETS_MS[s]
+                        row["met"] = row["p50_ms"] <= TARGETS_MS[s]
+                    decision.append(row)
+
+        names = [f"127.0.0.1:{p}" for p in fake_ports]
+        envoy = Envoy(grpc_port, names, work, epp_health_port=health_port).start()
+        end_to_end = _end_to_end(envoy, names, prefixes[2048], rng, 40 if quick else 300)
+        return {
+            "bench": "epp",
+            "quick": quick,
+            "setup": {
+                "model": model,
+                "index_blocks": blocks,
+                "tenants": TENANTS,
+                "block_size": 16,
+                "chunk_bytes": CHUNK,
+                "model_servers": "FakeVLLM x2 (processes)",
+            },
+            "decision": decision,
+            "end_to_end": end_to_end,
+        }
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        for p in procs:
+            stop_process(p)
+        for pub in pubs:
+            pub.close()
+
+
+def _end_to_end(
+    envoy: Any, names: list[str], prefixes: list[str], rng: random.Random, pairs: int
+) -> dict[str, Any]:
+    import httpx
+
+    epp_ms, direct_ms = [], []
+    with httpx.Client(timeout=30) as client:
+
+        def one(listener: str, body: dict[str, Any], headers: dict[str, str]) -> float:
+            t0 = time.perf_counter()
+            r = client.post(envoy.url(listener) + "/v1/completions", json=body, headers=headers)
+            dt = (time.perf_counter() - t0) * 1000
+            if r.status_code != 200:
+                raise AssertionError(f"{listener}: {r.status_code} {r.text[:200]}")
+            return dt
+
+        for i in range(pairs + 5):
+            body = {"model": "tiny", "prompt": rng.choice(prefixes) + " " + words(rng, 50), "max_tokens": 1}
+            direct = {"x-gateway-destination-endpoint": rng.choice(names)}
+            order = [("fail_close", {}), ("direct", direct)]
+            if i % 2:
+                order.reverse()
+            got = {name: one(name, body, hs) for name, hs in order}
+            if i >= 5:
+                epp_ms.append(got["fail_close"])
+                direct_ms.append(got["direct"])
+    diffs = [a - b for a, b in zip(epp_ms, direct_ms, strict=True)]
+    ratios = [a / b for a, b in zip(epp_ms, direct_ms, strict=True)]
+    return {
+        "tokens": 2048, "pairs": len(diffs),
+        "direct_p50_ms": statistics.median(direct_ms), "epp_p50_ms": statistics.median(epp_ms),
+        "direct_p99_ms": _pct(direct_ms, 0.99), "epp_p99_ms": _pct(epp_ms, 0.99),
+        "added_median_ms": statistics.median(diffs), "ratio_median": statistics.median(ratios),
+    }  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _wait(cond: Any, timeout_s: float, what: str, log: Path) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if cond():
+                return
+        except (OSError, ValueError, KeyError, httpx.HTTPError):
+            pass
+        if time.monotonic() > deadline:
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise TimeoutError(f"not within {timeout_s:.0f} s: {what}\n{tail}")
+        time.sleep(0.1)

@@ -1,0 +1,272 @@
+"""Endpoint discovery from Kubernetes: the ready pods an ``InferencePool`` selects.
+
+The pool (``inference.networking.k8s.io/v1``) gives ``spec.selector.matchLabels`` and
+``spec.targetPorts[].number``; every ready pod matching the selector is one endpoint per
+target port, ``podIP:port``. Plain HTTP against the API server (aiohttp, already a kvmesh
+dependency; the ``kubernetes`` client pins urllib3/six versions that vllm's stack does not
+need): list the pods, then watch from the list's ``resourceVersion``; a watch that ends
+is resumed from the last version seen, a ``410 Gone`` lists again, and every ``resync_s``
+the pool itself is read again (its selector or port may have changed).
+
+A pod is ready when it has an IP, is not being deleted, is ``Running`` and its ``Ready``
+condition is ``True``. Its KV-event endpoints come from annotations (convention, README):
+
+* ``kvmesh.io/kv-events-port: "5557"``  -> ``tcp://podIP:5557`` (vLLM's ``--kv-events-config``
+  endpoint ``tcp://*:5557``); ``kvmesh.io/kv-events: tcp://...`` gives the whole endpoint;
+* ``kvmesh.io/kv-replay-port`` / ``kvmesh.io/kv-replay`` likewise for the replay socket.
+
+Without them the pod is routed by load and session only (and by REMOTE blocks the index
+learns from other pods). :class:`PodTracker` is the pure part (tested with API responses in
+the server's wire format); :class:`KubeDiscovery` adds the HTTP list/watch loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import ssl
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+import aiohttp
+
+from kvmesh.errors import ConfigError, UpstreamError
+from kvmesh.router.config import ReplicaConfig
+
+from .config import KubeConfig
+
+log = logging.getLogger(__name__)
+
+EVENTS_ANNOTATION = "kvmesh.io/kv-events"
+EVENTS_PORT_ANNOTATION = "kvmesh.io/kv-events-port"
+REPLAY_ANNOTATION = "kvmesh.io/kv-replay"
+REPLAY_PORT_ANNOTATION = "kvmesh.io/kv-replay-port"
+POOL_API = "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools/{name}"
+PODS_API = "/api/v1/namespaces/{ns}/pods"
+
+
+class EndpointSink(Protocol):
+    """What discovery feeds (the :class:`~kvmesh.epp.scoring.EndpointPicker`)."""
+
+    synced: bool
+
+    def add_endpoint(self, cfg: ReplicaConfig) -> None: ...
+
+    def remove_endpoint(self, name: str) -> None: ...
+
+
+def pool_selector(pool: Mapping[str, Any]) -> tuple[dict[str, str], list[int]]:
+    """(matchLabels, target ports) of an InferencePool object; ConfigError if it has none."""
+    spec = pool.get("spec") or {}
+    labels = (spec.get("selector") or {}).get("matchLabels") or {}
+    ports = [int(p["number"]) for p in spec.get("targetPorts") or [] if isinstance(p, dict) and "number" in p]
+    name = (pool.get("metadata") or {}).get("name", "?")
+    if not labels or not ports:
+        raise ConfigError(
+            f"InferencePool {name}: spec.selector.matchLabels and spec.targetPorts are required"
+        )
+    return {str(k): str(v) for k, v in labels.items()}, ports
+
+
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    if meta.get("deletionTimestamp") or not status.get("podIP") or status.get("phase") != "Running":
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+
+
+def _socket(ip: str, annotations: Mapping[str, str], whole: str, port: str) -> str | None:
+    if annotations.get(whole):
+        return annotations[whole].replace("$(POD_IP)", ip)
+    if annotations.get(port):
+        return f"tcp://{ip}:{int(annotations[port])}"
+    return None
+
+
+def pod_endpoints(pod: Mapping[str, Any], ports: Iterable[int]) -> list[ReplicaConfig]:
+    """The endpoints of a ready pod (none if it is not ready)."""
+    if not pod_ready(pod):
+        return []
+    ip = str(pod["status"]["podIP"])
+    ann = (pod.get("metadata") or {}).get("annotations") or {}
+    host = f"[{ip}]" if ":" in ip else ip
+    out = []
+    for port in ports:
+        try:
+            events = _socket(ip, ann, EVENTS_ANNOTATION, EVENTS_PORT_ANNOTATION)
+            replay = _socket(ip, ann, REPLAY_ANNOTATION, REPLAY_PORT_ANNOTATION)
+        except ValueError:
+            name = (pod.get("metadata") or {}).get("name")
+            log.warning("pod %s: bad kvmesh.io port annotation; routing it without KV events", name)
+            events = replay = None
+        out.append(
+            ReplicaConfig(url=f"http://{host}:{port}", name=f"{host}:{port}", events=events, replay=replay)
+        )
+    return out
+
+
+class PodTracker:
+    """Pod events in, endpoint additions and removals out (idempotent, order-safe)."""
+
+    def __init__(self, sink: EndpointSink, ports: Iterable[int]) -> None:
+        self.sink = sink
+        self.ports = list(ports)
+        self.by_pod: dict[str, list[ReplicaConfig]] = {}  # pod uid/name -> its endpoints
+
+    @staticmethod
+    def _key(pod: Mapping[str, Any]) -> str:
+        meta = pod.get("metadata") or {}
+        return str(meta.get("uid") or meta.get("name"))
+
+    def apply(self, kind: str, pod: Mapping[str, Any]) -> None:
+        """One watch event: ``ADDED``, ``MODIFIED`` or ``DELETED``."""
+        key = self._key(pod)
+        new = [] if kind == "DELETED" else pod_endpoints(pod, self.ports)
+        old = self.by_pod.get(key, [])
+        for cfg in old:
+            if cfg not in new and not self._claimed(cfg.key, key):
+                self.sink.remove_endpoint(cfg.key)
+        for cfg in new:
+            if cfg not in old:
+                self.sink.add_endpoint(cfg)
+        if new:
+            self.by_pod[key] = new
+        else:
+            self.by_pod.pop(key, None)
+
+    def _claimed(self, name: str, but: str) -> bool:
+        """Whether a pod other than ``but`` has endpoint ``name`` (a reused pod IP)."""
+        return any(c.key == name for k, cfgs in self.by_pod.items() if k != but for c in cfgs)
+
+    def replace(self, pods: Iterable[Mapping[str, Any]]) -> None:
+        """A fresh list: whatever is not in it is gone."""
+        pods = list(pods)
+        seen = {self._key(p) for p in pods}
+        for key in [k for k in self.by_pod if k not in seen]:
+            for cfg in self.by_pod.pop(key):
+                if not self._claimed(cfg.key, key):
+                    self.sink.remove_endpoint(cfg.key)
+        for pod in pods:
+            self.apply("MODIFIED", pod)
+        self.sink.synced = True
+
+    def endpoints(self) -> list[str]:
+        return sorted(cfg.key for cfgs in self.by_pod.values() for cfg in cfgs)
+
+
+class KubeDiscovery:
+    """List + watch the pool's pods on the picker's loop; see the module docstring."""
+
+    def __init__(self, config: KubeConfig) -> None:
+        self.config = config
+        self.tracker: PodTracker | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self.api = config.api_server or _in_cluster_api()
+        self.lists = 0  # full lists done (tests, /kvmesh/state)
+
+    def _headers(self) -> dict[str, str]:
+        try:
+            with open(self.config.token_path) as f:  # re-read: projected tokens rotate
+                return {"Authorization": f"Bearer {f.read().strip()}"}
+        except OSError:
+            return {}
+
+    def _ssl(self) -> ssl.SSLContext | bool:
+        if not self.api.startswith("https://"):
+            return False
+        if os.path.exists(self.config.ca_path):
+            return ssl.create_default_context(cafile=self.config.ca_path)
+        return True
+
+    async def start(self, sink: EndpointSink) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        self._sink = sink
+        self._task = asyncio.create_task(self._run(), name="kvmesh-epp-discovery")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._session is not None:
+            await self._session.close()
+
+    async def _get(self, path: str, params: Mapping[str, str] | None = None) -> Any:
+        assert self._session is not None
+        async with self._session.get(
+            self.api + path, params=params, headers=self._headers(), ssl=self._ssl(),
+            timeout=aiohttp.ClientTimeout(total=30),
+        ) as resp:  # fmt: skip
+            if resp.status != 200:
+                raise UpstreamError(f"GET {path} answered {resp.status}: {(await resp.text())[:200]}")
+            return await resp.json(content_type=None)
+
+    async def _run(self) -> None:
+        delay = 0.5
+        while True:
+            try:
+                await self._list_and_watch()
+                delay = 0.5
+            except asyncio.CancelledError:
+                raise
+            except (aiohttp.ClientError, TimeoutError, UpstreamError, ConfigError, ValueError) as exc:
+                log.warning("InferencePool discovery: %s; retrying in %.1f s", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+
+    async def _list_and_watch(self) -> None:
+        cfg = self.config
+        pool = await self._get(POOL_API.format(ns=cfg.namespace, name=cfg.pool))
+        labels, ports = pool_selector(pool)
+        if self.tracker is None or self.tracker.ports != ports:
+            if self.tracker is not None:
+                self.tracker.replace([])  # the port changed: every endpoint name changes
+            self.tracker = PodTracker(self._sink, ports)
+        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        listed = await self._get(PODS_API.format(ns=cfg.namespace), {"labelSelector": selector})
+        self.tracker.replace(listed.get("items") or [])
+        self.lists += 1
+        version = str((listed.get("metadata") or {}).get("resourceVersion", ""))
+        deadline = asyncio.get_running_loop().time() + cfg.resync_s
+        while asyncio.get_running_loop().time() < deadline:
+            version = await self._watch(selector, version, deadline)
+            if not version:
+                return  # 410 Gone or the like: list again
+
+    async def _watch(self, selector: str, version: str, deadline: float) -> str:
+        """One watch request; the last resourceVersion seen ('' = list again)."""
+        assert self._session is not None and self.tracker is not None
+        left = max(1, int(deadline - asyncio.get_running_loop().time()))
+        params = {"labelSelector": selector, "watch": "1", "resourceVersion": version,
+                  "allowWatchBookmarks": "true", "timeoutSeconds": str(left)}  # fmt: skip
+        path = PODS_API.format(ns=self.config.namespace)
+        async with self._session.get(
+            self.api + path, params=params, headers=self._headers(), ssl=self._ssl()
+        ) as resp:
+            if resp.status == 410:
+                return ""
+            if resp.status != 200:
+                raise UpstreamError(f"watch {path} answered {resp.status}")
+            async for line in resp.content:
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                kind, obj = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":
+                    return "" if obj.get("code") == 410 else version
+                version = str((obj.get("metadata") or {}).get("resourceVersion", version))
+                if kind in ("ADDED", "MODIFIED", "DELETED"):
+                    self.tracker.apply(kind, obj)
+        return version
+
+
+def _in_cluster_api() -> str:
+    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+    if not host:
+        raise ConfigError("kube.api_server: not in a cluster (no KUBERNETES_SERVICE_HOST); give the API URL")
+    host = f"[{host}]" if ":" in host else host
+    return f"https://{host}:{port}"
