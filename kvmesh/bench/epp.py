@@ -49,7 +49,7 @@ def register(bsub: Any) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from kvmesh.demo import ensure_model
+    from kvmesh.harness.model import ensure_model
 
     model = ensure_model(args.model or ".cache/models/tiny")
     result = run(model, quick=args.quick)
