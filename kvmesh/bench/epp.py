@@ -151,11 +151,11 @@ def run(model: str, quick: bool = False) -> dict[str, Any]:
     import httpx
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-    from kvmesh.cluster import spawn, stop_process
     from kvmesh.epp.envoy import Envoy
     from kvmesh.events.publisher import EventPublisher
+    from kvmesh.harness.ports import free_port
+    from kvmesh.harness.processes import spawn, stop_process
     from kvmesh.router.tokenize import PromptTokenizer
-    from kvmesh.services import free_port
 
     rng = random.Random(0)
     tok = PromptTokenizer.from_dir(model)

@@ -189,7 +189,7 @@ def run(
 
     model = model_dir or DEFAULT_MODEL
     if not os.path.exists(os.path.join(model, "tokenizer.json")):
-        from kvmesh.model import make_tiny
+        from kvmesh.harness.model import make_tiny
 
         make_tiny(out_dir=model)
     blocks = [100_000, 300_000] if quick else [100_000, 1_000_000, 3_000_000]

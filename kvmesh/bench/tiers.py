@@ -4,11 +4,17 @@ Each repeat runs kvmesh and the limit side by side on the same bytes, so the rat
 robust to this machine's noise; the figures are medians over repeats.
 
 * cpu   — ``CacheEngine.store`` / ``retrieve(out=...)`` vs. a copy into preallocated memory.
-* disk  — the disk tier's put (serialize, write, fsync, rename) / get (read, verify) vs. a
-          raw sequential write + fsync / read of the same bytes in the same directory; reads
-          run with the page cache dropped where this machine allows it.
+* disk  — the disk tier's put (serialize, write, fsync, rename) / get (read, verify) vs.
+          ``fio`` in the same directory on the same sizes (sequential write with an fsync
+          per chunk, O_DIRECT sequential reads: the tool storage engineers use), and vs. a
+          naive loop writing + fsyncing / reading the same bytes as files; reads run with
+          the page cache dropped where this machine allows it.
 * redis — the Redis tier's put / get vs. a raw pipelined redis-py SET / GET of the same
           bytes in the same part sizes.
+
+Every store and retrieve result is checked inside the timed loop (a chunk not stored or
+not found raises :class:`BenchMiss`: a silent miss must never read as speed), and which side
+goes first alternates every round for every tier.
 """
 
 from __future__ import annotations
@@ -22,11 +28,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
+from kvmesh.bench import fio
 from kvmesh.bench.report import print_table, write_json, write_plot
 from kvmesh.config import CacheConfig
 from kvmesh.core.engine import CacheEngine
@@ -41,6 +48,8 @@ LAYOUTS = {
 }
 CHUNK = 256
 PART = 1 << 20
+A = TypeVar("A")
+B = TypeVar("B")
 
 
 @dataclass
@@ -74,6 +83,24 @@ def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+class BenchMiss(AssertionError):
+    """A store or retrieve inside a timed loop did not do its work."""
+
+
+def _all_stored(tier: str, got: object, want: int) -> None:
+    if got != want:
+        raise BenchMiss(f"{tier}: stored {got!r}, expected {want}: the timing would measure a skip")
+
+
+def _pair_order(r: int, a: Callable[[], A], b: Callable[[], B]) -> tuple[A, B]:
+    """Run both, ``a`` first on even rounds and ``b`` first on odd ones; their times in (a, b)."""
+    if r % 2 == 0:
+        ta = a()
+        return ta, b()
+    tb = b()
+    return a(), tb
 
 
 class Workload:
@@ -124,13 +151,25 @@ def bench_cpu(w: Workload, repeats: int) -> list[Pair]:
     engine = CacheEngine(cfg, layout=w.layout, model_id="bench")
     dst = torch.empty_like(w.kv)
     dst.zero_()  # touch the pages once: the limit is a copy into allocated memory
+    want = w.n * CHUNK
+
+    def stored(toks: np.ndarray) -> None:
+        _all_stored("cpu", engine.store(toks, w.kv), want)
+
+    def retrieved(toks: np.ndarray) -> None:
+        n, _ = engine.retrieve(toks, out=dst)
+        if n != want:
+            raise BenchMiss(f"cpu: retrieved {n} of {want} tokens")
+
     try:
         for r in range(repeats + 1):  # round 0 is the warm-up (first touch of the pool)
             toks = w.tokens()
-            t_store = _timed(partial(engine.store, toks, w.kv))
-            t_lim1 = _timed(lambda: dst.copy_(w.kv))
-            t_get = _timed(partial(engine.retrieve, toks, out=dst))
-            t_lim2 = _timed(lambda: dst.copy_(w.kv))
+            t_store, t_lim1 = _pair_order(
+                r, partial(_timed, partial(stored, toks)), partial(_timed, lambda: dst.copy_(w.kv))
+            )
+            t_get, t_lim2 = _pair_order(
+                r, partial(_timed, partial(retrieved, toks)), partial(_timed, lambda: dst.copy_(w.kv))
+            )
             engine.clear("cpu")
             if r:  # round 0 is the warm-up
                 store.add(t_store, t_lim1)
@@ -140,16 +179,31 @@ def bench_cpu(w: Workload, repeats: int) -> list[Pair]:
     return [store, get]
 
 
-def _put_one(tier: Tier, keys: list[ChunkKey], chunks: list[ChunkData], i: int) -> list[bool]:
-    return tier.put([keys[i]], [chunks[i]])
+def _put_one(tier: Tier, keys: list[ChunkKey], chunks: list[ChunkData], i: int) -> None:
+    if tier.put([keys[i]], [chunks[i]]) != [True]:
+        raise BenchMiss(f"{tier.name}: chunk {i} was not stored")
 
 
-def _get_one(tier: Tier, keys: list[ChunkKey], dest: Slots, i: int) -> list[ChunkData | None]:
-    return tier.get([keys[i]], into=dest.into)
+def _get_one(tier: Tier, keys: list[ChunkKey], dest: Slots, i: int) -> None:
+    got = tier.get([keys[i]], into=dest.into)[0]
+    if got is None or got.key != keys[i]:
+        raise BenchMiss(f"{tier.name}: chunk {i} was not found")
 
 
 def bench_disk(w: Workload, repeats: int, directory: str) -> tuple[list[Pair], bool]:
+    """Against fio (the headline limit) and a naive file loop (the same bytes as files)."""
     store, get = Pair("disk", "store", w.nbytes), Pair("disk", "retrieve", w.nbytes)
+    naive_store = Pair("disk", "store (vs naive loop)", w.nbytes)
+    naive_get = Pair("disk", "retrieve (vs naive loop)", w.nbytes)
+    fio_dir = os.path.join(directory, "fio")
+    os.makedirs(fio_dir, exist_ok=True)
+
+    def fio_write() -> float:
+        return fio.run_fio(fio_dir, "write", w.chunk_bytes, w.nbytes, fsync_each=True).seconds
+
+    def fio_read() -> float:
+        return fio.run_fio(fio_dir, "read", w.chunk_bytes, w.nbytes, direct=True).seconds
+
     dest = Slots(w)
     tier_dir = os.path.join(directory, "tier")
     raw_dir = os.path.join(directory, "raw")
@@ -193,19 +247,25 @@ def bench_disk(w: Workload, repeats: int, directory: str) -> tuple[list[Pair], b
             keys, chunks = w.chunks(w.tokens())
             state["round"] = r
             os.sync()
-            t_store, t_lim1 = interleaved(partial(_put_one, tier, keys, chunks), raw_write)
+            (t_store, t_lim1), t_fio1 = _pair_order(
+                r, partial(interleaved, partial(_put_one, tier, keys, chunks), raw_write), fio_write
+            )
             dropped = drop_page_cache()
-            t_get, t_lim2 = interleaved(partial(_get_one, tier, keys, dest), raw_read)
+            (t_get, t_lim2), t_fio2 = _pair_order(
+                r, partial(interleaved, partial(_get_one, tier, keys, dest), raw_read), fio_read
+            )
             tier.delete(keys)
             for i in range(w.n):
                 os.unlink(raw_name(i))
             os.sync()
             if r:  # round 0 is the warm-up
-                store.add(t_store, t_lim1)
-                get.add(t_get, t_lim2)
+                store.add(t_store, t_fio1)
+                get.add(t_get, t_fio2)
+                naive_store.add(t_store, t_lim1)
+                naive_get.add(t_get, t_lim2)
     finally:
         tier.close()
-    return [store, get], dropped
+    return [store, get, naive_store, naive_get], dropped
 
 
 def bench_redis(w: Workload, repeats: int, url: str) -> list[Pair]:
@@ -234,10 +294,17 @@ def bench_redis(w: Workload, repeats: int, url: str) -> list[Pair]:
     try:
         for r in range(repeats + 1):
             keys, chunks = w.chunks(w.tokens())
-            t_store = _timed(partial(tier.put, keys, chunks))
-            t_lim1 = _timed(raw_set)
-            t_get = _timed(partial(tier.get, keys, into=dest.into))
-            t_lim2 = _timed(raw_get)
+
+            def put(keys: list[ChunkKey] = keys, chunks: list[ChunkData] = chunks) -> None:
+                _all_stored("redis", sum(tier.put(keys, chunks)), len(keys))
+
+            def got(keys: list[ChunkKey] = keys) -> None:
+                found = sum(c is not None for c in tier.get(keys, into=dest.into))
+                if found != len(keys):
+                    raise BenchMiss(f"redis: found {found} of {len(keys)} chunks")
+
+            t_store, t_lim1 = _pair_order(r, partial(_timed, put), partial(_timed, raw_set))
+            t_get, t_lim2 = _pair_order(r, partial(_timed, got), partial(_timed, raw_get))
             tier.delete(keys)
             client.delete(*names)
             if r:  # round 0 is the warm-up
@@ -281,7 +348,9 @@ def run(
     notes: dict[str, Any] = {"layout": layout, "chunk_tokens": CHUNK, "chunk_bytes": w.chunk_bytes}
     if "cpu" in tiers:
         pairs += bench_cpu(w, repeats)
-    if "disk" in tiers:
+    if "disk" in tiers and not fio.available():
+        notes["disk"] = "skipped: fio is not installed (apt-get install -y fio)"
+    elif "disk" in tiers:
         base = directory or os.path.join(os.getcwd(), ".cache")
         os.makedirs(base, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix="bench-disk-", dir=base)

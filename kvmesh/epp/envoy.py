@@ -34,9 +34,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvmesh.cluster import spawn, stop_process
 from kvmesh.errors import ProcessError
-from kvmesh.services import free_port
+from kvmesh.harness.ports import free_port
+from kvmesh.harness.processes import spawn, stop_process
 
 from .config import DEST_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
 

@@ -47,7 +47,10 @@ class RedisServer:
         maxmemory: str | None = None,
         unix_socket: bool = False,
         workdir: str | os.PathLike[str] | None = None,
+        executable: str | None = None,
     ) -> None:
+        """``executable``: another server binary speaking Redis (a ``valkey-server``)."""
+        self.executable = executable
         self.host = "127.0.0.1"
         self.port = port or free_port()
         self.maxmemory = maxmemory
@@ -98,7 +101,7 @@ class RedisServer:
         """Start it (a no-op while it runs) and wait until it answers PING."""
         if self.is_running():
             return self
-        binary = self.binary()
+        binary = self.executable or self.binary()
         if binary is None:
             raise FileNotFoundError("redis-server is not installed (apt-get install -y redis-server)")
         self.workdir.mkdir(parents=True, exist_ok=True)

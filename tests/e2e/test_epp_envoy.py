@@ -29,13 +29,14 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kvmesh.cluster import Replica, spawn, start_replicas, stop_process
-from kvmesh.services import free_port
 
 from kvmesh.bench.workload import words
 from kvmesh.demo import connector_config
 from kvmesh.epp.envoy import SUBSET_TEST_HEADER, Envoy, envoy_binary
 from kvmesh.errors import ProcessError
+from kvmesh.harness.ports import free_port
+from kvmesh.harness.processes import spawn, stop_process
+from kvmesh.harness.replicas import Replica, start_replicas
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -123,7 +124,7 @@ def wait_for(cond: Callable[[], bool], timeout_s: float, what: str, detail: Call
 @pytest.fixture(scope="module")
 def tiny_model() -> Path:
     pytest.importorskip("vllm")
-    from kvmesh.model import PRESETS, make_tiny
+    from kvmesh.harness.model import PRESETS, make_tiny
 
     return make_tiny(out_dir=ROOT / ".cache" / "models" / "tiny", **PRESETS["tiny"]).resolve()
 

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 import redis
 import torch
-from tests.integration.conftest import find_redis_server, free_port
 
 from kvmesh.core.keys import KeyBuilder, KVLayout
+from kvmesh.harness.ports import free_port
+from kvmesh.harness.services import RedisServer
 from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import ChunkData, TierOptions, open_tier
 
@@ -62,7 +63,10 @@ def _cluster_port() -> int:
 
 class Cluster:
     def __init__(self, workdir: Path, n: int = 3) -> None:
-        self.binary = find_redis_server()
+        binary = RedisServer.binary()
+        if binary is None:
+            pytest.fail("redis-server is not installed (apt-get install -y redis-server)", pytrace=False)
+        self.binary = binary
         self.workdir = workdir
         self.ports = [_cluster_port() for _ in range(n)]
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -220,9 +224,7 @@ def _valkey_binary() -> str:
 
 @pytest.mark.redis
 def test_valkey_url_against_a_real_valkey_server(tmp_path: Path) -> None:
-    from tests.integration.conftest import RedisServer
-
-    server = RedisServer(_valkey_binary(), free_port(), tmp_path)
+    server = RedisServer(free_port(), workdir=tmp_path, executable=_valkey_binary())
     server.start()
     try:
         assert (
