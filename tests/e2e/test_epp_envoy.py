@@ -31,9 +31,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.bench.workload import words
-from kvmesh.demo import connector_config
 from kvmesh.epp.envoy import SUBSET_TEST_HEADER, Envoy, envoy_binary
 from kvmesh.errors import ProcessError
+from kvmesh.harness.connector import connector_config
 from kvmesh.harness.ports import free_port
 from kvmesh.harness.processes import spawn, stop_process
 from kvmesh.harness.replicas import Replica, start_replicas
