@@ -41,7 +41,14 @@ def _connector(tmp_path: Path, mla: bool, layout: str, cache_dtype: str = "auto"
     )
     c._kv_cache_config = SimpleNamespace(kv_tp_replicas=1)
     c.options = ConnectorOptions.from_extra_config(
-        {"chunk_size": 32, "max_local_cpu_size": 0.01, "admin_enabled": False, "socket_dir": str(tmp_path)},
+        # A stub model has no weights to fingerprint: the operator names its identity.
+        {
+            "chunk_size": 32,
+            "max_local_cpu_size": 0.01,
+            "admin_enabled": False,
+            "socket_dir": str(tmp_path),
+            "model_fingerprint": "stub-model@1",
+        },
         environ={},
     )
     c.block_size, c.engine_id, c.dp_rank = BS, "unit", 0
