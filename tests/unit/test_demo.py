@@ -133,3 +133,30 @@ def test_cli_passes_the_workload_through(monkeypatch: pytest.MonkeyPatch) -> Non
     assert args.func(args) == 1  # a row lost requests
     p = got["p"]
     assert (p.tenants, p.users, p.turns, p.repeats, p.num_blocks, p.prefix_words) == (6, 2, 3, 1, 20, 250)
+
+
+def test_paired_ratios_pair_repeats_and_fall_back_to_medians() -> None:
+    plain = _row(0.4, 0.2, 0.5, 5.0, repeats=[_row(0.4, 0.2, 0.4, 5.0), _row(0.4, 0.2, 0.8, 5.0)])
+    ours = _row(0.7, 0.1, 0.3, 8.0, repeats=[_row(0.7, 0.1, 0.2, 8.0), _row(0.7, 0.1, 0.6, 8.0)])
+    # per repeat 0.2/0.4 = 0.5 and 0.6/0.8 = 0.75: median 0.625 (the medians' ratio would be 0.6)
+    assert demo.paired_ratio(ours, plain, "ttft_p90_s") == pytest.approx(0.625)
+    assert demo.paired_ratio(_row(0.7, 0.1, 0.3, 8.0), plain, "ttft_p90_s") == pytest.approx(0.6)
+    assert demo.table({demo.PLAIN_RR: plain, demo.KVMESH: ours})[2]["p90_vs_plain"] == "x0.62"
+
+
+def test_a_written_report_renders_again_from_its_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = {s: {**r, "errors": 0, "repeats": [r]} for s, r in ROWS.items()}
+    workload = {
+        "tenants": 12,
+        "users": 2,
+        "turns": 3,
+        "concurrency": 4,
+        "replica_kv_blocks": 40,
+        "repeats": 1,
+    }
+    first = demo.report(rows, workload, 12.0, str(tmp_path / "a.json"))
+    again = demo.report(demo.rows_from_json(json.loads((tmp_path / "a.json").read_text())), workload, 12.0)
+    assert again["sentences"] == first["sentences"] and again["split"] == first["split"]
+    capsys.readouterr()
