@@ -227,7 +227,8 @@ def report(
         "rows": [{"setup": TITLES[s], **rows.get(s, {"error": "no run"})} for s in SETUPS],
         "sentences": lines,
         "split": split,
-        "ratios": "x figures: medians over repeats of paired ratios (same repeat, back to back)",
+        "ratios": "x figures: medians over repeats of paired ratios (same repeat, back to back); "
+        "split: from the medians of each setup",
         "workload": dict(workload),
         "wall_s": wall_s,
     }
