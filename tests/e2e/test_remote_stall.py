@@ -44,7 +44,11 @@ def stall_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_MARK):
-            return dict(json.loads(line[len(RESULT_MARK) :]))
+            res = dict(json.loads(line[len(RESULT_MARK) :]))
+            (work / "result.json").write_text(json.dumps(res, indent=1))
+            figures = {k: res[k] for k in res if k.endswith("_ms") or k.endswith("_tokens")}
+            print(f"remote stall figures (ms): {json.dumps(figures)}")  # shown with -s / -rP
+            return res
     tail = (proc.stdout[-3000:] + "\n--- stderr ---\n" + proc.stderr[-6000:]).strip()
     pytest.fail(f"remote stall scenario exited {proc.returncode} without a result:\n{tail}")
 
