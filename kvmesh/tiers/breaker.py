@@ -179,7 +179,7 @@ class RemoteGuard:
         log.warning(
             "kvmesh tier %s: %s (%d consecutive failures); marking down, probing every %.1fs",
             self.name,
-            exc or type(exc).__name__,
+            str(exc) or type(exc).__name__,
             max(failures, 1),
             self.probe_interval_s,
         )
