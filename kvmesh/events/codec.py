@@ -191,7 +191,8 @@ def decode_batch(payload: bytes) -> EventBatch:
     """Decode one published payload. Raises :class:`EventDecodeError` if it is malformed."""
     try:
         raw = _decoder.decode(payload)
-    except (msgspec.DecodeError, TypeError) as exc:
+    except (msgspec.DecodeError, TypeError, RecursionError) as exc:
+        # RecursionError: a few KB of nested arrays; it would escape and end the subscriber.
         raise _bad(f"not msgpack ({exc})") from None
     if not isinstance(raw, list) or not 2 <= len(raw) <= 3:
         raise _bad("top level must be the array [ts, events, data_parallel_rank]")

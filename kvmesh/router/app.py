@@ -186,14 +186,17 @@ class RouterService:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            return self._refuse(path, 413, f"request body is larger than {self.config.max_body_bytes} bytes")
+            limit = self.config.max_body_bytes
+            return self._refuse(path, 413, f"request body is larger than {limit} bytes", "body")
         try:
             body = self._decoder.decode(raw)
         except msgspec.DecodeError as exc:
-            return self._refuse(path, 400, f"request body is not valid JSON: {exc}")
+            return self._refuse(path, 400, f"request body is not valid JSON: {exc}", "body")
         if not isinstance(body, dict):
-            return self._refuse(path, 400, "request body must be a JSON object")
+            return self._refuse(path, 400, "request body must be a JSON object", "body")
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            return self._refuse(path, 400, f"'model' must be a string, got {type(model).__name__}", "model")
         known = set(self.config.served_model_names) or self.pool.models()
         if model is not None and known and model not in known:
             return self._refuse(path, 404, f"The model `{model}` does not exist.", "model")

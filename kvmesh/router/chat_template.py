@@ -21,6 +21,7 @@ import jinja2.sandbox
 from kvmesh.errors import TokenizeError
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+_FIXED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})  # render()'s own
 
 
 class ChatTemplate:
@@ -42,6 +43,10 @@ class ChatTemplate:
         extra = body.get("chat_template_kwargs") or {}
         if not isinstance(extra, Mapping):
             raise TokenizeError("'chat_template_kwargs' must be an object")
+        clash = sorted(set(extra) & _FIXED)
+        if clash:
+            # transformers passes these by name too: the render call itself would fail.
+            raise TokenizeError(f"'chat_template_kwargs' may not set {', '.join(clash)}")
         try:
             text = self._template.render(
                 messages=conv,
@@ -50,8 +55,10 @@ class ChatTemplate:
                 add_generation_prompt=add_gen,
                 **{**self._specials, **extra},
             )
-        except jinja2.TemplateError as exc:
-            raise TokenizeError(f"chat template failed: {exc}") from exc
+        except Exception as exc:
+            # A template is code run over the request's data: a TypeError or ZeroDivisionError
+            # from odd input is as much the request's fault as a TemplateError.
+            raise TokenizeError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
         if cont:
             # As transformers does: cut everything the template wrote after the final message.
             loc = text.rfind(_CONTINUE_TAG.strip())

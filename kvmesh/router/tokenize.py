@@ -160,9 +160,11 @@ class PromptTokenizer:
             prompt = prompt[0]  # a batch is routed by its first prompt
         if isinstance(prompt, str):
             return self.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True)))
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, list) and all(type(t) is int and 0 <= t <= 0xFFFFFFFF for t in prompt):
             return np.asarray(prompt, dtype=np.uint32)
-        raise TokenizeError("'prompt' must be a string, a list of strings, or a list of token ids")
+        raise TokenizeError(
+            "'prompt' must be a string, a list of strings, or a list of token ids (0..2**32-1)"
+        )
 
     def chat(self, body: Mapping[str, Any]) -> TokenArray:
         """Token ids of a ``/v1/chat/completions`` body, as vLLM renders and encodes it."""
