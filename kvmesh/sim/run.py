@@ -15,11 +15,19 @@ from kvmesh.sim.workload import Workload
 
 
 def simulate(
-    work: Workload, policy: str, config: FleetConfig, cost: CostProfile, progress: bool = False
+    work: Workload,
+    policy: str,
+    config: FleetConfig,
+    cost: CostProfile,
+    progress: bool = False,
+    seed: int = 0,
 ) -> dict[str, Any]:
-    """Run ``work`` under ``policy``; its :func:`summarize` figures plus wall time."""
+    """Run ``work`` under ``policy``; its :func:`summarize` figures plus wall time.
+
+    ``seed`` draws the service-time jitter (see :class:`~kvmesh.sim.cost.CostProfile`).
+    """
     pol = policies.make(policy, tree_blocks=config.gpu_blocks)
-    fleet = Fleet(config, cost, work.block_tokens, pol)
+    fleet = Fleet(config, cost, work.block_tokens, pol, seed=seed)
     t0 = time.perf_counter()
     if progress:
         from tqdm import tqdm
