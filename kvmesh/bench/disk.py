@@ -180,10 +180,11 @@ def fio_seq(directory: str, bs: int, size_mb: int, sync_each: bool) -> dict[str,
     }
 
 
-def ttft_load(placement: str, directory: str, tokens: int = 2000) -> float:
-    """Seconds to load the cached KV of a ``tokens``-token llama-8b prompt (32 MiB chunks)
-    from the disk tier, cold: stored write-through, dropped from cpu and from the page
-    cache (per file / range), then ``retrieve`` — the load path ``bench ttft`` measures."""
+def ttft_load(placement: str, directory: str, tokens: int = 2000) -> tuple[float, float]:
+    """``(seconds, write MB/s)``: the cold load of a ``tokens``-token llama-8b prompt's KV
+    (32 MiB chunks) from the disk tier — stored write-through (timed: the tier's write
+    throughput at the real chunk size), dropped from cpu and from the page cache (per file
+    / range), then ``retrieve``, the load path ``bench ttft`` measures."""
     from kvmesh.core.engine import CacheEngine
     from kvmesh.storage.replay import _drop_cache
 
@@ -200,8 +201,11 @@ def ttft_load(placement: str, directory: str, tokens: int = 2000) -> float:
     toks = np.arange(tokens, dtype=np.uint32) + 11
     try:
         with CacheEngine(cfg, layout=layout, model_id="bench-ttft") as eng:
+            w0 = time.perf_counter()
             eng.store_with(toks, lambda s, e, out: None)
             eng.wait_for_writes(120)
+            write_s = time.perf_counter() - w0
+            written = eng.stats()["disk"].get("bytes_in", 0)
             eng.clear("cpu", force=True)
             disk = eng.lower["disk"]
             for text in list(disk.keys()):  # type: ignore[attr-defined]
@@ -211,8 +215,8 @@ def ttft_load(placement: str, directory: str, tokens: int = 2000) -> float:
                 n = got[-1].end if got else 0
             dt = time.perf_counter() - t0
             if n < tokens // 256 * 256:
-                return float("nan")
-            return dt
+                return float("nan"), float("nan")
+            return dt, written / 2**20 / write_s
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -234,7 +238,7 @@ def real_cell(placement: str, n_req: int, directory: str, read_back: int) -> dic
     per_chunk = np.array([d / n for _, d, n in res.puts for _ in range(n)]) if res.puts else np.zeros(1)
     put_s = sum(d for _, d, _ in res.puts)
     cold = float(np.median(lat)) if lat else float("nan")
-    ttft_ms = ttft_load(placement, directory) * 1e3
+    load_s, big_mb_s = ttft_load(placement, directory)
     return {
         "placement": placement,
         "host_mb": round(sum(by_class.values()) / 2**20, 1),
@@ -243,7 +247,8 @@ def real_cell(placement: str, n_req: int, directory: str, read_back: int) -> dic
         "write_p99_ms": round(float(np.percentile(per_chunk, 99)) * 1e3, 3),
         "p99_over_p50": round(float(np.percentile(per_chunk, 99) / np.percentile(per_chunk, 50)), 2),
         "readback_p50_ms": round(cold * 1e3, 3),
-        "implied_ttft_2000_ms": round(ttft_ms, 1),
+        "implied_ttft_2000_ms": round(load_s * 1e3, 1),
+        "write_mb_s_32mib": round(big_mb_s, 1),
         "hints": res.placement.get("hints_accepted"),
         "_lat": per_chunk.tolist(),
         "_puts": res.puts,
@@ -327,6 +332,8 @@ def run(
             "p99_over_p50",
             "readback_p50_ms",
             "implied_ttft_2000_ms",
+            "write_mb_s_32mib",
+            "vs_fio_seq_32mib",
         ],
     )
     if plot_path:
@@ -353,6 +360,7 @@ def _summarise(
         }
         m["placement"], m["hints"] = p, rs[0]["hints"]
         m["vs_fio_seq"] = round(m["write_mb_s"] / fio_mb, 3)
+        m["vs_fio_seq_32mib"] = round(m["write_mb_s_32mib"] / fio_mb, 3)
         m["vs_fio_sync_per_chunk"] = round(m["write_mb_s"] / fio_sync, 3)
         med.append(m)
     seg90 = [
@@ -361,7 +369,8 @@ def _summarise(
     seg_real = next(m for m in med if m["placement"] == "segments")
     targets = {
         "segments_dlwa_90_le_1.1": all(r["dlwa_steady"] <= 1.1 for r in seg90) if seg90 else None,
-        "segments_write_ge_0.8x_fio_seq": seg_real["vs_fio_seq"] >= 0.8,
+        "segments_write_ge_0.8x_fio_seq": seg_real["vs_fio_seq_32mib"] >= 0.8,
+        "segments_write_ge_0.8x_fio_seq_small_chunks": seg_real["vs_fio_seq"] >= 0.8,
         "segments_p99_le_3x_median": seg_real["p99_over_p50"] <= 3.0,
     }
     runs = [{k: v for k, v in r.items() if not k.startswith("_")} for r in real]

@@ -41,8 +41,8 @@ def test_sim_cell(placement: str, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_ttft_load_reads_every_full_chunk(tmp_path: Path) -> None:
-    s = disk.ttft_load("segments", str(tmp_path), tokens=600)  # 2 llama-8b chunks, 64 MiB
-    assert 0 < s < 30
+    s, mb_s = disk.ttft_load("segments", str(tmp_path), tokens=600)  # 2 llama-8b chunks, 64 MiB
+    assert 0 < s < 30 and mb_s > 0
 
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio not installed (apt-get install fio)")
