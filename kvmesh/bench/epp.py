@@ -43,6 +43,11 @@ def register(bsub: Any) -> None:
     p = bsub.add_parser("epp", help="kvmesh epp decision latency at 2k/32k tokens; Envoy+EPP added latency")
     p.add_argument("--quick", action="store_true", help="few trials (a smoke run)")
     p.add_argument("--model", help="tokenizer/model directory (default .cache/models/tiny, built if missing)")
+    p.add_argument(
+        "--ttft",
+        action="store_true",
+        help="also TTFT p90 through Envoy+EPP vs kvmesh router (2 vLLM replicas)",
+    )
     p.add_argument("--json", help="write results here")
     p.add_argument("--plot", help="write a PNG plot here")
     p.set_defaults(func=run_cli)
@@ -65,6 +70,12 @@ def run_cli(args: argparse.Namespace) -> int:
         f"envoy+epp p50 {e['epp_p50_ms']:.2f} ms; added {e['added_median_ms']:.2f} ms "
         f"(median paired ratio {e['ratio_median']:.3f})"
     )
+    if args.ttft:
+        from kvmesh.bench.epp_ttft import run_ttft
+
+        result["ttft"] = t = run_ttft(model, args.quick)
+        print(f"TTFT p90: {t['ttft_p90_s']}; median ratio envoy+epp/router {t['ratio_p90_median']} "
+              f"(target <= {t['target_ratio']}: {'met' if t['met'] else 'missed'})")  # fmt: skip
     if args.json:
         write_json(args.json, result)
     if args.plot:

@@ -2,9 +2,10 @@
 
 The pool (``inference.networking.k8s.io/v1``) gives ``spec.selector.matchLabels`` and
 ``spec.targetPorts[].number``; every ready pod matching the selector is one endpoint per
-target port, ``podIP:port``. Plain HTTP against the API server (aiohttp, already a kvmesh
-dependency; the ``kubernetes`` client pins urllib3/six versions that vllm's stack does not
-need): list the pods, then watch from the list's ``resourceVersion``; a watch that ends
+target port, ``podIP:port``. Plain HTTP against the API server with aiohttp, already a
+kvmesh dependency: the ``kubernetes`` client does not fit vLLM's environment (it upgrades
+python-dateutil 2.9 -> 4.0), and lightkube would add six packages for two GETs and a
+watch. List the pods, then watch from the list's ``resourceVersion``; a watch that ends
 is resumed from the last version seen, a ``410 Gone`` lists again, and every ``resync_s``
 the pool itself is read again (its selector or port may have changed).
 

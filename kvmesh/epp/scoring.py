@@ -129,6 +129,7 @@ class EndpointPicker:
         self._decoder = msgspec.json.Decoder()
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvmesh-epp-tokenize")
         self._session: aiohttp.ClientSession | None = None
+        self._checks: set[asyncio.Task[None]] = set()
         self.synced = False  # discovery has listed the endpoints once (readiness)
         for cfg in rc.replicas:
             self.add_endpoint(endpoint_config(cfg.url) if cfg.name is None else cfg)
@@ -167,7 +168,9 @@ class EndpointPicker:
                 on_gap_unrepaired=self.index.clear_replica,
             )
         if self._session is not None:  # running: check it now rather than at the next round
-            asyncio.get_running_loop().create_task(self.pool.check_all())
+            task = asyncio.get_running_loop().create_task(self.pool.check_all())
+            self._checks.add(task)  # the loop keeps only weak references to tasks
+            task.add_done_callback(self._checks.discard)
 
     def remove_endpoint(self, name: str) -> None:
         self.pool.remove(name)

