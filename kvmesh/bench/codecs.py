@@ -70,7 +70,7 @@ def _model_kv(model: Any, ids: torch.Tensor) -> torch.Tensor:
 def _roundtrip(kv: torch.Tensor, codec: str) -> torch.Tensor:
     layout = KVLayout(kv.shape[0], kv.shape[3], kv.shape[4], "bfloat16")
     n = kv.shape[2]
-    raw = memoryview(kv.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(-1).numpy())
+    raw = kv.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(-1).numpy().data
     blob = serde.encode_bytes("k", layout, np.arange(n, dtype=np.uint32), raw, codec)
     _, out = serde.decode(blob)
     return torch.frombuffer(bytearray(out), dtype=torch.bfloat16).view(kv.shape)
@@ -79,7 +79,7 @@ def _roundtrip(kv: torch.Tensor, codec: str) -> torch.Tensor:
 def measure(kv: torch.Tensor, codec: str, repeats: int) -> dict[str, Any]:
     layout = KVLayout(kv.shape[0], kv.shape[3], kv.shape[4], "bfloat16")
     n = kv.shape[2]
-    raw = memoryview(kv.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(-1).numpy())
+    raw = kv.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(-1).numpy().data
     tokens = np.arange(n, dtype=np.uint32)
     enc, dec = [], []
     blob = b""
