@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_epp(bsub)
 
+    from kvmesh.bench.codecs_cli import add_parser as add_bench_codecs
+
+    add_bench_codecs(bsub)
+
     model = sub.add_parser("model", help="build local test models")
     msub = model.add_subparsers(dest="model", required=True)
     mt = msub.add_parser("make-tiny", help="write a random-weight Llama + locally trained BPE tokenizer")

@@ -35,7 +35,6 @@ LMCACHE_ENV_PREFIX = "LMCACHE_"
 _UNSERVED = {
     "lm": "LMCache's own lm:// server protocol",
     "infinistore": "InfiniStore needs RDMA",
-    "mooncakestore": "Mooncake Store: mooncake-transfer-engine does not run here (see the README)",
     "resp": "LMCache's fixed-size RESP connector; use redis://",
     "redis-sentinel": "Redis Sentinel",
 }

@@ -244,7 +244,18 @@ _S3_QUERY = {
     "s3_num_io_threads": "max_concurrency",
     "disable_tls": "disable_tls",
 }
+# Mooncake settings, for mooncakestore:// URLs (read by the mooncake tier).
+_MOONCAKE_QUERY = {
+    "local_hostname": "local_hostname",
+    "metadata_server": "metadata_server",
+    "protocol": "protocol",
+    "device_name": "device_name",
+    "global_segment_size": "global_segment_size",
+    "local_buffer_size": "local_buffer_size",
+}
 _EXTRA_IGNORED = {
+    "master_server_address": "the master is the host:port of the mooncakestore:// URL",
+    "transfer_timeout": "the mooncake tier uses the store's own timeouts",
     "disk_io_threads": "kvmesh's disk tier sizes its own I/O threads",
     "s3_prefer_http2": "the s3 tier speaks HTTP/1.1 through botocore",
     "s3_enable_s3express": "S3 Express One Zone buckets are not handled specially",
@@ -272,6 +283,7 @@ class Translator:
         self.unknown: list[str] = []
         self.query: dict[str, str] = {}  # s3 settings for remote_url's query
         self.cluster = False  # extra_config.valkey_mode = cluster
+        self.mooncake: dict[str, str] = {}  # mooncake settings for remote_url's query
 
     def note(self, key: str, action: Action, target: str = "", note: str = "") -> None:
         self.readings.append(KeyReading(key, self.source, action, target, note))
@@ -378,6 +390,9 @@ class Translator:
             if sub == "use_odirect":
                 self.values["disk_o_direct"] = _is_true(v)
                 self.note(name, "mapped", "disk_o_direct")
+            elif sub in _MOONCAKE_QUERY:
+                self.mooncake[_MOONCAKE_QUERY[sub]] = str(v)
+                self.note(name, "mapped", f"remote_url ?{_MOONCAKE_QUERY[sub]}=", "read by the mooncake tier")
             elif sub in _S3_QUERY:
                 self.query[_S3_QUERY[sub]] = str(v)
                 self.note(name, "mapped", f"remote_url ?{_S3_QUERY[sub]}=", "read by the s3 tier")
@@ -427,6 +442,7 @@ def translate(
     values: dict[str, Any] = {}
     readings: list[KeyReading] = []
     query: dict[str, str] = {}
+    mooncake: dict[str, str] = {}
     cluster = False
     for source, data in layers:
         if not isinstance(data, Mapping):
@@ -442,6 +458,7 @@ def translate(
         values.update(t.values)
         values.update(t.direct)
         query.update(t.query)
+        mooncake.update(t.mooncake)
         cluster = cluster or t.cluster
         readings.extend(t.readings)
     url = values.get("remote_url")
@@ -451,6 +468,8 @@ def translate(
             url = "redis-cluster://" + url.split("://", 1)[1]
         if query and scheme == "s3":
             url = with_query(url, query)
+        if mooncake and scheme == "mooncakestore":
+            url = with_query(url, mooncake)
         values["remote_url"] = url
     return values, readings
 

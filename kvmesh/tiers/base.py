@@ -226,6 +226,7 @@ _BUILTIN_MODULES = {
     "fs": "kvmesh.tiers.fs",
     "s3": "kvmesh.tiers.s3",
     "redis-cluster": "kvmesh.tiers.redis_cluster",
+    "mooncakestore": "kvmesh.tiers.mooncake",
     "mem": "kvmesh.tiers.testing",
     "faulty": "kvmesh.tiers.testing",
 }

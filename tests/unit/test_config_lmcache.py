@@ -16,7 +16,7 @@ from kvmesh.errors import ConfigError
 from kvmesh.integrations.vllm.options import ConnectorOptions
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "lmcache"
-UNSERVED = {"v1-mooncake.yaml": "mooncakestore", "v1-infinistore.yaml": "infinistore", "v0-cpu-lm.yaml": "lm"}
+UNSERVED = {"v1-infinistore.yaml": "infinistore", "v0-cpu-lm.yaml": "lm"}
 # files that ask for LMCache features kvmesh does not have: the keys warned about
 WARNS = {
     "v1-blending.yaml": {"enable_blending", "use_layerwise", "blend_check_layers", "blend_recompute_ratios"},
@@ -104,6 +104,10 @@ def test_v1_keys_and_extra_config_are_mapped() -> None:
     assert s3.remote_timeout_s == 10
     ignored = {r.key for r in s3.readings if r.action == "ignored"}
     assert "extra_config.s3_prefer_http2" in ignored
+    mc = CacheConfig.from_file(FIXTURES / "v1-mooncake.yaml")
+    assert mc.remote_url is not None and mc.remote_url.startswith("mooncakestore://localhost:50051/?")
+    for part in ("metadata_server=http", "protocol=tcp", "global_segment_size=3355443200", "local_hostname="):
+        assert part in mc.remote_url
     cg = CacheConfig.from_file(FIXTURES / "v1-layerwise-cachegen.yaml")
     assert cg.eviction_policy == "lru" and cg.remote_serde == "cachegen"
     api = CacheConfig.from_dict({"internal_api_server_enabled": True, "internal_api_server_port_start": 7000})
@@ -186,9 +190,9 @@ def test_config_check_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "taken       chunk_size" in out
     assert "4 key(s) have no kvmesh equivalent" in out
     assert main(["config", "check", "--strict", str(FIXTURES / "v1-blending.yaml")]) == 2
-    assert main(["config", "check", str(FIXTURES / "v1-mooncake.yaml")]) == 1
+    assert main(["config", "check", str(FIXTURES / "v1-infinistore.yaml")]) == 1
     err = capsys.readouterr().err
-    assert "does not serve URL scheme 'mooncakestore'" in err
+    assert "does not serve URL scheme 'infinistore'" in err
     assert main(["config", "check", str(FIXTURES / "v0-cpu-local.yaml")]) == 0
     out = capsys.readouterr().out
     assert "mapped      max_local_cache_size" in out and "max_local_cpu_size: 20.0" in out

@@ -8,15 +8,16 @@ Steps, for each (layer, K/V) section ``x[tokens, channels]`` of the chunk:
 
 1. anchors: every ``group``-th token, 8-bit quantised per channel between the anchors'
    min and max;
-2. deltas: every other token minus its group's *dequantised* anchor (so anchor error does
-   not add up), quantised per channel with bin width ``alpha_layer * std(delta_channel)``,
-   clipped to ``±half_range`` bins;
+2. deltas: every other token minus the *decoded* previous token of its group (closed-loop
+   DPCM, so quantisation error does not add up along the group and decoding is a cumsum),
+   quantised per channel with bin width ``alpha_layer * std(channel)``, clipped to
+   ``±half_range`` bins (the relative error is about ``alpha / 3.5``);
 3. entropy coding of the symbols: ``ans`` — rANS from the ``constriction`` library with one
    categorical model for the anchors, one for the early layers' deltas and one for the rest
    (their histograms travel in the payload) — or ``zstd``
    (zstd's Huffman/FSE stages over the symbol bytes; far faster to decode).
 
-Payload (little-endian): ``b"CG1"``, entropy id (u8), group (u16), half_range (u16),
+Payload (little-endian): ``b"CG2"``, entropy id (u8), group (u16), half_range (u16),
 sections (u32), tokens (u32), channels (u32), then per-section side info (float16 anchor
 min, anchor step and delta bin per channel: float32 when a value exceeds float16's range),
 then the entropy-coded symbols. A payload that does not parse is a
@@ -36,7 +37,7 @@ from kvmesh.core.keys import KVLayout
 from kvmesh.core.memory import torch_dtype
 from kvmesh.errors import ConfigError, CorruptChunkError
 
-MAGIC = b"CG1"
+MAGIC = b"CG2"
 _HEAD = struct.Struct("<3sBHHIII")
 ENTROPY = {"ans": 0, "zstd": 1}
 _F16_MAX = 60000.0
@@ -56,7 +57,7 @@ class CacheGenCodec:
     name = "cachegen"
     lossless = False
 
-    def __init__(self, group: int = 16, alpha: float = 1.0, half_range: int = 31, entropy: str = "zstd"):
+    def __init__(self, group: int = 16, alpha: float = 0.1, half_range: int = 127, entropy: str = "zstd"):
         if entropy not in ENTROPY:
             raise ConfigError(f"cachegen entropy coder {entropy!r}; valid: {', '.join(ENTROPY)}")
         if not 2 <= group <= 1024 or not 1 <= half_range <= 127 or alpha <= 0:
@@ -70,24 +71,31 @@ class CacheGenCodec:
         raw = torch.frombuffer(data, dtype=torch.uint8).view(torch_dtype(layout.dtype))
         x = raw.view(sections, n_tokens, channels).float()
         g, q = self.group, self.half_range
-        anchors = x[:, ::g]  # [S, A, C]
+        ng = -(-n_tokens // g)
+        # pad the last group by repeating the last token: its deltas are 0, nearly free
+        xp = torch.cat([x, x[:, -1:].expand(sections, ng * g - n_tokens, channels)], dim=1)
+        xp = xp.view(sections, ng, g, channels)
+        anchors = xp[:, :, 0]  # [S, groups, C]
         amin = anchors.amin(dim=1)
         step = (anchors.amax(dim=1) - amin) / 255.0
-        wide = bool(amin.abs().max() > _F16_MAX or step.max() > _F16_MAX)
+        std = x.std(dim=1) if n_tokens > 1 else x.abs().amax(dim=1)
+        alphas = torch.tensor([layer_alpha(self.alpha, s // 2, layout.num_layers) for s in range(sections)])
+        dbin = alphas[:, None] * std
+        wide = bool(max(amin.abs().max(), step.max(), dbin.max()) > _F16_MAX)
         side_dtype = torch.float32 if wide else torch.float16
         amin, step = amin.to(side_dtype).float(), step.to(side_dtype).float()
+        dbin = dbin.to(side_dtype).float().clamp_min(_MIN_BIN)
         a_sym = ((anchors - amin[:, None]) / step.clamp_min(_MIN_BIN)[:, None]).round_().clamp_(0, 255)
-        deq_a = amin[:, None] + a_sym * step[:, None]
-        delta = (x - deq_a.repeat_interleave(g, dim=1)[:, :n_tokens])[:, _rest(n_tokens, g)]
-        alphas = torch.tensor([layer_alpha(self.alpha, s // 2, layout.num_layers) for s in range(sections)])
-        if delta.shape[1] > 1:
-            std = delta.std(dim=1)
-        elif delta.shape[1] == 1:
-            std = delta.abs().amax(dim=1)
-        else:  # a chunk of one token: all anchors
-            std = torch.zeros(sections, channels)
-        dbin = (alphas[:, None] * std).to(side_dtype).float()
-        d_sym = (delta / dbin.clamp_min(_MIN_BIN)[:, None]).round_().clamp_(-q, q).add_(q)
+        rec = amin[:, None] + a_sym * step[:, None]  # the decoder's anchors
+        # Closed loop: each token's delta is taken against the *decoded* previous token, so
+        # quantisation error never accumulates along the group (decoding is a cumsum).
+        d_sym = torch.empty(sections, ng, g - 1, channels)
+        bins = dbin[:, None]
+        for j in range(1, g):
+            qj = ((xp[:, :, j] - rec) / bins).round_().clamp_(-q, q)
+            rec = rec + qj * bins
+            d_sym[:, :, j - 1] = qj
+        d_sym = d_sym.add_(q).view(sections, ng * (g - 1), channels)
         side = torch.stack([amin, step, dbin]).to(side_dtype)
         head = _HEAD.pack(
             MAGIC, ENTROPY[self.entropy] | (0x80 if wide else 0), g, q, sections, n_tokens, channels
@@ -127,8 +135,8 @@ class CacheGenCodec:
         side_np = np.frombuffer(data, dtype=side_dtype, count=n_side, offset=pos)
         pos += side_np.nbytes
         side = torch.from_numpy(side_np.astype(np.float32)).view(3, sections, channels)  # astype copies
-        n_anchor = len(range(0, n_tokens, g))
-        shapes = ((sections, n_anchor, channels), (sections, n_tokens - n_anchor, channels))
+        ng = -(-n_tokens // g)
+        shapes = ((sections, ng, channels), (sections, ng * (g - 1), channels))
         if ent & 0x7F == ENTROPY["ans"]:
             a8, d8 = _ans_decode(data[pos:], shapes, q, 2 * _early_layers(layout.num_layers))
         elif ent & 0x7F == ENTROPY["zstd"]:
@@ -138,20 +146,16 @@ class CacheGenCodec:
         if int(d8.max(initial=0)) > 2 * q:
             raise CorruptChunkError("cachegen delta symbol out of range")
         amin, step, dbin = side[0], side[1], side[2]
-        deq_a = amin[:, None] + torch.from_numpy(a8).float() * step[:, None]
-        out = deq_a.repeat_interleave(g, dim=1)[:, :n_tokens].contiguous()
-        d = torch.from_numpy(d8).float().sub_(q).mul_(dbin[:, None])
-        out[:, _rest(n_tokens, g)] += d
+        deq_a = amin[:, None] + torch.from_numpy(a8).float() * step[:, None]  # [S, groups, C]
+        d = torch.from_numpy(d8).float().sub_(q).view(sections, ng, g - 1, channels)
+        full = torch.empty(sections, ng, g, channels)
+        full[:, :, 0] = deq_a
+        full[:, :, 1:] = deq_a[:, :, None] + d.mul_(dbin[:, None, None]).cumsum_(dim=2)
+        out = full.view(sections, ng * g, channels)[:, :n_tokens]
         kv = out.to(torch_dtype(layout.dtype)).view(torch.uint8).reshape(-1).numpy()
         if kv.nbytes != raw_len:
             raise CorruptChunkError("cachegen payload decoded to the wrong length")
         return kv.data
-
-
-def _rest(n_tokens: int, g: int) -> torch.Tensor:
-    """Indices of the tokens that are not anchors."""
-    idx = torch.arange(n_tokens)
-    return idx[idx % g != 0]
 
 
 def _zstd_encode(a8: np.ndarray, d8: np.ndarray) -> bytes:

@@ -1,0 +1,142 @@
+"""Mooncake Store tier against a real ``mooncake_master`` (from the
+``mooncake-transfer-engine-non-cuda`` wheel) over TCP, with its HTTP metadata server;
+the master killed mid-run."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvmesh.core.keys import KeyBuilder, KVLayout
+from kvmesh.metrics import TierMetrics
+from kvmesh.tiers.base import ChunkData, TierOptions, open_tier
+from tests.integration.conftest import free_port
+
+LAYOUT = KVLayout(2, 2, 16, "bfloat16")
+
+
+def _master_binary() -> str:
+    import mooncake
+
+    return str(Path(mooncake.__file__).with_name("mooncake_master"))
+
+
+class Master:
+    def __init__(self, workdir: Path) -> None:
+        self.rpc, self.http, self.metrics = free_port(), free_port(), free_port()
+        self.workdir = workdir
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return (
+            f"mooncakestore://127.0.0.1:{self.rpc}/?metadata_server=http://127.0.0.1:{self.http}/metadata"
+            "&global_segment_size=33554432&local_buffer_size=16777216"
+        )
+
+    def start(self) -> None:
+        log = open(self.workdir / "master.log", "ab")  # noqa: SIM115 - lives as long as the process
+        cmd = [_master_binary(), "-rpc_port", str(self.rpc), "-rpc_address", "127.0.0.1",
+               "-enable_http_metadata_server=true", "-http_metadata_server_host", "127.0.0.1",
+               "-http_metadata_server_port", str(self.http), "-metrics_port", str(self.metrics),
+               "-enable_metric_reporting=false"]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log)
+        import socket
+
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.rpc), timeout=0.5):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        raise AssertionError(
+            f"mooncake_master did not start: {(self.workdir / 'master.log').read_text()[-1500:]}"
+        )
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[Master]:
+    m = Master(tmp_path)
+    m.start()
+    yield m
+    m.kill()
+
+
+def _chunks(n: int, tokens: int = 32) -> tuple[list, list[ChunkData]]:
+    toks = np.arange(n * tokens, dtype=np.uint32) + 7
+    keys = KeyBuilder("m", LAYOUT, tokens).keys(toks)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for i, k in enumerate(keys):
+        kv = torch.randn(LAYOUT.shape(tokens), generator=gen).to(torch.bfloat16)
+        out.append(
+            ChunkData(
+                k,
+                LAYOUT,
+                toks[i * tokens : (i + 1) * tokens],
+                kv.view(torch.uint8).reshape(-1).numpy().copy(),
+            )
+        )
+    return keys, out
+
+
+@pytest.mark.slow
+def test_mooncake_round_trip_and_master_killed_mid_run(master: Master) -> None:
+    tier = open_tier(
+        master.url, TierOptions(name="remote", metrics=TierMetrics("remote"), probe_interval_s=0.2)
+    )
+    try:
+        keys, chunks = _chunks(6)
+        assert tier.contains(keys) == [False] * 6
+        assert tier.get(keys) == [None] * 6
+        assert tier.put(keys[:4], chunks[:4]) == [True] * 4
+        assert tier.put(keys[:1], chunks[:1]) == [True]  # already there: stored
+        assert tier.contains(keys) == [True] * 4 + [False] * 2
+        got = tier.get(keys)
+        for g, c in zip(got[:4], chunks[:4], strict=True):
+            assert g is not None and bytes(g.data) == bytes(c.data)
+        assert got[4:] == [None, None]
+        assert tier.delete(keys[:1]) == 1
+        assert tier.contains(keys[:1]) == [False]
+        assert tier.health() == "up"
+
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def hammer() -> None:
+            while not stop.is_set():
+                try:
+                    tier.get(keys)
+                    tier.put(keys[4:], chunks[4:])
+                except BaseException as exc:
+                    errors.append(exc)
+
+        worker = threading.Thread(target=hammer)
+        worker.start()
+        time.sleep(0.3)
+        master.kill()  # mid-run
+        time.sleep(2.0)
+        stop.set()
+        worker.join(60)
+        assert not worker.is_alive(), "a call hung after the master died"
+        assert not errors, errors[:3]
+        t0 = time.monotonic()
+        tier.get(keys)
+        tier.contains(keys)
+        tier.put(keys[4:], chunks[4:])
+        assert time.monotonic() - t0 < 30
+    finally:
+        tier.close()

@@ -1,0 +1,39 @@
+"""URL parsing of the s3, redis-cluster and mooncake tiers (no servers needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.errors import ConfigError
+from kvmesh.tiers import redis_cluster, s3
+from kvmesh.tiers.base import served_schemes
+
+
+def test_s3_url_forms() -> None:
+    q = s3._parse("s3://bucket/a/b?region=eu-west-1&endpoint_url=http://h:9000")
+    assert (q["bucket"], q["prefix"], q["region"], q["endpoint_url"]) == (
+        "bucket",
+        "a/b/",
+        "eu-west-1",
+        "http://h:9000",
+    )
+    v = s3._parse("s3://my-kv.s3.us-east-2.amazonaws.com")  # LMCache's virtual-host form
+    assert (v["bucket"], v["prefix"], v["region"]) == ("my-kv", "", "us-east-2")
+    assert s3._parse("s3://b.s3.amazonaws.com/p")["bucket"] == "b"
+    with pytest.raises(ConfigError, match="names no bucket"):
+        s3._parse("s3:///prefix")
+
+
+def test_redis_cluster_url_forms() -> None:
+    auth, seeds = redis_cluster._parse("redis-cluster://h1:7000,h2:7001")
+    assert auth == {} and seeds == [("h1", 7000), ("h2", 7001)]
+    auth, seeds = redis_cluster._parse("redis-cluster://u:pw@h1:7000,h2:7001/0")
+    assert auth == {"username": "u", "password": "pw"} and seeds == [("h1", 7000), ("h2", 7001)]
+    assert redis_cluster._parse("redis-cluster://secret@h:1")[0] == {"password": "secret"}
+    with pytest.raises(ConfigError, match="host:port"):
+        redis_cluster._parse("redis-cluster://h1,h2:7000")
+
+
+def test_new_schemes_are_served() -> None:
+    for scheme in ("s3", "redis-cluster", "mooncakestore", "valkey"):
+        assert scheme in served_schemes()
