@@ -76,4 +76,3 @@ class Stream:
             return
         with torch.cuda.stream(self._s):
             yield
-
