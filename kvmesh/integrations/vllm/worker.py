@@ -176,7 +176,7 @@ class WorkerSide:
         try:
             for spec in meta.loads:
                 self._load(spec, (stack, items))
-            self.xfer.load(items)
+            self.xfer.load(items, layerwise=self._layerwise)
         except Exception:  # a cache problem must never fail vLLM's step: recompute them all
             log.exception("kvmesh: queueing this step's loads failed; vLLM recomputes them")
             with self._lock:

@@ -73,6 +73,14 @@ def test_save_then_layerwise_load_reproduces_the_logical_kv(worker: WorkerSide) 
     assert worker.engine.stats()["cpu"]["pinned"] == 0
     worker.end_step(KVMeshConnectorMetadata())
     assert worker._loads_open is None  # the retrieved chunks went once the copies were done
+    # vLLM called the layer hooks: from now on loads go layer-major, one event per layer.
+    assert worker.lookup("c", 2, tokens) == 3 * CS
+    again = [12, 13, 14, 15, 16, 18]
+    worker.start_step(KVMeshConnectorMetadata(loads=[LoadSpec("c", 2, tokens, again, 0)]))
+    for name in NAMES:
+        worker.wait_for_layer(name)
+    assert worker.take_load_errors() == set()
+    assert torch.equal(_logical(worker, again, 3 * CS), want)
 
 
 def test_blocks_are_held_until_the_save_has_read_them(worker: WorkerSide) -> None:
