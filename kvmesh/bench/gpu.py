@@ -125,15 +125,18 @@ def _transfer_round_trip(
     xfer.save(ids, slot, xfer.after_forward())
     ok = _same_bytes(slot, want)
     others = [b for b in range(layers[0].shape[0]) if b not in ids][: len(ids)]
-    xfer.load([(slot, others)])
-    for li in range(len(layers)):
-        xfer.wait_layer(li)
-    xfer.finish_loads()
-    back = torch.empty(want.shape, dtype=want.dtype, device=layers[0].device)
-    page.gather(layers, others, back)
-    if layers[0].is_cuda:
-        torch.cuda.synchronize()
-    return ok and _same_bytes(back, want)
+    for layerwise in (True, False):
+        dst = others if layerwise else others[::-1]
+        xfer.load([(slot, dst)], layerwise=layerwise)
+        for li in range(len(layers)):
+            xfer.wait_layer(li)
+        xfer.finish_loads()
+        back = torch.empty(want.shape, dtype=want.dtype, device=layers[0].device)
+        page.gather(layers, dst, back)
+        if layers[0].is_cuda:
+            torch.cuda.synchronize()
+        ok = ok and _same_bytes(back, want)
+    return ok
 
 
 def _timed(fn: Callable[[], None]) -> float:
@@ -161,8 +164,13 @@ def bandwidth(reps: int = 20) -> dict[str, Any]:
     ids = list(range(0, blocks, 4))[: CHUNK // BS]
 
     def retrieve() -> None:
-        xfer.load([(slot, ids)])
+        xfer.load([(slot, ids)], layerwise=False)
         xfer.wait_all_layers()
+        xfer.finish_loads()
+
+    def retrieve_layerwise() -> None:
+        xfer.load([(slot, ids)], layerwise=True)
+        xfer.wait_layer(lay.num_layers - 1)
         xfer.finish_loads()
 
     def limit_d2h() -> None:
@@ -176,6 +184,7 @@ def bandwidth(reps: int = 20) -> dict[str, Any]:
         "store": lambda: xfer.save(ids, slot, None),
         "limit_h2d": limit_h2d,
         "retrieve": retrieve,
+        "retrieve_layerwise": retrieve_layerwise,
     }
     for fn in runs.values():  # warm up (CUDA context, caching allocator, kernels)
         _timed(fn)
@@ -192,6 +201,9 @@ def bandwidth(reps: int = 20) -> dict[str, Any]:
         ),
         "retrieve_ratio": statistics.median(
             h / r for h, r in zip(times["limit_h2d"], times["retrieve"], strict=True)
+        ),
+        "retrieve_layerwise_ratio": statistics.median(
+            h / r for h, r in zip(times["limit_h2d"], times["retrieve_layerwise"], strict=True)
         ),
     }
 
@@ -289,6 +301,7 @@ def run(quick: bool = False, json_path: str | None = None, plot_path: str | None
     rows = [
         ("store (gather+D2H)", g["store"], g["limit_d2h"], bw["store_ratio"]),
         ("retrieve (H2D+scatter)", g["retrieve"], g["limit_h2d"], bw["retrieve_ratio"]),
+        ("retrieve, layer-wise", g["retrieve_layerwise"], g["limit_h2d"], bw["retrieve_layerwise_ratio"]),
     ]
     print_table(
         [

@@ -76,9 +76,3 @@ class Stream:
             return
         with torch.cuda.stream(self._s):
             yield
-
-
-def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A flat uint8 host buffer, page-locked when ``device`` is CUDA (allocated once, by
-    the caller, at start: never per request)."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")

@@ -177,7 +177,15 @@ class WorkerSide:
         try:
             for spec in meta.loads:
                 self._load(spec, (stack, items))
-            self.xfer.load(items)
+            self.xfer.load(items, layerwise=self._layerwise)
+        except Exception:  # a cache problem must never fail vLLM's step: recompute them all
+            log.exception("kvmesh: queueing this step's loads failed; vLLM recomputes them")
+            with self._lock:
+                for spec in meta.loads:
+                    self._load_errors.update(spec.block_ids[spec.skip // self.block_size :])
+                    self._failed_at[spec.req_id] = spec.skip
+                    self._in_kvmesh.pop(spec.req_id, None)
+                    self.counters["load_failures"] += 1
         finally:
             self._loads_open = stack
         if not self._layerwise:  # until vLLM is seen calling the layer hooks: wait for all

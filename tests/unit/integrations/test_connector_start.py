@@ -149,3 +149,18 @@ def test_fp8_kv_allocated_as_bytes_is_keyed_as_fp8(tmp_path: Path, monkeypatch: 
         assert c._worker.engine.layout.dtype == "float8_e5m2"
     finally:
         c.shutdown()
+
+
+def test_a_kv_dtype_the_pool_cannot_hold_stops_the_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        kv_utils, "get_current_attn_backends", lambda cfg, names=None: [_backend("FLASH_ATTN")]
+    )
+    c = _connector(tmp_path, False, "LBNHC")
+    kv = {
+        k: torch.empty(v.shape, dtype=torch.float64, device="meta")
+        for k, v in _kv(False, KVCacheLayout.LBNHC, "meta").items()
+    }
+    with pytest.raises(ValueError, match=r"unsupported KV dtype torch\.float64; supported: bfloat16"):
+        c.register_kv_caches(kv)

@@ -245,3 +245,21 @@ def test_vllm_layers_are_copied_as_one_stack_and_loose_layers_one_by_one(layout:
         )
         adapter.scatter(out, fresh, ids)
         assert torch.equal(as_bytes(reference_gather(fresh, ids, tokens, BS, 2)), as_bytes(ref))
+
+
+def test_mla_chunk_layout_and_unchanged_kv_namespaces() -> None:
+    from kvmesh.core.keys import KVLayout, namespace_hash
+
+    mla = KVLayout(3, 1, 576, "bfloat16", kv_planes=1)
+    assert mla.shape(10) == (3, 1, 10, 1, 576) and mla.bytes_per_token == 3 * 576 * 2
+    assert KVLayout.from_dict(mla.to_dict()) == mla
+    kv = KVLayout(3, 8, 128, "bfloat16")
+    assert "kv_planes" not in kv.to_dict() and KVLayout.from_dict(kv.to_dict()) == kv
+    # The K/V namespace is what it was before kv_planes existed (keys stay valid).
+    legacy = {"num_layers": 3, "num_kv_heads": 8, "head_size": 128, "dtype": "bfloat16"}
+    assert kv.to_dict() == legacy
+    assert namespace_hash("m", kv, 256, None) != namespace_hash(
+        "m", KVLayout(3, 8, 128, "bfloat16", 1), 256, None
+    )
+    with pytest.raises(ValueError, match="kv_planes"):
+        KVLayout(3, 8, 128, "bfloat16", kv_planes=3)

@@ -73,6 +73,14 @@ def test_save_then_layerwise_load_reproduces_the_logical_kv(worker: WorkerSide) 
     assert worker.engine.stats()["cpu"]["pinned"] == 0
     worker.end_step(KVMeshConnectorMetadata())
     assert worker._loads_open is None  # the retrieved chunks went once the copies were done
+    # vLLM called the layer hooks: from now on loads go layer-major, one event per layer.
+    assert worker.lookup("c", 2, tokens) == 3 * CS
+    again = [12, 13, 14, 15, 16, 18]
+    worker.start_step(KVMeshConnectorMetadata(loads=[LoadSpec("c", 2, tokens, again, 0)]))
+    for name in NAMES:
+        worker.wait_for_layer(name)
+    assert worker.take_load_errors() == set()
+    assert torch.equal(_logical(worker, again, 3 * CS), want)
 
 
 def test_blocks_are_held_until_the_save_has_read_them(worker: WorkerSide) -> None:
@@ -246,3 +254,14 @@ def test_layerwise_load_option_is_a_bool() -> None:
     assert ConnectorOptions.from_extra_config({"layerwise_load": False}, environ={}).layerwise_load is False
     with pytest.raises(ConfigError, match="layerwise_load must be true or false"):
         ConnectorOptions.from_extra_config({"layerwise_load": "yes"}, environ={})
+
+
+def test_a_load_that_cannot_be_queued_is_recomputed_not_raised(worker: WorkerSide) -> None:
+    tokens = list(range(300, 300 + CS))
+    worker.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", tokens, [0, 1], 0)]))
+    assert worker.wait_for_writes(10)
+    assert worker.lookup("b", 1, tokens) == CS
+    worker.start_step(KVMeshConnectorMetadata(loads=[LoadSpec("b", 1, tokens, [5, 99], 0)]))  # no block 99
+    assert worker.take_load_errors() == {5, 99}
+    assert worker.stats()["connector"]["load_failures"] == 1
+    assert worker.engine.stats()["cpu"]["pinned"] == 0
