@@ -22,15 +22,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from kvmesh.bench.router import (
-    MODEL_NAME,
-    NUM_BLOCKS,
-    Setup,
-    params,
-    replica_group,
-    reset_prefix_caches,
-    router_for,
-)
+from kvmesh.bench.groups import MODEL_NAME, Setup, replica_group, reset_prefix_caches, router_for
+from kvmesh.bench.router import NUM_BLOCKS, params
 from kvmesh.bench.workload import Workload, replay
 
 TARGET_RATIO = 1.1

@@ -175,6 +175,12 @@ class DiskTier:
                 if self._pins.unpin(k.text) and k.text in self._entries:
                     self._policy.insert(k.text)
 
+    @property
+    def placement(self) -> Placement:
+        """Where writes of each lifetime class go (``none`` or ``hints``), and what the kernel
+        accepted (``placement.status()``)."""
+        return self.files.placement
+
     def is_pinned(self, key: ChunkKey) -> bool:
         with self._lock:
             return key.text in self._pins

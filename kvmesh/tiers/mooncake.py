@@ -29,7 +29,15 @@ from urllib.parse import parse_qsl, urlsplit
 from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey
 from kvmesh.errors import ConfigError, CorruptChunkError
-from kvmesh.tiers.base import ChunkData, Into, TierOptions, counted_read, register_tier
+from kvmesh.tiers.base import (
+    ChunkData,
+    Feature,
+    Into,
+    StoredChunk,
+    TierOptions,
+    counted_read,
+    register_tier,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,6 +45,8 @@ _OBJECT_EXISTS = -702  # Mooncake's OBJECT_ALREADY_EXISTS error code
 
 
 class MooncakeTier:
+    features = Feature.NONE  # a shared store: no pins, no re-encoding in place
+
     def __init__(self, url: str, options: TierOptions, failure_threshold: int = 3) -> None:
         try:
             from mooncake.store import MooncakeDistributedStore
@@ -97,11 +107,11 @@ class MooncakeTier:
         out: list[ChunkData | None] = []
         for i, k in enumerate(keys):
             blob = blobs[i] if blobs is not None and i < len(blobs) else None
-            item = None
+            item: StoredChunk | None = None
             if blob:
                 try:
                     header, raw = serde.decode(blob, expected_key=k.text)
-                    item = (header, raw, len(blob))
+                    item = StoredChunk(header, raw, len(blob))
                 except CorruptChunkError as exc:
                     log.warning("kvmesh tier %s: dropping corrupt chunk %s: %s", self.name, k.text, exc)
                     self.metrics.inc("corrupt")

@@ -31,9 +31,10 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from kvmesh.config_lmcache import redact_url
 from kvmesh.core.keys import ChunkKey
+from kvmesh.core.serde import Buffer
 from kvmesh.errors import ConfigError
 from kvmesh.metrics import TierMetrics
-from kvmesh.tiers.base import ChunkData, Into, TierOptions, register_tier
+from kvmesh.tiers.base import ChunkData, Feature, Into, StoredChunk, TierOptions, register_tier
 from kvmesh.tiers.redis import RedisTier
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,8 @@ class _ShardMetrics(TierMetrics):
 
 class RedisClusterTier:
     """A remote tier over the primaries of a Redis (or Valkey) Cluster."""
+
+    features = Feature.RECODE  # shared by every replica: no pins (as RedisTier)
 
     def __init__(self, url: str, options: TierOptions) -> None:
         self.name = options.name or "redis-cluster"
@@ -202,14 +205,13 @@ class RedisClusterTier:
         for t in self._tiers():
             yield from t.keys()
 
-    def recode(self, keys: Sequence[ChunkKey], codec: str) -> tuple[int, int]:
-        before = after = 0
-        for addr, idx in self._route(keys).items():
-            tier = self._shards.get(addr) if addr else None
-            if tier is not None:
-                b, a = tier.recode([keys[i] for i in idx], codec)
-                before, after = before + b, after + a
-        return before, after
+    # ---- RecodableTier: each key goes to its shard ----------------------------------------
+    def read_stored(self, keys: Sequence[ChunkKey]) -> list[StoredChunk | None]:
+        return self._fan(keys, lambda t, idx: t.read_stored([keys[i] for i in idx]), None)
+
+    def rewrite(self, key: ChunkKey, head: bytes, body: Buffer, version: int | None) -> int | None:
+        result = self._fan([key], lambda t, idx: [t.rewrite(key, head, body, version)], None)
+        return result[0]
 
     def _tiers(self) -> list[RedisTier]:
         with self._lock:

@@ -40,9 +40,18 @@ import numpy as np
 from kvmesh.config_lmcache import redact_url
 from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey
-from kvmesh.core.serde import Buffer, ChunkHeader
+from kvmesh.core.serde import Buffer
 from kvmesh.errors import ConfigError, CorruptChunkError, TierUnavailableError
-from kvmesh.tiers.base import ChunkData, Into, TierOptions, counted_read, payload_buffer, register_tier
+from kvmesh.tiers.base import (
+    ChunkData,
+    Feature,
+    Into,
+    StoredChunk,
+    TierOptions,
+    counted_read,
+    payload_buffer,
+    register_tier,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,6 +62,8 @@ _MIN_PART = 5 << 20  # S3's smallest multipart part (all but the last)
 
 class S3Tier:
     """A remote tier on an S3 bucket; see the module docstring."""
+
+    features = Feature.NONE  # a shared store: no pins; objects are rewritten whole by put
 
     def __init__(self, url: str, options: TierOptions, failure_threshold: int = 3) -> None:
         import boto3
@@ -189,7 +200,7 @@ class S3Tier:
         # a body cut off by a failing server is a miss, not a corrupt object to delete
         return None if data is None else (data, total)
 
-    def _read(self, key: ChunkKey, into: Into | None) -> tuple[ChunkHeader, Buffer, int] | None:
+    def _read(self, key: ChunkKey, into: Into | None) -> StoredChunk | None:
         name = self._object(key)
         first = self._get_range(name, 0, self.range_bytes - 1)
         if first is None:
@@ -212,7 +223,7 @@ class S3Tier:
             self.metrics.inc("corrupt")
             self._guard(lambda: self._client.delete_object(Bucket=self.bucket, Key=name))
             return None
-        return header, raw, total
+        return StoredChunk(header, raw, total)
 
     def _fetch_rest(self, name: str, out: np.ndarray, pos: int, hsize: int, total: int) -> bool:
         """Fetch bytes ``[pos, total)`` in parallel ranged GETs into ``out`` (payload-relative)."""

@@ -39,8 +39,10 @@ import xxhash
 
 from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey
+from kvmesh.core.policy import PinCounts
 from kvmesh.errors import ConfigError, CorruptChunkError, TierUnavailableError
-from kvmesh.tiers.base import ChunkData, Into, TierOptions, payload_buffer
+from kvmesh.tiers import dirlock
+from kvmesh.tiers.base import ChunkData, Feature, Into, TierOptions, payload_buffer
 from kvmesh.tiers.placement import Placement, check_class
 
 FILE_NAME = "segments.kvs"
@@ -66,7 +68,6 @@ class _Entry:
     length: int  # record bytes, unpadded
     size: int  # padded bytes on disk
     gen: int
-    pins: int = 0
     hit: bool = False
 
 
@@ -84,7 +85,18 @@ class _Slot:
 class SegmentTier:
     """The disk tier with ``disk_placement=segments`` (same contract as ``DiskTier``)."""
 
-    def __init__(self, path: str, options: TierOptions, placement: Placement, reclaim: str = "hot") -> None:
+    # Pins; no RECODE: a segment record is rewritten only by reclaim (re-encoding in place
+    # would need a second append path; the controller reports the tier as not re-encodable).
+    features = Feature.PIN
+
+    def __init__(
+        self,
+        path: str,
+        options: TierOptions,
+        placement: Placement,
+        reclaim: str = "hot",
+        lock: dirlock.DirLock | None = None,
+    ) -> None:
         if reclaim not in ("hot", "drop"):
             raise ConfigError(f"segment reclaim={reclaim!r} is unknown; valid: hot, drop")
         if not options.capacity_bytes:
@@ -111,10 +123,12 @@ class SegmentTier:
         self._seq = 1
         self._gen = 0
         self._closed = False
+        self._pins = PinCounts()
         self._trace: TextIO | None = None
         if options.io_trace:
             self._trace = open(options.io_trace, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
         os.makedirs(self.path, exist_ok=True)
+        self._dirlock = lock or dirlock.DirLock(self.path)  # one directory, one owner
         self.file = os.path.join(self.path, FILE_NAME)
         self._fd = os.open(self.file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         self._rebuild()
@@ -149,37 +163,20 @@ class SegmentTier:
         self.metrics.inc("deletes", n)
         return n
 
-    def pin(self, keys: Sequence[ChunkKey]) -> list[bool]:
+    def pin(self, keys: Sequence[ChunkKey]) -> None:
+        """Counted pins, whether or not a key is present (PinnableTier's contract)."""
         with self._lock:
-            return [self._pin(k.text, +1) for k in keys]
+            for k in keys:
+                self._pins.pin(k.text)
 
-    def unpin(self, keys: Sequence[ChunkKey]) -> list[bool]:
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
         with self._lock:
-            return [self._pin(k.text, -1) for k in keys]
+            for k in keys:
+                self._pins.unpin(k.text)
 
-    def recode(self, keys: Sequence[ChunkKey], codec: str) -> tuple[int, int]:
-        """Re-encode chunks with ``codec``: appended anew as ``rewrite``, the old copy dropped."""
-        codec = serde.get_codec(codec).name
-        before = after = 0
-        for k in keys:
-            got = self._get_one(k, None)
-            if got is None or got.codec == codec:
-                continue
-            with self._lock:
-                ent = self._entries.get(k.text)
-                old, pins = (ent.size, ent.pins) if ent else (0, 0)
-            with self._wlock:  # puts read self.codec under the same lock
-                old_codec, self.codec = self.codec, codec
-                try:
-                    ok = self._append([(k, got, "rewrite")], replace=True)[0]
-                finally:
-                    self.codec = old_codec
-            if ok:
-                with self._lock:
-                    new = self._entries[k.text]
-                    new.pins = pins
-                before, after = before + old, after + new.size
-        return before, after
+    def is_pinned(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return key.text in self._pins
 
     def health(self) -> str:
         return "up"
@@ -193,6 +190,7 @@ class SegmentTier:
             if self._trace is not None:
                 self._trace.close()
                 self._trace = None
+        self._dirlock.release()
 
     def keys(self) -> Iterator[str]:
         with self._lock:
@@ -268,11 +266,10 @@ class SegmentTier:
             for text, slot, off, length in done:
                 self._slots[slot].pending -= 1
                 old = self._entries.get(text)
-                pins = old.pins if old else 0
                 if old is not None:
                     self._unindex(text, old)
                 self._gen += 1
-                self._entries[text] = _Entry(slot, off, length, _pad(length), self._gen, pins)
+                self._entries[text] = _Entry(slot, off, length, _pad(length), self._gen)
                 self._slots[slot].keys.add(text)
                 self._slots[slot].live += _pad(length)
                 self.metrics.inc("stores")
@@ -337,12 +334,13 @@ class SegmentTier:
             # Pinned chunks first, then hot ones, up to half a segment: every reclaim then
             # frees at least half a segment, so a cache of nothing but hot chunks still
             # makes progress (the rest of its hot chunks get dropped, oldest segment first).
-            ents.sort(key=lambda te: (not te[1].pins, te[1].off))
+            ents.sort(key=lambda te: (te[0] not in self._pins, te[1].off))
             keep, budget = [], self.ru // 2
             for text, ent in ents:
                 hot = self.reclaim_policy == "hot" and ent.hit
-                if ent.pins or (hot and budget >= ent.size):
-                    keep.append((text, ent.pins))
+                pinned = text in self._pins
+                if pinned or (hot and budget >= ent.size):
+                    keep.append((text, pinned))
                     budget -= ent.size
         if keep and len(keep) == len(ents) and all(p for _, p in keep):
             return False  # a slot of pinned chunks only: nothing can be freed
@@ -361,11 +359,8 @@ class SegmentTier:
                 self.metrics.inc("evictions")
             if self._slots[victim].state != "free":
                 self._punch(victim)
-        for got, pins in saved:
-            if self._append([(got.key, got, "rewrite")])[0] and pins:
-                with self._lock:
-                    if got.key.text in self._entries:
-                        self._entries[got.key.text].pins = pins
+        for got, _ in saved:  # pins are counted by key: the rewritten copy keeps them
+            self._append([(got.key, got, "rewrite")])
             self.metrics.inc("rewrites")
         return True
 
@@ -459,16 +454,9 @@ class SegmentTier:
 
     def _remove(self, text: str, force: bool) -> bool:
         ent = self._entries.get(text)
-        if ent is None or (ent.pins and not force):
+        if ent is None or (text in self._pins and not force):
             return False
         self._unindex(text, ent)
-        return True
-
-    def _pin(self, text: str, delta: int) -> bool:
-        ent = self._entries.get(text)
-        if ent is None or ent.pins + delta < 0:
-            return False
-        ent.pins += delta
         return True
 
     def _rebuild(self) -> None:

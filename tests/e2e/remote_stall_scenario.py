@@ -38,7 +38,7 @@ def _redis_server() -> Any:
     try:
         from kvmesh.harness.services import RedisServer  # type: ignore[import-not-found]
     except ImportError:
-        from kvmesh.services import RedisServer
+        from kvmesh.harness.services import RedisServer
     return RedisServer()
 
 

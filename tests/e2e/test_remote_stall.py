@@ -29,7 +29,7 @@ SLACK_MS = 1500  # scheduling noise on a loaded 2-core machine
 @pytest.fixture(scope="module")
 def stall_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("vllm")
-    from kvmesh.model import PRESETS, make_tiny
+    from kvmesh.harness.model import PRESETS, make_tiny
     from tests.e2e.vllm_scenarios import RESULT_MARK
 
     model = make_tiny(out_dir=ROOT / ".cache" / "models" / "tiny", **PRESETS["tiny"]).resolve()

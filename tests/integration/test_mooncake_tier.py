@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tests.integration.conftest import free_port
 
 from kvmesh.core.keys import KeyBuilder, KVLayout
 from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import ChunkData, TierOptions, open_tier
-from tests.integration.conftest import free_port
 
 LAYOUT = KVLayout(2, 2, 16, "bfloat16")
 
