@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from kvmesh.sim import policies
+import kvmesh.sim.policies as policies
 from kvmesh.sim.cost import CostProfile
 from kvmesh.sim.fleet import Fleet, FleetConfig, Record
 from kvmesh.sim.workload import Workload
