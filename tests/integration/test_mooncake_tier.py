@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tests.integration.conftest import free_port
 
 from kvmesh.core.keys import KeyBuilder, KVLayout
+from kvmesh.harness.ports import free_port
 from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import ChunkData, TierOptions, open_tier
 
