@@ -24,13 +24,14 @@ def plot(path: str, rows: list[dict[str, Any]], real: list[dict[str, Any]]) -> N
     for p in ("none", "hints", "segments"):
         rs = sorted((r for r in base if r["placement"] == p), key=lambda r: r["util"])
         a.plot([100 * r["util"] for r in rs], [r["dlwa_steady"] for r in rs], "o-", color=COLORS[p], label=p)
-        if p == "none" and rs and "dlwa_no_trim" in rs[0]:
+        if rs and "dlwa_no_trim" in rs[0]:
             a.plot(
                 [100 * r["util"] for r in rs],
                 [r["dlwa_no_trim"] for r in rs],
                 "s--",
-                color=COLORS["none (no trim)"],
-                label="none, no discard",
+                color=COLORS["none (no trim)"] if p == "none" else COLORS[p],
+                alpha=1.0 if p == "none" else 0.5,
+                label=f"{p}, no discard",
             )
     a.axhline(1.1, color="k", lw=0.8, ls=":", label="target 1.1 (segments)")
     a.set_xlabel("device utilisation (%)")

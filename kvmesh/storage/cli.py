@@ -9,7 +9,7 @@ from typing import Any
 from kvmesh.errors import ConfigError
 from kvmesh.storage import ftl
 from kvmesh.storage.trace import compact, load_trace
-from kvmesh.tiers.placement import LIFETIME_CLASSES
+from kvmesh.tiers.placement import LIFETIME_CLASSES, Placement
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -28,7 +28,11 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    stream_of = {c: i for i, c in enumerate(LIFETIME_CLASSES)} if args.fdp else None
+    # FDP: one reclaim-unit handle per lifetime level, as the disk tier's placement groups them.
+    placement = Placement(
+        "segments", class_map=json.loads(args.placement_map) if args.placement_map else None
+    )
+    stream_of = {c: placement.stream(c) for c in LIFETIME_CLASSES} if args.fdp else None
     trace = load_trace(args.trace, page_bytes=args.page_bytes, stream_of=stream_of, trims=not args.no_trims)
     if not len(trace.ops):
         raise ConfigError(f"trace {args.trace} has no writes or trims with extents; was disk_io_trace set?")
@@ -49,7 +53,7 @@ def _replay(args: argparse.Namespace) -> int:
         overprovisioning=args.op,
         pages_per_block=args.pages_per_block,
         blocks_per_ru=args.blocks_per_ru,
-        streams=len(LIFETIME_CLASSES) if args.fdp else 1,
+        streams=len(placement.levels) if args.fdp else 1,
         gc=args.gc,
         page_bytes=args.page_bytes,
     )
@@ -80,7 +84,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--pages-per-block", type=int, default=64)
     r.add_argument("--blocks-per-ru", type=int, default=1)
     r.add_argument("--gc", choices=sorted(ftl.GC_POLICIES), default="greedy")
-    r.add_argument("--fdp", action="store_true", help="one reclaim-unit handle per lifetime class")
+    r.add_argument("--fdp", action="store_true", help="one reclaim-unit handle per lifetime level")
+    r.add_argument(
+        "--placement-map", help='JSON class -> level, as disk_placement_map (e.g. {"evict":"short"})'
+    )
     r.add_argument("--no-trims", action="store_true", help="ignore deletes (a filesystem without discard)")
     r.add_argument("--json", help="write the summary here")
     r.set_defaults(func=_replay)

@@ -192,7 +192,7 @@ def _simulate(
     t_read: float,
     t_erase: float,
     blocks_per_ru: int,
-) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray, int]:
     l2p = np.full(n_logical, -1, np.int64)
     p2l = np.full(n_ru * ppr, -1, np.int64)
     valid = np.zeros(n_ru, np.int64)
@@ -238,8 +238,10 @@ def _simulate(
                 valid[p // ppr] -= 1
             while nfree[0] <= min_free:
                 v = _victim(state, valid, closed_at, now, ppr, policy)
-                if v < 0:
-                    break
+                if v < 0 or valid[v] >= ppr:
+                    # Every closed unit is fully valid: copying one frees nothing. The drive
+                    # is too full for its streams (open units hold the spare); give up.
+                    return host, copies, erases, lat, gc_per_req, i
                 base = v * ppr
                 for q in range(base, base + ppr):
                     if p2l[q] >= 0:
@@ -263,7 +265,7 @@ def _simulate(
         busy += n * t_prog + req_copies * (t_read + t_prog)
         dev_free = begin + busy
         lat[i] = dev_free - t0
-    return host, copies, erases, lat, gc_per_req
+    return host, copies, erases, lat, gc_per_req, -1
 
 
 def simulate(
@@ -292,7 +294,7 @@ def simulate(
         raise ConfigError(f"trace uses stream {int(st.max())} but the drive has {cfg.streams} streams")
     par = cfg.parallelism
     t0 = time.perf_counter()
-    host, copies, erases, lat, gcr = _simulate(
+    host, copies, erases, lat, gcr, stuck = _simulate(
         ops,
         lpns,
         npages,
@@ -310,6 +312,12 @@ def simulate(
         cfg.blocks_per_ru,
     )
     seconds = time.perf_counter() - t0
+    if stuck >= 0:
+        raise ConfigError(
+            f"the simulated drive ran out of reclaimable space at request {stuck}: every closed "
+            f"reclaim unit is fully valid ({cfg.streams} streams keep {cfg.streams + 1} units open); "
+            "raise overprovisioning or the drive size, or use fewer streams"
+        )
     return FTLResult(int(host), int(copies), np.repeat(erases, cfg.blocks_per_ru), lat, gcr, seconds)
 
 

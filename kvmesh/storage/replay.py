@@ -194,8 +194,9 @@ def loop_ext4(size_bytes: int, backing_dir: str = "/dev/shm") -> Iterator[str | 
     try:
         yield tmp if mounted else None
     finally:
-        if mounted:
-            subprocess.run(["umount", tmp], check=False, capture_output=True)
+        if mounted and subprocess.run(["umount", tmp], check=False, capture_output=True).returncode:
+            # Still busy (a file left open by a caller): detach lazily rather than leak it.
+            subprocess.run(["umount", "-l", tmp], check=False, capture_output=True)
         with contextlib.suppress(OSError):
             os.unlink(img)
         shutil.rmtree(tmp, ignore_errors=True)

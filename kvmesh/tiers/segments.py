@@ -8,10 +8,7 @@ sequential writes per stream. A slot is reclaimed whole: its live chunks are rew
 (pinned ones always; with ``reclaim="hot"`` also those read since written) or dropped,
 then the slot is punched (``fallocate(PUNCH_HOLE)``: a trim of the whole unit).
 
-On disk, 4 KiB aligned::
-
-    slot   = slot header (4 KiB: magic, slot seq, ru_size, level, xxh64) + records
-    record = prefix (magic, level, slot seq, record length, xxh64) + serde header + payload
+The on-disk format is in :mod:`kvmesh.tiers.segment_format`.
 
 Crash safety (exact or miss): a batch of records is written, fdatasynced, and only then
 indexed. At start the index is rebuilt by scanning each slot's records until the first
@@ -24,18 +21,13 @@ it is the chunk its key names — until its slot is reclaimed.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import os
-import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
-
-import xxhash
 
 from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey
@@ -44,21 +36,18 @@ from kvmesh.errors import ConfigError, CorruptChunkError, TierUnavailableError
 from kvmesh.tiers import dirlock
 from kvmesh.tiers.base import ChunkData, Feature, Into, TierOptions, payload_buffer
 from kvmesh.tiers.placement import Placement, check_class
+from kvmesh.tiers.segment_format import (
+    ALIGN,
+    REC_PREFIX,
+    pad,
+    punch,
+    read_record,
+    record_prefix,
+    scan_slot,
+    slot_header,
+)
 
 FILE_NAME = "segments.kvs"
-ALIGN = 4096
-SLOT_MAGIC = b"KVSEG001"
-REC_MAGIC = b"KVSR"
-_SLOT = struct.Struct("<8sQQI")  # magic, seq, ru_size, level
-_REC = struct.Struct("<4sIQQ")  # magic, level, slot seq, record length (unpadded)
-_SUM = struct.Struct("<Q")
-REC_PREFIX = _REC.size + _SUM.size
-FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x1, 0x2
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-
-
-def _pad(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass
@@ -224,31 +213,30 @@ class SegmentTier:
             head, body = serde.encode(key, chunk.layout, chunk.tokens, chunk.data, self.codec)
             level = self.placement.stream(cls)
             length = REC_PREFIX + len(head) + memoryview(body).nbytes
-            if _pad(length) > self.ru - ALIGN:
+            if pad(length) > self.ru - ALIGN:
                 self.metrics.inc("skipped_stores")  # a chunk larger than a segment never fits
                 results.append(False)
                 continue
-            slot = self._room(level, _pad(length))
+            slot = self._room(level, pad(length))
             if slot is None:
                 self.metrics.inc("skipped_stores")
                 results.append(False)
                 continue
             s = self._slots[slot]
             off = slot * self.ru + s.used
-            prefix = _REC.pack(REC_MAGIC, level, s.seq, length)
-            rec = prefix + _SUM.pack(xxhash.xxh3_64_intdigest(prefix)) + head
-            pad = bytes(_pad(length) - length)
+            rec = record_prefix(level, s.seq, length) + head
+            filler = bytes(pad(length) - length)
             t0 = time.time()
             try:
-                os.pwritev(self._fd, [rec, memoryview(body).cast("B"), pad], off)
+                os.pwritev(self._fd, [rec, memoryview(body).cast("B"), filler], off)
             except OSError:
                 self.metrics.inc("errors")
                 self.metrics.inc("skipped_stores")
                 results.append(False)
                 continue
-            s.used += _pad(length)
+            s.used += pad(length)
             s.pending += 1
-            self._traced("write", t0, [[off, _pad(length)]], cls=cls, key=key.text)
+            self._traced("write", t0, [[off, pad(length)]], cls=cls, key=key.text)
             done.append((key.text, slot, off, length))
             results.append(True)
         if done:
@@ -269,11 +257,11 @@ class SegmentTier:
                 if old is not None:
                     self._unindex(text, old)
                 self._gen += 1
-                self._entries[text] = _Entry(slot, off, length, _pad(length), self._gen)
+                self._entries[text] = _Entry(slot, off, length, pad(length), self._gen)
                 self._slots[slot].keys.add(text)
-                self._slots[slot].live += _pad(length)
+                self._slots[slot].live += pad(length)
                 self.metrics.inc("stores")
-                self.metrics.inc("bytes_in", _pad(length))
+                self.metrics.inc("bytes_in", pad(length))
             for slot in {d[1] for d in done}:
                 s = self._slots[slot]
                 if s.state == "closed" and s.live == 0 and not s.pending:
@@ -302,10 +290,8 @@ class SegmentTier:
         s = self._slots[free]
         s.seq, s.level, s.state, s.used, s.live, s.keys = self._seq, level, "open", ALIGN, 0, set()
         self._seq += 1
-        head = _SLOT.pack(SLOT_MAGIC, s.seq, self.ru, level)
-        head += _SUM.pack(xxhash.xxh3_64_intdigest(head))
         t0 = time.time()
-        os.pwrite(self._fd, head + bytes(ALIGN - len(head)), free * self.ru)
+        os.pwrite(self._fd, slot_header(s.seq, self.ru, level), free * self.ru)
         self._traced("write", t0, [[free * self.ru, ALIGN]], cls="meta")
         self._open[level] = free
         return free
@@ -369,15 +355,7 @@ class SegmentTier:
         s = self._slots[slot]
         s.state, s.live, s.keys, s.used = "free", 0, set(), ALIGN
         t0 = time.time()
-        if (
-            _libc.fallocate(
-                self._fd,
-                FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
-                ctypes.c_int64(slot * self.ru),
-                ctypes.c_int64(self.ru),
-            )
-            != 0
-        ):
+        if not punch(self._fd, slot * self.ru, self.ru):
             # No hole punching here: at least wipe the header so a restart sees a free slot.
             os.pwrite(self._fd, bytes(ALIGN), slot * self.ru)
         self._traced("trim", t0, [[slot * self.ru, self.ru]])
@@ -407,17 +385,9 @@ class SegmentTier:
     ) -> tuple[serde.ChunkHeader, serde.Buffer, int] | None:
         t0 = time.time()
         try:
-            first = os.pread(self._fd, min(length, REC_PREFIX + 4096), off)
-            if self._parse_prefix(first, seq) != length:
-                raise CorruptChunkError(f"record of {text} at {off} does not carry slot seq {seq}")
-            hlen = serde.header_length(first[REC_PREFIX:])
-            hbytes = first[REC_PREFIX : REC_PREFIX + hlen]
-            if len(hbytes) < hlen:
-                hbytes = os.pread(self._fd, hlen, off + REC_PREFIX)
-            header = serde.decode_header(hbytes, text)
-            body = payload_buffer(into, header.payload_len, header.codec)
-            if os.preadv(self._fd, [body], off + REC_PREFIX + hlen) != len(body):
-                raise CorruptChunkError(f"record of {text} truncated")
+            header, body = read_record(
+                self._fd, off, length, seq, text, lambda n, c: payload_buffer(into, n, c)
+            )
             raw = serde.decode_payload(header, body)
         except CorruptChunkError:
             with self._lock:
@@ -429,18 +399,8 @@ class SegmentTier:
         except OSError:
             self.metrics.inc("errors")
             return None
-        self._traced("read", t0, [[off, _pad(length)]], key=text)
+        self._traced("read", t0, [[off, pad(length)]], key=text)
         return header, body if header.codec == "raw" else raw, length
-
-    @staticmethod
-    def _parse_prefix(buf: bytes, seq: int | None) -> int:
-        """The record length a prefix declares, or -1 if it is not a record (of ``seq``)."""
-        if len(buf) < REC_PREFIX or buf[:4] != REC_MAGIC:
-            return -1
-        if _SUM.unpack_from(buf, _REC.size)[0] != xxhash.xxh3_64_intdigest(buf[: _REC.size]):
-            return -1
-        _, _, rseq, length = _REC.unpack_from(buf)
-        return int(length) if seq is None or rseq == seq else -1
 
     # -- index ---------------------------------------------------------------------------
     def _unindex(self, text: str, ent: _Entry) -> None:
@@ -466,42 +426,25 @@ class SegmentTier:
             os.ftruncate(self._fd, want)
         found: dict[str, tuple[int, int, int, int]] = {}  # key -> (seq, slot, off, length)
         for i in range(min(size, want) // self.ru):
-            head = os.pread(self._fd, _SLOT.size + _SUM.size, i * self.ru)
-            if len(head) < _SLOT.size + _SUM.size or head[:8] != SLOT_MAGIC:
+            got = scan_slot(self._fd, i, self.ru)
+            if got is None:
                 continue
-            if _SUM.unpack_from(head, _SLOT.size)[0] != xxhash.xxh3_64_intdigest(head[: _SLOT.size]):
-                continue
-            _, seq, ru, level = _SLOT.unpack_from(head)
-            if ru != self.ru:
-                continue  # written under another disk_ru_size: not ours to read
+            seq, level, records, used = got
             s = self._slots[i]
-            s.seq, s.level, s.state = int(seq), int(level), "closed"
-            self._seq = max(self._seq, s.seq + 1)
-            last = None
-            while s.used + REC_PREFIX <= self.ru:
-                off = i * self.ru + s.used
-                buf = os.pread(self._fd, REC_PREFIX + 4096, off)
-                length = self._parse_prefix(buf, s.seq)
-                if length < 0 or s.used + _pad(length) > self.ru:
-                    break
-                try:
-                    hlen = serde.header_length(buf[REC_PREFIX:])
-                    if len(buf) < REC_PREFIX + hlen:
-                        buf = os.pread(self._fd, REC_PREFIX + hlen, off)
-                    header = serde.decode_header(buf[REC_PREFIX:])
-                except CorruptChunkError:
-                    break
-                last = (header.key, s.seq, i, off, length)
-                if header.key not in found or found[header.key][0] <= s.seq:
-                    found[header.key] = (s.seq, i, off, length)
-                s.used += _pad(length)
-            if last is not None and self._read(last[0], last[3], last[4], -1, s.seq, None) is None:
-                found.pop(last[0], None)  # a torn last record
+            s.seq, s.level, s.state, s.used = seq, level, "closed", used
+            self._seq = max(self._seq, seq + 1)
+            for key, off, length in records:
+                if key not in found or found[key][0] <= seq:
+                    found[key] = (seq, i, off, length)
+            if records:  # a crash tears at most the last record of a slot: verify it
+                key, off, length = records[-1]
+                if found.get(key, (0, -1))[1] == i and self._read(key, off, length, -1, seq, None) is None:
+                    found.pop(key, None)
         for text, (_, slot, off, length) in found.items():
             self._gen += 1
-            self._entries[text] = _Entry(slot, off, length, _pad(length), self._gen)
+            self._entries[text] = _Entry(slot, off, length, pad(length), self._gen)
             self._slots[slot].keys.add(text)
-            self._slots[slot].live += _pad(length)
+            self._slots[slot].live += pad(length)
         for i, s in enumerate(self._slots):
             if s.state == "closed" and s.live == 0:
                 self._punch(i)

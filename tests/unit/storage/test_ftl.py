@@ -129,3 +129,11 @@ def test_bad_geometry_and_addresses() -> None:
         ftl.simulate(cfg, np.zeros(1, np.int8), np.array([PAGES]), np.ones(1, np.int64))
     with pytest.raises(ConfigError, match="stream"):
         ftl.simulate(cfg, np.zeros(1, np.int8), np.zeros(1), np.ones(1, np.int64), np.array([1]))
+
+
+def test_a_drive_too_full_for_its_streams_is_an_error_not_a_hang() -> None:
+    cfg = ftl.FTLConfig(logical_pages=64 * 40, overprovisioning=0.05, pages_per_block=64, streams=6)
+    lp = np.tile(np.arange(cfg.logical_pages), 3)
+    st = (lp // 64) % 6  # every stream gets whole blocks; the open ones hold the spare
+    with pytest.raises(ConfigError, match="ran out of reclaimable space"):
+        ftl.simulate(cfg, np.zeros(len(lp), np.int8), lp, np.ones(len(lp), np.int64), st)

@@ -85,3 +85,30 @@ def test_disk_tier_tags_files_and_traces_extents(tmp_path: Path) -> None:
     if writes[0]["extents"] is not None:  # FIEMAP works on this filesystem
         assert sum(e[1] for e in writes[0]["extents"]) >= writes[0]["bytes"]
         assert dels[0]["extents"] == writes[0]["extents"]
+
+
+def test_engine_tags_store_tail_and_pinned(tmp_path: Path) -> None:
+    import json
+
+    import torch
+
+    from kvmesh.core.engine import CacheEngine
+
+    layout = KVLayout(2, 2, 8, "float32")
+    trace = tmp_path / "t.jsonl"
+    cfg = {
+        "chunk_size": 16,
+        "max_local_cpu_size": 0.01,
+        "local_disk": str(tmp_path / "d"),
+        "save_unfull_chunk": True,
+        "disk_io_trace": str(trace),
+        "disk_placement": "hints",
+    }
+    tokens = np.arange(40, dtype=np.uint32)  # 2 full chunks and a partial tail
+    with CacheEngine(cfg, layout=layout, model_id="m") as eng:
+        eng.store(tokens, torch.zeros(layout.shape(40)))
+        assert eng.wait_for_writes(10)
+        eng.clear("disk")
+        eng.move(tokens[:16], "disk")
+    classes = [json.loads(x).get("class") for x in trace.read_text().splitlines()]
+    assert [c for c in classes if c] == ["store", "store", "tail", "pinned"]
