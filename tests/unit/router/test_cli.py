@@ -43,6 +43,21 @@ def test_flags_override_the_config_file(tmp_path: Path) -> None:
     assert cfg.policy == "random" and cfg.replicas[0].events == "tcp://x:5557" and len(cfg.replicas) == 1
 
 
+def test_replica_admin_and_controller_section(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "r.yaml"
+    cfg_file.write_text("controller: {rebuild_max_chunks: 10, rebuild: false}\n")
+    cfg = config_from_args(
+        parse("--config", str(cfg_file), "--replica", "http://x:2,admin=http://x:8200/,name=r0")
+    )
+    assert cfg.replicas[0].admin == "http://x:8200" and cfg.replicas[0].key == "r0"
+    assert cfg.controller.rebuild_max_chunks == 10 and cfg.controller.rebuild is False
+    with pytest.raises(ConfigError, match="admin"):
+        config_from_args(parse("--replica", "http://x:2,admin=x:8200"))
+    cfg_file.write_text("controller: {rebuild_max_chunks: -1}\n")
+    with pytest.raises(ConfigError, match=r"controller\.rebuild_max_chunks"):
+        config_from_args(parse("--config", str(cfg_file), "--replica", "http://x:2"))
+
+
 def test_bad_arguments_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="no replicas"):
         config_from_args(parse())
