@@ -31,7 +31,13 @@ _ROUTER = Setup("kvmesh", "kvmesh", "kvmesh")
 
 
 @contextmanager
-def epp_front(replicas: Sequence[Any], model_dir: str, workdir: str, tag: str) -> Iterator[str]:
+def epp_front(
+    replicas: Sequence[Any],
+    model_dir: str,
+    workdir: str,
+    tag: str,
+    response_body_mode: str = "FULL_DUPLEX_STREAMED",
+) -> Iterator[str]:
     """kvmesh epp (CLI process) + Envoy in front of ``replicas``; yields Envoy's URL."""
     import httpx
 
@@ -64,7 +70,9 @@ def epp_front(replicas: Sequence[Any], model_dir: str, workdir: str, tag: str) -
             time.sleep(0.2)
         wd = os.path.join(workdir, f"envoy-{tag}")
         os.makedirs(wd, exist_ok=True)
-        envoy = Envoy(grpc_port, names, wd, epp_health_port=health_port).start()
+        envoy = Envoy(
+            grpc_port, names, wd, epp_health_port=health_port, response_body_mode=response_body_mode
+        ).start()
         yield envoy.url("fail_close")
     finally:
         if envoy is not None:
@@ -72,7 +80,12 @@ def epp_front(replicas: Sequence[Any], model_dir: str, workdir: str, tag: str) -
         stop_process(proc)
 
 
-def run_ttft(model_dir: str, quick: bool, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_ttft(
+    model_dir: str,
+    quick: bool,
+    log: Callable[[str], None] = print,
+    response_body_mode: str = "FULL_DUPLEX_STREAMED",
+) -> dict[str, Any]:
     p = params(quick)
     repeats = 1 if quick else 3
     workdir = tempfile.mkdtemp(prefix="kvmesh-bench-epp-ttft-")
@@ -92,7 +105,7 @@ def run_ttft(model_dir: str, quick: bool, log: Callable[[str], None] = print) ->
                     with router_for(_ROUTER, replicas, model_dir, workdir) as url:
                         result = replay(wl, url, MODEL_NAME, p.concurrency, arrival=p.arrival)
                 else:
-                    with epp_front(replicas, model_dir, workdir, f"{rep}") as url:
+                    with epp_front(replicas, model_dir, workdir, f"{rep}", response_body_mode) as url:
                         result = replay(wl, url, MODEL_NAME, p.concurrency, arrival=p.arrival)
                 summary = result.summary()
                 runs[front].append(summary)
@@ -113,6 +126,7 @@ def run_ttft(model_dir: str, quick: bool, log: Callable[[str], None] = print) ->
             "replica_kv_blocks": NUM_BLOCKS,
             "repeats": repeats,
         },
+        "envoy_response_body_mode": response_body_mode,
         "runs": runs,
         "ttft_p90_s": {k: statistics.median(x["ttft_p90_s"] for x in v) for k, v in runs.items() if v},
         "ratio_p90_median": ratio,
@@ -121,8 +135,11 @@ def run_ttft(model_dir: str, quick: bool, log: Callable[[str], None] = print) ->
     }
 
 
-def main(argv: Sequence[str]) -> int:  # python -m kvmesh.bench.epp_ttft MODEL_DIR [--quick] [OUT.json]
-    out = run_ttft(argv[0], "--quick" in argv)
+def main(
+    argv: Sequence[str],
+) -> int:  # python -m kvmesh.bench.epp_ttft MODEL_DIR [--quick] [--response-body-none] [OUT.json]
+    mode = "NONE" if "--response-body-none" in argv else "FULL_DUPLEX_STREAMED"
+    out = run_ttft(argv[0], "--quick" in argv, response_body_mode=mode)
     text = json.dumps(out, indent=1)
     print(text)
     for arg in argv[1:]:

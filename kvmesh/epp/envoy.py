@@ -114,7 +114,7 @@ def _listener(name: str, port: int, hcm: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _ext_proc(fail_open: bool, message_timeout_s: float) -> dict[str, Any]:
+def _ext_proc(fail_open: bool, message_timeout_s: float, response_body_mode: str) -> dict[str, Any]:
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -127,7 +127,7 @@ def _ext_proc(fail_open: bool, message_timeout_s: float) -> dict[str, Any]:
                 "request_header_mode": "SEND",
                 "response_header_mode": "SEND",
                 "request_body_mode": "FULL_DUPLEX_STREAMED",
-                "response_body_mode": "FULL_DUPLEX_STREAMED",
+                "response_body_mode": response_body_mode,
                 "request_trailer_mode": "SEND",
                 "response_trailer_mode": "SEND",
             },
@@ -177,13 +177,23 @@ def envoy_config(
     admin_port: int,
     epp_health_port: int | None = None,
     message_timeout_s: float = 30.0,
+    response_body_mode: str = "FULL_DUPLEX_STREAMED",
     route_timeout_s: float = 300.0,
 ) -> dict[str, Any]:
-    """Envoy's bootstrap: listeners ``fail_open``/``fail_close``/``direct`` on ``ports``."""
+    """Envoy's bootstrap: listeners ``fail_open``/``fail_close``/``direct`` on ``ports``.
+
+    ``response_body_mode``: ``FULL_DUPLEX_STREAMED`` (what gateways configure for an EPP:
+    every response chunk goes through it and back) or ``NONE`` (it sees the response headers
+    only: the served endpoint is still accounted, one gRPC round trip less per chunk).
+    """
     listeners = []
     for name, fail_open in (("fail_open", True), ("fail_close", False)):
         if name in ports:
-            filters = [_lua(_LUA_REQUEST), _ext_proc(fail_open, message_timeout_s), _lua(_LUA_RESPONSE)]
+            filters = [
+                _lua(_LUA_REQUEST),
+                _ext_proc(fail_open, message_timeout_s, response_body_mode),
+                _lua(_LUA_RESPONSE),
+            ]
             listeners.append(_listener(name, ports[name], _hcm(name, _routes(route_timeout_s), filters)))
     if "direct" in ports:
         direct = [

@@ -158,3 +158,23 @@ def test_epp_down_fail_open_serves_fail_close_errors_then_resumes(setup: Setup) 
     finally:
         setup.start_epp()
     wait_routed(setup)
+
+
+def test_response_body_mode_none_still_routes_accounts_and_releases(setup: Setup, tmp_path: Path) -> None:
+    """With the response body kept away from the EPP (one round trip less per chunk), a
+    stream is still routed, accounted to the served endpoint and released when it ends."""
+    envoy = Envoy(setup.cfg.grpc_port, setup.names, tmp_path, epp_health_port=setup.cfg.health_port,
+                  response_body_mode="NONE").start()  # fmt: skip
+    try:
+        url = envoy.url("fail_close") + "/v1/completions"
+        r = httpx.post(url, json=body("no body echo " * 20, stream=True), timeout=10)
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+        assert r.headers["x-kvmesh-endpoint"] == r.headers["x-gateway-destination-endpoint-served"]
+        assert setup.epp is not None
+        epp = setup.epp
+        deadline = time.monotonic() + 5
+        while any(epp.call(lambda: [rep.state.in_flight for rep in epp.picker.pool.replicas.values()])):
+            assert time.monotonic() < deadline, "the request was never released"
+            time.sleep(0.05)
+    finally:
+        envoy.stop()
