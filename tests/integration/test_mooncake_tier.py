@@ -70,9 +70,11 @@ class Master:
 @pytest.fixture
 def master(tmp_path: Path) -> Iterator[Master]:
     m = Master(tmp_path)
-    m.start()
-    yield m
-    m.kill()
+    try:
+        m.start()
+        yield m
+    finally:
+        m.kill()
 
 
 def _chunks(n: int, tokens: int = 32) -> tuple[list, list[ChunkData]]:

@@ -192,7 +192,11 @@ def test_corrupt_object_is_a_miss_and_deleted(moto: MotoServer, bucket: str) -> 
 def test_server_killed_mid_run_gives_misses_then_recovers(tmp_path: Path) -> None:
     server = MotoServer(tmp_path)
     server.start()
-    server.client().create_bucket(Bucket="kv-kill")
+    try:
+        server.client().create_bucket(Bucket="kv-kill")
+    except BaseException:
+        server.kill()
+        raise
     tier = _tier(server, "kv-kill")
     try:
         keys, chunks = _chunks(6)

@@ -11,7 +11,8 @@ import pytest
 
 from kvmesh.cli import main
 from kvmesh.config import GB, CacheConfig
-from kvmesh.config_lmcache import NO_EQUIVALENT, redact_url
+from kvmesh.config_lmcache import redact_url
+from kvmesh.config_lmcache_keys import NO_EQUIVALENT
 from kvmesh.errors import ConfigError
 from kvmesh.integrations.vllm.options import ConnectorOptions
 
