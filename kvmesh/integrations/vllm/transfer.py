@@ -82,15 +82,14 @@ class Transfer:
         """Gather ``block_ids`` into the host chunk ``out`` ``[L, planes, n, H, D]`` (a pool
         slot); returns once the bytes are in ``out``. Runs on the saver thread only (the
         save staging buffer is that thread's)."""
-        n = out.shape[2]
-        if not self.cuda:
-            self.page.gather(self.layers, block_ids, out)  # CPU: straight into the slot
-            return
-        stage = self._view(self._save_stage, self.layout.shape(n))
         with self.save_stream.use():
             self.save_stream.wait(after)
-            self.page.gather(self.layers, block_ids, stage)
-            out.copy_(stage, non_blocking=True)
+            if self.cuda:
+                stage = self._view(self._save_stage, self.layout.shape(out.shape[2]))
+                self.page.gather(self.layers, block_ids, stage)
+                out.copy_(stage, non_blocking=True)
+            else:  # CPU: straight into the slot
+                self.page.gather(self.layers, block_ids, out)
             done = self.save_stream.record()
         done.synchronize()  # the saver thread waits; the compute stream never does
 
@@ -105,8 +104,11 @@ class Transfer:
         if not items:
             self._load_done = None
             return
+        # Recorded before entering the load stream's context, where the current stream is
+        # the load stream itself.
+        compute_so_far = self.compute.record()
         with self.load_stream.use():
-            self.load_stream.wait(self.compute.record())
+            self.load_stream.wait(compute_so_far)
             if layerwise:
                 self._load_layerwise(items)
             else:

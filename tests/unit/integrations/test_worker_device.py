@@ -4,10 +4,11 @@ in the same order, as on CUDA, with no-op streams. The pages are vLLM's own Flas
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -265,3 +266,60 @@ def test_a_load_that_cannot_be_queued_is_recomputed_not_raised(worker: WorkerSid
     assert worker.take_load_errors() == {5, 99}
     assert worker.stats()["connector"]["load_failures"] == 1
     assert worker.engine.stats()["cpu"]["pinned"] == 0
+
+
+class _FakeStream:
+    """Records the stream calls (fault-injection style stand-in for a CUDA stream)."""
+
+    current: ClassVar[list[str]] = ["compute"]
+
+    def __init__(self, name: str, log: list[tuple[str, str, str]]) -> None:
+        self.name, self.log = name, log
+
+    def record(self) -> Event:
+        self.log.append((self.name, "record", _FakeStream.current[-1]))
+        return Event()
+
+    def wait(self, ev: Event | None) -> None:
+        self.log.append((self.name, "wait", _FakeStream.current[-1]))
+
+    def synchronize(self) -> None:
+        self.log.append((self.name, "synchronize", _FakeStream.current[-1]))
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator[None]:
+        _FakeStream.current.append(self.name)
+        try:
+            yield
+        finally:
+            _FakeStream.current.pop()
+
+
+def test_stream_ordering_of_saves_and_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The order CUDA relies on: the compute event is recorded outside the side streams'
+    contexts (where the current stream would be the side stream), the side stream waits on
+    it before its copies, and the compute stream waits on the load events."""
+    w = _worker()
+    try:
+        assert w.xfer is not None
+        log: list[tuple[str, str, str]] = []
+        compute = _FakeStream("compute", log)
+        monkeypatch.setattr(type(w.xfer), "compute", property(lambda self: compute))
+        w.xfer.save_stream = _FakeStream("save", log)  # type: ignore[assignment]
+        w.xfer.load_stream = _FakeStream("load", log)  # type: ignore[assignment]
+        tokens = list(range(10, 10 + CS))
+        w.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", tokens, [0, 1], 0)]))
+        assert w.wait_for_writes(10)
+        assert log[:3] == [
+            ("compute", "record", "compute"),
+            ("save", "wait", "save"),
+            ("save", "record", "save"),
+        ]
+        log.clear()
+        assert w.lookup("b", 1, tokens) == CS
+        w.start_step(KVMeshConnectorMetadata(loads=[LoadSpec("b", 1, tokens, [4, 5], 0)]))
+        assert log[0] == ("compute", "record", "compute") and log[1] == ("load", "wait", "load")
+        assert ("load", "record", "load") in log
+        assert log[-1] == ("compute", "wait", "compute")  # the forward waits for the loads
+    finally:
+        w.close()
