@@ -41,9 +41,9 @@ def epp_front(
     """kvmesh epp (CLI process) + Envoy in front of ``replicas``; yields Envoy's URL."""
     import httpx
 
-    from kvmesh.cluster import spawn, stop_process
     from kvmesh.epp.envoy import Envoy
-    from kvmesh.services import free_port
+    from kvmesh.harness.ports import free_port
+    from kvmesh.harness.processes import spawn, stop_process
 
     grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
     args = [sys.executable, "-m", "kvmesh.cli", "epp", "--model", model_dir, "--host", "127.0.0.1",
