@@ -158,7 +158,7 @@ def run(
     prompts: int | None = None,
 ) -> dict[str, Any]:
     from kvmesh.bench.ttft import default_model_dir
-    from kvmesh.model import PRESETS, make_tiny
+    from kvmesh.harness.model import PRESETS, make_tiny
 
     mdir = str(make_tiny(out_dir=model_dir or default_model_dir(), **PRESETS["bench"]))
     from transformers import AutoModelForCausalLM
