@@ -9,7 +9,7 @@ MODELS := .cache/models
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-fast lint format bench bench-ttft peers demo models clean redis
+.PHONY: setup test test-fast lint format bench bench-ttft peers demo models clean redis system-deps soak
 
 setup: $(STAMP)
 
@@ -24,10 +24,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-redis:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  echo "installing redis-server (apt)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+# System packages the tests use as real components: redis-server (the remote tier), fio (the
+# disk limit of the benchmarks), kubectl (kubernetes-client: renders deploy/ with its kustomize).
+SYSTEM_PKGS := redis-server:redis-server fio:fio kubectl:kubernetes-client
+
+redis: system-deps
+system-deps:
+	@missing=""; for pair in $(SYSTEM_PKGS); do \
+	  command -v $${pair%%:*} >/dev/null 2>&1 || missing="$$missing $${pair##*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing$$missing (apt)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
 
 models: setup
 	$(BIN)/kvmesh model make-tiny --preset tiny --out $(MODELS)/tiny --if-missing
@@ -64,3 +71,7 @@ demo: setup redis models
 
 clean:
 	rm -rf $(VENV) .cache bench-out .mypy_cache .ruff_cache .pytest_cache
+
+# The 10-minute soak with faults (a 1.5-minute version runs in `make test`).
+soak: setup system-deps models
+	$(BIN)/kvmesh soak --model $(MODELS)/tiny --json bench-out/soak.json --plot bench-out/soak.png
