@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import re
-import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -36,12 +33,13 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
+from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError, ReadTimeoutError
 
 from kvmesh.config_lmcache import redact_url
 from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey
 from kvmesh.core.serde import Buffer
-from kvmesh.errors import ConfigError, CorruptChunkError, TierUnavailableError
+from kvmesh.errors import ConfigError, CorruptChunkError, TierError
 from kvmesh.tiers.base import (
     ChunkData,
     Feature,
@@ -52,6 +50,7 @@ from kvmesh.tiers.base import (
     payload_buffer,
     register_tier,
 )
+from kvmesh.tiers.breaker import RemoteGuard
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,9 +77,6 @@ class S3Tier:
         self.range_bytes = max(64 << 10, int(q.pop("range_bytes", 8 << 20)))
         self.multipart_bytes = max(_MIN_PART, int(q.pop("multipart_bytes", 64 << 20)))
         workers = max(1, int(q.pop("max_concurrency", 16)))
-        self.retries = max(0, options.retries)
-        self.failure_threshold = max(1, failure_threshold)
-        self.probe_interval_s = options.probe_interval_s
         session = boto3.session.Session(
             aws_access_key_id=q.pop("access_key_id", None),
             aws_secret_access_key=q.pop("secret_access_key", None),
@@ -102,17 +98,23 @@ class S3Tier:
         probe_cfg = cfg.merge(Config(connect_timeout=1.0, read_timeout=1.0))
         self._probe_client = session.client("s3", endpoint_url=endpoint, use_ssl=not no_tls, config=probe_cfg)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"kvmesh-{self.name}")
-        self._lock = threading.Lock()
-        self._failures = 0
-        self._up = threading.Event()
-        self._closed = threading.Event()
-        if self._ping():
-            self._mark_up()
-        else:
-            log.warning("kvmesh tier %s: %s unreachable at start; starting down", self.name, self.url)
-            self.metrics.set("up", 0)
-        self._probe = threading.Thread(target=self._probe_loop, name=f"kvmesh-probe-{self.name}", daemon=True)
-        self._probe.start()
+        # The breaker and deadline every remote tier shares (kvmesh.tiers.breaker): a timeout
+        # opens it at once, 5xx/throttling/connection errors after failure_threshold tries,
+        # an answered 4xx never; remote_timeout_s bounds a whole operation, retries included.
+        self.guard = RemoteGuard(
+            self.name,
+            self.url,
+            self.metrics,
+            ping=self._ping,
+            timeout_s=options.timeout_s,
+            retries=options.retries,
+            failure_threshold=failure_threshold,
+            probe_interval_s=options.probe_interval_s,
+            timeout_errors=(ReadTimeoutError, ConnectTimeoutError, TimeoutError),
+            conn_errors=(_Retryable, BotoCoreError, OSError),
+            server_errors=(_Answered,),
+        )
+        self.guard.start()
 
     def _object(self, key: ChunkKey | str) -> str:
         text = key.text if isinstance(key, ChunkKey) else key
@@ -135,7 +137,7 @@ class S3Tier:
     def put(self, keys: Sequence[ChunkKey], chunks: Sequence[ChunkData]) -> list[bool]:
         if len(keys) != len(chunks):
             raise ValueError(f"put got {len(keys)} keys but {len(chunks)} chunks; pass one chunk per key")
-        if not self._up.is_set() or self._closed.is_set():
+        if not self.guard.up:
             self.metrics.inc("skipped_stores", len(keys))
             return [False] * len(keys)
 
@@ -166,15 +168,12 @@ class S3Tier:
             yield name[len(self.prefix) :]
 
     def health(self) -> str:
-        if self._closed.is_set() or not self._up.is_set():
-            return "down"
-        return "degraded" if self._failures else "up"
+        return self.guard.health()
 
     def close(self) -> None:
-        if self._closed.is_set():
+        if self.guard.closed:
             return
-        self._closed.set()
-        self._probe.join(timeout=max(2.0, self.probe_interval_s + 1.0))
+        self.guard.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         for client in (self._client, self._probe_client):
             with contextlib.suppress(Exception):
@@ -184,7 +183,7 @@ class S3Tier:
     def _map(self, fn: Callable[[Any], T], items: Sequence[Any], down: T) -> list[T]:
         if not items:
             return []
-        if not self._up.is_set() or self._closed.is_set():
+        if not self.guard.up:
             return [down] * len(items)
         return list(self._pool.map(fn, items))
 
@@ -322,68 +321,13 @@ class S3Tier:
     def _exists(self, name: str) -> bool:
         return self._guard(lambda: self._client.head_object(Bucket=self.bucket, Key=name)) is not None
 
-    # ---- retries and the circuit breaker ----------------------------------------------
+    # ---- through the shared guard ---------------------------------------------------------
     def _guard(self, op: Callable[[], T]) -> T | None:
-        """Run ``op`` with retries; ``None`` for a missing object or when it could not run."""
+        """Run ``op`` under the guard; ``None`` for a missing object or when it could not run."""
         try:
-            return self._run(op)
-        except (TierUnavailableError, _Missing):
+            return self.guard.run(_classified(op))
+        except (TierError, _Missing):
             return None
-
-    def _run(self, op: Callable[[], T]) -> T:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        if self._closed.is_set():
-            raise TierUnavailableError(f"tier {self.name} is closed")
-        if not self._up.is_set():
-            raise TierUnavailableError(f"tier {self.name}: {self.url} is down")
-        attempt = 0
-        while True:
-            try:
-                result = op()
-            except ClientError as exc:
-                err = exc.response.get("Error", {})
-                status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-                if str(err.get("Code")) in _MISSING or status == 404:
-                    raise _Missing() from None
-                if status < 500 and err.get("Code") not in ("SlowDown", "Throttling", "RequestTimeout"):
-                    self.metrics.inc("errors")  # the server answered: a 4xx does not trip the breaker
-                    log.debug("kvmesh tier %s: %s", self.name, exc)
-                    raise TierUnavailableError(f"tier {self.name}: {exc}") from None
-                failure: BaseException = exc
-            except (BotoCoreError, OSError) as exc:
-                failure = exc
-            else:
-                with self._lock:
-                    self._failures = 0
-                return result
-            self.metrics.inc("errors")
-            if self._record_failure(failure) or attempt >= self.retries:
-                raise TierUnavailableError(f"tier {self.name}: {self.url} unreachable: {failure}") from None
-            attempt += 1
-            time.sleep(min(0.5, 0.02 * 2**attempt) * (0.5 + random.random() / 2))
-
-    def _record_failure(self, exc: BaseException) -> bool:
-        with self._lock:
-            self._failures += 1
-            if self._failures < self.failure_threshold and self._up.is_set():
-                return False
-            if self._up.is_set():
-                self._up.clear()
-                self.metrics.set("up", 0)
-                log.warning(
-                    "kvmesh tier %s: %d consecutive failures (%s); marking down",
-                    self.name,
-                    self._failures,
-                    exc,
-                )
-            return True
-
-    def _mark_up(self) -> None:
-        with self._lock:
-            self._failures = 0
-            self._up.set()
-        self.metrics.set("up", 1)
 
     def _ping(self) -> bool:
         try:
@@ -392,15 +336,35 @@ class S3Tier:
         except Exception:  # any failure of the probe means "not up yet"
             return False
 
-    def _probe_loop(self) -> None:
-        while not self._closed.wait(self.probe_interval_s):
-            if not self._up.is_set() and self._ping():
-                log.warning("kvmesh tier %s: %s answers again; marking up", self.name, self.url)
-                self._mark_up()
-
 
 class _Missing(Exception):
     """The object does not exist (a miss, not a failure)."""
+
+
+class _Answered(Exception):
+    """The server answered with a client error (4xx): not an outage, the breaker stays shut."""
+
+
+class _Retryable(Exception):
+    """A 5xx or throttling answer: worth another try, and a failure towards the breaker."""
+
+
+def _classified(op: Callable[[], T]) -> Callable[[], T]:
+    """``op`` with S3's error answers sorted into what the guard tells apart."""
+
+    def run() -> T:
+        try:
+            return op()
+        except ClientError as exc:
+            err = exc.response.get("Error", {})
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+            if str(err.get("Code")) in _MISSING or status == 404:
+                raise _Missing() from None
+            if status < 500 and err.get("Code") not in ("SlowDown", "Throttling", "RequestTimeout"):
+                raise _Answered(str(exc)) from None
+            raise _Retryable(str(exc)) from None
+
+    return run
 
 
 def _parse(url: str) -> dict[str, str]:
