@@ -13,18 +13,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvmesh.index.prefix import Medium
+from kvmesh.index.speculative import Held
 
 BITS = 4  # bits per replica in a block mask, one per Medium
 NIBBLE = (1 << BITS) - 1
 # A replica's 4 mask bits → its best medium; no bit of its own means REMOTE from another replica.
 NIB_MEDIUM = tuple(Medium(max(nib.bit_length() - 1, 0)) for nib in range(1 << BITS))
-_GPU_SHIFT = int(Medium.GPU)
 
 
 def match_chain(
     blocks: OrderedDict[bytes, tuple[Any, ...]],
     low: int,
-    spec: dict[bytes, dict[int, float]],
+    spec: dict[bytes, Held],
     bs: int,
     keys: Sequence[bytes],
     wanted: int,
@@ -34,8 +34,8 @@ def match_chain(
 
     ``blocks``: key → entry whose first two items are the holder mask, shifted down, and the
     shift (matched keys are moved to the LRU end). ``low``: bit ``BITS*rid`` of every
-    registered replica. ``spec``: speculative entries, key → rid → expiry, counting as GPU
-    while unexpired. ``wanted``: the ``low`` bits of the replicas asked about.
+    registered replica. ``spec``: speculative entries (key → :class:`Held`, expired at
+    ``now``), counting as GPU. ``wanted``: the ``low`` bits of the replicas asked about.
     """
     alive = wanted
     masks: list[int] = []
@@ -45,10 +45,8 @@ def match_chain(
         mask = entry[0] << entry[1] if entry is not None else 0
         if spec:
             held = spec.get(key)
-            if held:
-                for rid, expiry in held.items():
-                    if expiry > now:
-                        mask |= 1 << (BITS * rid + _GPU_SHIFT)
+            if held is not None:
+                mask |= held.mask  # exact: the table was expired at ``now`` just before
         # Bit 4*rid is a REMOTE holding: shared, so it makes the block count for everyone.
         present = low if mask & low else (mask >> 1 | mask >> 2 | mask >> 3) & low
         alive &= present

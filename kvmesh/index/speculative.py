@@ -4,21 +4,34 @@ Between a routing decision and the replica's ``BlockStored`` events there is a w
 prefill) in which a second request with the same prefix would otherwise be sent elsewhere.
 Entries live ``ttl_s`` and count as GPU. Not thread-safe: :class:`BlockIndex` holds its lock.
 
-Keyed by block, not by replica: ``key → {replica id: expiry}``. A lookup is one dict probe
-per prompt block whatever the fleet size (an earlier layout kept one dict per replica, so a
-1,000-replica fleet with a request in flight on each cost 1,000 probes per block). Each
-added batch is kept on a heap by expiry and removed key by key when it expires, so the
-table holds only live keys and adding and expiring cost the same, per key.
+Keyed by block, not by replica: ``key → (holder mask, {replica id: expiry})``. A lookup is
+one dict probe and one OR per prompt block whatever the fleet size: an earlier layout kept
+one dict per replica (1,000 probes per block with a request in flight on each of 1,000
+replicas), and a hot system prompt held speculatively by hundreds of replicas must not
+cost hundreds of steps per block either. Each added batch is kept on a heap by expiry and
+removed key by key when it expires, so after :meth:`expire` every mask is exact.
 """
 
 from __future__ import annotations
 
 import heapq
 
+_GPU_BIT = 3  # Medium.GPU: speculative holdings count as GPU
+
+
+class Held:
+    """One key's speculative holders: their GPU bits (``1 << (4*rid + 3)``) and expiries."""
+
+    __slots__ = ("mask", "rids")
+
+    def __init__(self, rid: int, expiry: float) -> None:
+        self.mask = 1 << (4 * rid + _GPU_BIT)
+        self.rids = {rid: expiry}
+
 
 class SpeculativeTable:
     def __init__(self) -> None:
-        self.keys: dict[bytes, dict[int, float]] = {}  # key → replica id → expiry
+        self.keys: dict[bytes, Held] = {}
         # (expiry, seq, rid, block size, keys, rid's generation): a generation older than
         # the rid's current one belongs to a dropped replica (the id may have been reused).
         self._heap: list[tuple[float, int, int, int, tuple[bytes, ...], int]] = []
@@ -36,18 +49,20 @@ class SpeculativeTable:
             return
         table = self.keys
         added = 0
+        bit = 1 << (4 * rid + _GPU_BIT)
         for key in keys:
             held = table.get(key)
             if held is None:
-                table[key] = {rid: expiry}
+                table[key] = Held(rid, expiry)
                 added += 1
             else:
-                old = held.get(rid)
+                old = held.rids.get(rid)
                 if old is None:
                     added += 1
-                    held[rid] = expiry
+                    held.rids[rid] = expiry
+                    held.mask |= bit
                 elif old < expiry:
-                    held[rid] = expiry
+                    held.rids[rid] = expiry
         self._held += added
         self._seq += 1
         heapq.heappush(self._heap, (expiry, self._seq, rid, block_size, keys, self._gen.get(rid, 0)))
@@ -64,21 +79,23 @@ class SpeculativeTable:
     def _unlink(self, rid: int, keys: tuple[bytes, ...], now: float) -> None:
         """Remove ``rid`` from ``keys`` where its expiry is ``<= now`` (a later add keeps it)."""
         table = self.keys
+        clear = ~(1 << (4 * rid + _GPU_BIT))
         for key in keys:
             held = table.get(key)
             if held is None:
                 continue
-            expiry = held.get(rid)
+            expiry = held.rids.get(rid)
             if expiry is not None and expiry <= now:
-                del held[rid]
+                del held.rids[rid]
+                held.mask &= clear
                 self._held -= 1
-                if not held:
+                if not held.rids:
                     del table[key]
 
     def holders(self, key: bytes, now: float) -> list[int]:
         """Replica ids that hold ``key`` speculatively at ``now``."""
         held = self.keys.get(key)
-        return [rid for rid, expiry in held.items() if expiry > now] if held else []
+        return [rid for rid, expiry in held.rids.items() if expiry > now] if held else []
 
     def drop(self, rid: int) -> None:
         """Forget ``rid``'s entries (its cache was cleared, or it left and the id may be reused)."""

@@ -43,6 +43,7 @@ def _fleet(replicas: int, args: argparse.Namespace, tiers: bool, copies: int = 1
         replicas,
         args.gpu_blocks,
         cpu_blocks=args.cpu_blocks if tiers else 0,
+        disk_blocks=args.disk_blocks if tiers else 0,
         shared_blocks=args.shared_blocks * copies if tiers else 0,
     )
 
@@ -70,7 +71,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         "workload": base.name,
         "profile": cost.name,
         "load": args.load,
-        "config": {k: getattr(args, k) for k in ("gpu_blocks", "cpu_blocks", "shared_blocks", "replicas")},
+        "config": {
+            k: getattr(args, k)
+            for k in ("gpu_blocks", "cpu_blocks", "disk_blocks", "shared_blocks", "replicas")
+        },
         "results": results,
         "targets": targets(results),
     }
@@ -220,6 +224,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--gpu-blocks", type=int, default=880, help="GPU prefix cache per replica, in trace blocks"
     )
     r.add_argument("--cpu-blocks", type=int, default=3200, help="kvmesh CPU tier per replica (kvmesh fleet)")
+    r.add_argument("--disk-blocks", type=int, default=0, help="kvmesh disk tier per replica (kvmesh fleet)")
     r.add_argument(
         "--shared-blocks", type=int, default=200_000, help="kvmesh shared tier per trace copy (kvmesh fleet)"
     )

@@ -72,3 +72,20 @@ def test_a_high_replica_id_does_not_make_every_block_wide() -> None:
     assert {k: m.tokens for k, m in idx.match(tokens).items()} == {"r999": 256}
     idx.remove("r999", [999_000], "GPU")  # its first block: the prefix is gone
     assert idx.match(tokens) == {}
+
+
+def test_a_hot_prefix_speculated_on_every_replica_expires_per_replica() -> None:
+    """Masks are kept per key: all 1,000 holders are found, and each leaves when it expires."""
+    t = [0.0]
+    idx = BlockIndex(clock=lambda: t[0])
+    tokens = np.random.default_rng(5).integers(0, 50_000, 256).astype(np.uint32)
+    for r in range(1000):
+        t[0] = r * 0.001
+        idx.add_speculative(f"r{r}", tokens, ttl_s=2.0, block_size=16)
+    t[0] = 1.0
+    assert len(idx.match(tokens)) == 1000
+    t[0] = 2.5  # the first 500 (added before t=0.5) have expired
+    got = idx.match(tokens)
+    assert len(got) == 499 and "r0" not in got and "r999" in got
+    idx.clear_replica("r999")
+    assert "r999" not in idx.match(tokens)
