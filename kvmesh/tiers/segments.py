@@ -26,7 +26,6 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from kvmesh.core import serde
@@ -40,38 +39,16 @@ from kvmesh.tiers.segment_format import (
     ALIGN,
     REC_PREFIX,
     pad,
-    punch,
     read_record,
     record_prefix,
     scan_slot,
-    slot_header,
 )
+from kvmesh.tiers.segment_space import Entry, SegmentSpace, Slot
 
 FILE_NAME = "segments.kvs"
 
 
-@dataclass
-class _Entry:
-    slot: int
-    off: int  # file offset of the record
-    length: int  # record bytes, unpadded
-    size: int  # padded bytes on disk
-    gen: int
-    hit: bool = False
-
-
-@dataclass
-class _Slot:
-    seq: int = 0
-    level: int = 0
-    state: str = "free"  # free | open | closed
-    used: int = ALIGN  # write pointer (the slot header takes the first 4 KiB)
-    live: int = 0
-    pending: int = 0  # records written, not yet indexed: the slot must not be reclaimed
-    keys: set[str] = field(default_factory=set)
-
-
-class SegmentTier:
+class SegmentTier(SegmentSpace):
     """The disk tier with ``disk_placement=segments`` (same contract as ``DiskTier``)."""
 
     # Pins; no RECODE: a segment record is rewritten only by reclaim (re-encoding in place
@@ -106,8 +83,8 @@ class SegmentTier:
             )
         self._lock = threading.Lock()  # index and slot table
         self._wlock = threading.Lock()  # one writer appends at a time: writes stay sequential
-        self._entries: dict[str, _Entry] = {}
-        self._slots = [_Slot() for _ in range(self.n_slots)]
+        self._entries: dict[str, Entry] = {}
+        self._slots = [Slot() for _ in range(self.n_slots)]
         self._open: dict[int, int] = {}  # level -> open slot
         self._seq = 1
         self._gen = 0
@@ -257,7 +234,7 @@ class SegmentTier:
                 if old is not None:
                     self._unindex(text, old)
                 self._gen += 1
-                self._entries[text] = _Entry(slot, off, length, pad(length), self._gen)
+                self._entries[text] = Entry(slot, off, length, pad(length), self._gen)
                 self._slots[slot].keys.add(text)
                 self._slots[slot].live += pad(length)
                 self.metrics.inc("stores")
@@ -268,97 +245,6 @@ class SegmentTier:
                     self._punch(slot)
             self._gauges()
         return results
-
-    def _room(self, level: int, size: int) -> int | None:
-        """The open slot of ``level`` with ``size`` bytes free, opening (and reclaiming) as needed."""
-        slot = self._open.get(level)
-        if slot is not None and self._slots[slot].used + size <= self.ru:
-            return slot
-        with self._lock:
-            if slot is not None:
-                self._close_slot(slot)
-            free = self._free_slot()
-        for _ in range(2 * self.n_slots):
-            if free is not None:
-                break
-            if not self._reclaim_one():
-                return None
-            with self._lock:
-                free = self._free_slot()
-        if free is None:
-            return None
-        s = self._slots[free]
-        s.seq, s.level, s.state, s.used, s.live, s.keys = self._seq, level, "open", ALIGN, 0, set()
-        self._seq += 1
-        t0 = time.time()
-        os.pwrite(self._fd, slot_header(s.seq, self.ru, level), free * self.ru)
-        self._traced("write", t0, [[free * self.ru, ALIGN]], cls="meta")
-        self._open[level] = free
-        return free
-
-    def _close_slot(self, slot: int) -> None:
-        s = self._slots[slot]
-        self._open.pop(s.level, None)
-        s.state = "closed"
-        if s.live == 0 and not s.pending:
-            self._punch(slot)
-
-    def _free_slot(self) -> int | None:
-        return next((i for i, s in enumerate(self._slots) if s.state == "free"), None)
-
-    def _reclaim_one(self) -> bool:
-        """Reclaim the closed slot with the least live data (oldest first on ties): keep its
-        pinned (and, for ``hot``, recently read) chunks by rewriting them, drop the rest."""
-        with self._lock:
-            closed = [
-                (s.live, s.seq, i) for i, s in enumerate(self._slots) if s.state == "closed" and not s.pending
-            ]
-            if not closed:
-                return False
-            _, _, victim = min(closed)
-            ents = [(text, self._entries[text]) for text in self._slots[victim].keys]
-            # Pinned chunks first, then hot ones, up to half a segment: every reclaim then
-            # frees at least half a segment, so a cache of nothing but hot chunks still
-            # makes progress (the rest of its hot chunks get dropped, oldest segment first).
-            ents.sort(key=lambda te: (te[0] not in self._pins, te[1].off))
-            keep, budget = [], self.ru // 2
-            for text, ent in ents:
-                hot = self.reclaim_policy == "hot" and ent.hit
-                pinned = text in self._pins
-                if pinned or (hot and budget >= ent.size):
-                    keep.append((text, pinned))
-                    budget -= ent.size
-        if keep and len(keep) == len(ents) and all(p for _, p in keep):
-            return False  # a slot of pinned chunks only: nothing can be freed
-        saved = []
-        for text, pins in keep:
-            try:
-                key = ChunkKey.parse(text, self.chunk_size)
-            except ValueError:
-                continue
-            got = self._get_one(key, None, count=False)
-            if got is not None:
-                saved.append((got, pins))
-        with self._lock:
-            for text in list(self._slots[victim].keys):
-                self._unindex(text, self._entries[text])  # the last one punches the slot
-                self.metrics.inc("evictions")
-            if self._slots[victim].state != "free":
-                self._punch(victim)
-        for got, _ in saved:  # pins are counted by key: the rewritten copy keeps them
-            self._append([(got.key, got, "rewrite")])
-            self.metrics.inc("rewrites")
-        return True
-
-    def _punch(self, slot: int) -> None:
-        """Free ``slot`` and trim it whole (caller holds ``_lock``)."""
-        s = self._slots[slot]
-        s.state, s.live, s.keys, s.used = "free", 0, set(), ALIGN
-        t0 = time.time()
-        if not punch(self._fd, slot * self.ru, self.ru):
-            # No hole punching here: at least wipe the header so a restart sees a free slot.
-            os.pwrite(self._fd, bytes(ALIGN), slot * self.ru)
-        self._traced("trim", t0, [[slot * self.ru, self.ru]])
 
     # -- reads ---------------------------------------------------------------------------
     def _get_one(self, key: ChunkKey, into: Into | None, count: bool = True) -> ChunkData | None:
@@ -403,7 +289,7 @@ class SegmentTier:
         return header, body if header.codec == "raw" else raw, length
 
     # -- index ---------------------------------------------------------------------------
-    def _unindex(self, text: str, ent: _Entry) -> None:
+    def _unindex(self, text: str, ent: Entry) -> None:
         del self._entries[text]
         s = self._slots[ent.slot]
         s.keys.discard(text)
@@ -442,7 +328,7 @@ class SegmentTier:
                     found.pop(key, None)
         for text, (_, slot, off, length) in found.items():
             self._gen += 1
-            self._entries[text] = _Entry(slot, off, length, pad(length), self._gen)
+            self._entries[text] = Entry(slot, off, length, pad(length), self._gen)
             self._slots[slot].keys.add(text)
             self._slots[slot].live += pad(length)
         for i, s in enumerate(self._slots):
