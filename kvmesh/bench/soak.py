@@ -74,7 +74,7 @@ class Fleet:
     model_dir: str
     workdir: str
     disk_mb: int = 96
-    router_port: int = field(default_factory=free_port)
+    router_port: int = 0  # chosen when the router first starts, kept across its restarts
     replicas: list[Replica] = field(default_factory=list)
     redis: RedisServer | None = None
     router: subprocess.Popen[bytes] | None = None
@@ -118,30 +118,38 @@ class Fleet:
         self.start_router()
 
     def start_router(self, timeout: float = 60.0) -> None:
-        args = [
-            sys.executable,
-            "-m",
-            "kvmesh.cli",
-            "router",
-            "--model",
-            self.model_dir,
-            "--port",
-            str(self.router_port),
-        ]
+        """Start ``kvmesh router`` and wait for /health. The first start picks a free port
+        only now (vLLM's processes bind ports of their own while they start) and tries another
+        if it was taken in between; restarts keep the port, as a Service would."""
+        first = not self.router_port
+        for attempt in range(3 if first else 1):
+            if first:
+                self.router_port = free_port()
+            if self._spawn_router(timeout):
+                return
+            assert self.router is not None
+            stop_process(self.router)
+            if not first or attempt == 2:
+                break
+        log = os.path.join(self.workdir, "router.log")
+        raise TimeoutError(f"the router did not become healthy within {timeout:.0f} s; see {log}")
+
+    def _spawn_router(self, timeout: float) -> bool:
+        args = [sys.executable, "-m", "kvmesh.cli", "router", "--model", self.model_dir]
+        args += ["--port", str(self.router_port)]
         for i, r in enumerate(self.replicas):
             args += ["--replica", f"{r.url},events={r.events_endpoint},name=replica{i}"]
-        log = os.path.join(self.workdir, "router.log")
-        self.router = spawn(args, dict(os.environ), log)
+        self.router = spawn(args, dict(os.environ), os.path.join(self.workdir, "router.log"))
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.router.poll() is None:
             with (
                 contextlib.suppress(OSError),
                 urllib.request.urlopen(self.url + "/health", timeout=1) as resp,
             ):
                 if resp.status == 200:
-                    return
+                    return True
             time.sleep(0.2)
-        raise TimeoutError(f"the router did not become healthy within {timeout:.0f} s; see {log}")
+        return False
 
     def stop(self) -> None:
         if self.router is not None:
