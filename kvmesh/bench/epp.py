@@ -3,7 +3,7 @@
 Setup, all real processes on loopback: ``kvmesh epp`` started by its CLI (its own
 interpreter), two FakeVLLM model servers (``python -m kvmesh.router.testing``), one KV-event
 publisher per server in this process that fills the EPP's index with the blocks of every
-tenant's prefix (16-token blocks, GPU), and Envoy (kvmesh/epp/envoy.py).
+tenant's prefix (16-token blocks, GPU), and Envoy (kvmesh/harness/envoy.py).
 
 1. Decision latency, as the gateway sees it: the request headers and body are sent on an
    ext_proc stream (64 KiB chunks, as Envoy forwards them); the clock runs from sending the
@@ -162,8 +162,8 @@ def run(model: str, quick: bool = False) -> dict[str, Any]:
     import httpx
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-    from kvmesh.epp.envoy import Envoy
     from kvmesh.events.publisher import EventPublisher
+    from kvmesh.harness.envoy import Envoy
     from kvmesh.harness.ports import free_port
     from kvmesh.harness.processes import spawn, stop_process
     from kvmesh.router.tokenize import PromptTokenizer

