@@ -5,12 +5,12 @@
 events, the picker of :func:`kvmesh.router.picker.build_picker` and the
 :class:`kvmesh.router.tokenize.PromptTokenizer`. What the router does around its proxy call
 (refuse, decide, count the request on a replica, settle its prefill at the first byte,
-speculative index entry) is done here around the gateway's call instead.
+speculative index entry) is done here around the gateway's call instead. Token ids come
+from the router's own :class:`kvmesh.router.prompts.Prompts` (local tokenizing; ``tokenizer:
+remote`` is not offered here).
 
 Endpoints are named ``ip:port`` (the protocol's format), which is also their name in the
-index, the metrics and the subset hint. The only router piece copied rather than imported
-is the local tokenization step (``RouterService._tokens`` is private to the router's
-aiohttp app); ``tokenizer: remote`` is not offered here.
+index, the metrics and the subset hint.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import contextlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,12 +28,13 @@ import msgspec
 import numpy as np
 import xxhash
 
-from kvmesh.errors import ConfigError, TokenizeError
+from kvmesh.errors import ConfigError
 from kvmesh.events import EventSubscriber
 from kvmesh.index import BlockIndex, PromptKeys
 from kvmesh.router.config import ReplicaConfig
 from kvmesh.router.picker import build_picker
 from kvmesh.router.pool import Pool, Replica
+from kvmesh.router.prompts import Prompts
 from kvmesh.router.proxy import ERROR_TYPES
 from kvmesh.router.scorers import RoutingRequest, SessionTable, prefill_cost, prompt_key
 from kvmesh.router.tokenize import PromptTokenizer, TokenArray
@@ -44,7 +44,6 @@ from .metrics import EppMetrics
 
 log = logging.getLogger(__name__)
 
-_OFFLOAD_BYTES = 64 << 10  # larger bodies are tokenized on a worker thread (tokenizers drops the GIL)
 _NO_TOKENS = np.zeros(0, dtype=np.uint32)
 _TYPES = {**ERROR_TYPES, 413: "RequestTooLargeError", 429: "RateLimitError"}
 
@@ -127,7 +126,7 @@ class EndpointPicker:
         )
         self._subscribers: dict[str, EventSubscriber] = {}
         self._decoder = msgspec.json.Decoder()
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvmesh-epp-tokenize")
+        self.prompts = Prompts(rc, tokenizer, self.pool, lambda: None, lambda: None)
         self._session: aiohttp.ClientSession | None = None
         self._checks: set[asyncio.Task[None]] = set()
         self.synced = False  # discovery has listed the endpoints once (readiness)
@@ -147,7 +146,7 @@ class EndpointPicker:
         self._subscribers.clear()
         if self._session is not None:
             await self._session.close()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.prompts.close()
 
     def add_endpoint(self, cfg: ReplicaConfig) -> None:
         """Start routing to ``cfg`` (once its health check passes); idempotent per name."""
@@ -232,7 +231,9 @@ class EndpointPicker:
         if self._shed(candidates, headers):
             return self.refuse(429, "every eligible endpoint is saturated; sheddable request dropped")
         tokens = (
-            await self._tokens(body, path.endswith("/chat/completions"), len(raw)) if body else _NO_TOKENS
+            await self.prompts.tokens(body, path.endswith("/chat/completions"), len(raw))
+            if body
+            else _NO_TOKENS
         )
         if len(tokens):
             key, prompt = prompt_key(tokens), PromptKeys(tokens)
@@ -258,20 +259,6 @@ class EndpointPicker:
     def refuse(self, status: int, message: str, param: str | None = None) -> Refusal:
         self.metrics.refusals.labels(str(status)).inc()
         return Refusal(status, message, param)
-
-    async def _tokens(self, body: dict[str, Any], chat: bool, size: int) -> TokenArray:
-        tok = self.tokenizer
-        if tok is None:
-            return _NO_TOKENS
-        encode = tok.chat if chat else tok.completion
-        try:
-            if size < _OFFLOAD_BYTES:
-                return encode(body)
-            return await asyncio.get_running_loop().run_in_executor(self._executor, encode, body)
-        except TokenizeError as exc:
-            # The model server gives the authoritative error; route by load meanwhile.
-            log.debug("cannot tokenize request for routing: %s", exc)
-            return _NO_TOKENS
 
     # -- accounting -------------------------------------------------------------------------------------
 
