@@ -16,7 +16,7 @@ import xxhash
 
 from kvmesh.core.keys import ChunkKey, KeyBuilder, KVLayout, as_token_array
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 LAYOUT = KVLayout(2, 2, 8, "float32")
 TOKENS = [(i * 7919) % 50000 for i in range(70)]
 

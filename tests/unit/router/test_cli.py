@@ -18,7 +18,7 @@ from kvmesh.harness.ports import free_port
 from kvmesh.router.cli import add_router_parser, config_from_args
 from kvmesh.router.testing import FakeVLLM, write_test_tokenizer
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def parse(*argv: str) -> argparse.Namespace:

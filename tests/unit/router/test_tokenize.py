@@ -17,7 +17,7 @@ from kvmesh.harness.tokenizer import Family, train_bpe
 from kvmesh.router.testing import _WORDS
 from kvmesh.router.tokenize import PromptTokenizer
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
