@@ -5,8 +5,10 @@ Every request ends in exactly one outcome:
 - ``correct``: the stream ended with ``[DONE]`` and the text equals the fault-free reference
   for that prompt; ``wrong``: it ended and the text differs (must never happen);
 - ``retryable``: the router answered 503 or 429 with ``Retry-After``;
-- ``router_down``: the connection to the router was refused (it is restarting); a load
-  balancer retries these like a 503;
+- ``router_down``: the router refused the connection, or closed it before any answer began
+  (it is restarting: a rolling restart closes idle keep-alive connections, and a request
+  already on its way over one gets no response at all); nothing was processed, so a load
+  balancer or client retries these like a 503;
 - ``broken_stream``: a stream that had started ended with the router's in-stream error event
   (its replica died mid-answer; the headers were already sent, so this is how a stream says
   "retry", as vLLM and OpenAI do);
@@ -116,8 +118,10 @@ class Client:
         usage: dict[str, Any] = {}
         finished = False
         broke = ""
+        answered = False  # a status line came back: from here a failure is a broken answer
         try:
             async with http.stream("POST", self.url + "/v1/chat/completions", json=body) as resp:
+                answered = True
                 if resp.status_code != 200:
                     detail = (await resp.aread()).decode(errors="replace")[:200]
                     retry = resp.status_code in (429, 503) and "retry-after" in resp.headers
@@ -135,7 +139,8 @@ class Client:
         except httpx.ConnectError as exc:
             return done("router_down", str(exc)), ""
         except (httpx.HTTPError, ValueError) as exc:
-            return done("interrupted", f"{type(exc).__name__}: {exc}"), ""
+            kind: Outcome = "interrupted" if answered else "router_down"
+            return done(kind, f"{type(exc).__name__}: {exc}"), ""
         if broke:
             return done("broken_stream", broke), ""
         if not finished:

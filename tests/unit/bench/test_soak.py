@@ -23,6 +23,10 @@ from kvmesh.bench.soak_load import Client, Prompt, Record, chat_load, recovery_s
 async def _chat(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     mode = body["messages"][1]["content"]
+    if mode == "drop":  # closed before any answer: what a router closing keep-alives does
+        assert request.transport is not None
+        request.transport.close()
+        return web.Response()
     if mode == "busy":
         return web.json_response({"error": "no replica"}, status=503, headers={"Retry-After": "1"})
     if mode == "broken":
@@ -86,6 +90,7 @@ def _classify(url: str, mode: str, deadline_s: float = 2.0) -> Record:
         ("busy", "retryable"),
         ("broken", "error"),
         ("cut", "interrupted"),
+        ("drop", "router_down"),
         ("broke", "broken_stream"),
         ("stall", "hang"),
     ],
