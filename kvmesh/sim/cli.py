@@ -14,6 +14,7 @@ import statistics
 import time
 from typing import Any
 
+from kvmesh.paths import traces_dir
 from kvmesh.sim import policies
 from kvmesh.sim.cost import PROFILES
 from kvmesh.sim.fleet import FleetConfig
@@ -21,7 +22,7 @@ from kvmesh.sim.run import simulate
 from kvmesh.sim.workload import Workload, generate, load_trace, tile, time_scale_for
 
 TRACES = {"conversation": "conversation_trace.jsonl", "synthetic": "synthetic_trace.jsonl"}
-TRACE_DIR = os.environ.get("KVMESH_TRACES", "/work/shared/traces")
+TRACE_DIR = traces_dir()
 # measured on this machine by `kvmesh bench router` (docs/bench/router.json), 2 replicas
 MEASURED_SETUPS = {
     ("kvmesh", "kvmesh"): ("kvmesh", True),

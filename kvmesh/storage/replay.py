@@ -35,11 +35,12 @@ import numpy as np
 
 from kvmesh.core.engine import CacheEngine
 from kvmesh.core.keys import ChunkKey, KVLayout
+from kvmesh.paths import traces_dir
 from kvmesh.tiers.base import ChunkData
 
 BLOCK = 512
 GB = 1024**3
-DEFAULT_TRACES = "/work/shared/traces"
+DEFAULT_TRACES = traces_dir()
 
 
 def conversation_requests(n: int, path: str | None = None) -> list[np.ndarray]:
