@@ -503,7 +503,8 @@ def test_two_vllm_replicas_behind_the_router(tmp_path: Path) -> None:
         start_replicas(replicas, timeout=480)
         wait_for(
             lambda: (
-                {"r0", "r1"} <= set(httpx.get(router.url + V1 + "replicas", timeout=10).json()["replicas"])
+                {"r0", "r1"}
+                <= set(httpx.get(router.url + V1 + "replicas", headers=auth, timeout=10).json()["replicas"])
             ),
             60,
         )

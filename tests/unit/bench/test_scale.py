@@ -4,19 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from kvmesh.bench import scale, scale_ingest
 
-MODEL = Path(".cache/models/tiny")
 
-
-@pytest.mark.skipif(
-    not (MODEL / "tokenizer.json").exists(), reason="run `make models` for the tiny tokenizer"
-)
-def test_index_worker_point() -> None:
-    out = scale.index_worker(50, 5_000, str(MODEL), 12)
-    assert out["blocks"] >= 5_000 and 50 < out["bytes_per_block"] < 5_000
+def test_index_worker_point(tiny_model: Path) -> None:
+    out = scale.index_worker(50, 5_000, str(tiny_model), 12)
+    # Memory is measured as an RSS difference: a bound, not an exact figure (a busy machine
+    # and the allocator move it), so only "positive and not absurd" is asserted here.
+    assert out["blocks"] >= 5_000 and 0 < out["bytes_per_block"] < 5_000
     for n in ("2k", "32k"):
         d = out[f"decision_{n}"]
         assert 0 < d["cpu_p50_ms"] <= d["cpu_p99_ms"] and d["with_match"] > 0.3
