@@ -53,7 +53,7 @@ class CacheConfig(BaseModel):
     remote_url: str | None = Field(
         None,
         description="shared tier: redis://, rediss://, unix://, valkey://, redis-cluster://h:p,h:p, "
-        "s3://bucket/prefix, fs:///path",
+        "s3://bucket/prefix, mooncakestore://master, fs:///path",
     )
     remote_serde: str = Field(
         "raw",

@@ -28,7 +28,7 @@ _GROUPS: list[tuple[str, dict[str, Any]]] = [
     ),
     (
         "no P2P / disaggregated-prefill transfer in kvmesh: replicas share KV through the remote "
-        "tier and `kvmesh route` sends a request to the replica holding its prefix",
+        "tier and `kvmesh router` sends a request to the replica holding its prefix",
         {
             "enable_p2p": False,
             "p2p_host": None,
