@@ -4,7 +4,7 @@ Every request ends in exactly one outcome:
 
 - ``correct``: the stream ended with ``[DONE]`` and the text equals the fault-free reference
   for that prompt; ``wrong``: it ended and the text differs (must never happen);
-- ``retryable``: the router answered 503 or 429 with ``Retry-After``;
+- ``retryable``: the router answered 503, 429 or 408 with ``Retry-After``;
 - ``router_down``: the router refused the connection, or closed it before any answer began
   (it is restarting: a rolling restart closes idle keep-alive connections, and a request
   already on its way over one gets no response at all); nothing was processed, so a load
@@ -124,7 +124,7 @@ class Client:
                 answered = True
                 if resp.status_code != 200:
                     detail = (await resp.aread()).decode(errors="replace")[:200]
-                    retry = resp.status_code in (429, 503) and "retry-after" in resp.headers
+                    retry = resp.status_code in (408, 429, 503) and "retry-after" in resp.headers
                     return done("retryable" if retry else "error", f"HTTP {resp.status_code}: {detail}"), ""
                 async for line in resp.aiter_lines():
                     if line == "data: [DONE]":

@@ -184,7 +184,11 @@ class RouterService:
     async def _route(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
         t0 = time.perf_counter()
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), self.config.body_timeout_s)
+        except TimeoutError:
+            resp = self._refuse(path, 408, f"request body not received within {self.config.body_timeout_s} s")
+            resp.headers["Retry-After"] = str(self.config.retry_after_s)
+            return resp
         except web.HTTPRequestEntityTooLarge:
             limit = self.config.max_body_bytes
             return self._refuse(path, 413, f"request body is larger than {limit} bytes", "body")

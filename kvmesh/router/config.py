@@ -204,6 +204,12 @@ class RouterConfig(BaseModel):
     session_capacity: int = Field(default=100_000, gt=0)
 
     max_body_bytes: int = Field(default=16 << 20, gt=0)
+    body_timeout_s: float = Field(
+        default=10.0, gt=0, description="a request body not received within this is a 408 (never a hang)"
+    )
+    shutdown_timeout_s: float = Field(
+        default=30.0, gt=0, description="on SIGTERM, how long answers in flight may take to finish"
+    )
     connect_timeout_s: float = Field(default=2.0, gt=0)
     read_timeout_s: float = Field(default=600.0, gt=0, description="longest silence mid-answer")
     health_interval_s: float = Field(default=1.0, gt=0)

@@ -34,6 +34,7 @@ def end_to_end(headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> dict[s
 ERROR_TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",

@@ -36,7 +36,15 @@ def run_forever(service: RouterService) -> None:
     cfg = service.config
     loop = _loop_factory()()
     asyncio.set_event_loop(loop)
-    web.run_app(service.make_app(), host=cfg.host, port=cfg.port, access_log=None, loop=loop, print=None)
+    web.run_app(
+        service.make_app(),
+        host=cfg.host,
+        port=cfg.port,
+        access_log=None,
+        loop=loop,
+        print=None,
+        shutdown_timeout=cfg.shutdown_timeout_s,
+    )
 
 
 class Router:

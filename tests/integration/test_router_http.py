@@ -460,3 +460,23 @@ def test_a_replica_without_load_gauges_is_scraped_less_often(
     start_b = fakes["b"].metrics_requests
     time.sleep(0.5)
     assert fakes["b"].metrics_requests - start_b >= 5  # back to the normal pace
+
+
+def test_a_body_that_never_arrives_is_a_408_not_a_hang(make_router: MakeRouter) -> None:
+    """A client that sends the headers and part of the body (a stalled upload, a slowloris)
+    gets 408 with Retry-After once body_timeout_s passes; the handler never waits forever
+    (it once held a rolling restart's drain for its whole timeout)."""
+    import socket
+
+    router = make_router(body_timeout_s=0.5)
+    with socket.create_connection(("127.0.0.1", router.port), timeout=5) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n" + b'{"model": "tiny"'
+        )
+        t0 = time.monotonic()
+        head = sock.recv(4096).decode(errors="replace")
+        waited = time.monotonic() - t0
+    assert head.startswith("HTTP/1.1 408"), head[:200]
+    assert "retry-after:" in head.lower()
+    assert 0.3 < waited < 3.0
