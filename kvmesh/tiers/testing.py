@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from kvmesh.core import serde
-from kvmesh.core.keys import ChunkKey
+from kvmesh.core.keys import ChunkKey, KVLayout
 from kvmesh.errors import CorruptChunkError, TierUnavailableError
 from kvmesh.tiers.base import ChunkData, Feature, Into, TierOptions, register_tier
 
@@ -148,3 +148,24 @@ def reset_memory_stores() -> None:
     """Forget every ``mem://`` / ``faulty://`` store (call between tests)."""
     with _STORES_LOCK:
         _STORES.clear()
+
+
+def random_chunks(
+    n: int, layout: KVLayout, tokens: int = 32, seed: int = 0
+) -> tuple[list[ChunkKey], list[ChunkData]]:
+    """``n`` chunks of ``tokens`` tokens with random KV (seeded) and their keys, for tier tests."""
+    import numpy as np
+    import torch
+
+    from kvmesh.core.keys import KeyBuilder
+    from kvmesh.core.memory import torch_dtype
+
+    toks = np.arange(seed * 100000, seed * 100000 + n * tokens, dtype=np.uint32)
+    keys = KeyBuilder("m", layout, tokens).keys(toks)
+    gen = torch.Generator().manual_seed(seed)
+    chunks = []
+    for i, k in enumerate(keys):
+        kv = torch.randn(layout.shape(tokens), generator=gen).to(torch_dtype(layout.dtype))
+        raw = kv.view(torch.uint8).reshape(-1).numpy().copy().data
+        chunks.append(ChunkData(k, layout, toks[i * tokens : (i + 1) * tokens], raw))
+    return keys, chunks

@@ -10,14 +10,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
-from kvmesh.core.keys import KeyBuilder, KVLayout
+from kvmesh.core.keys import ChunkKey, KVLayout
 from kvmesh.harness.ports import free_port
 from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import ChunkData, TierOptions, open_tier
+from kvmesh.tiers.testing import random_chunks
 
 LAYOUT = KVLayout(2, 2, 16, "bfloat16")
 
@@ -77,22 +76,8 @@ def master(tmp_path: Path) -> Iterator[Master]:
         m.kill()
 
 
-def _chunks(n: int, tokens: int = 32) -> tuple[list, list[ChunkData]]:
-    toks = np.arange(n * tokens, dtype=np.uint32) + 7
-    keys = KeyBuilder("m", LAYOUT, tokens).keys(toks)
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for i, k in enumerate(keys):
-        kv = torch.randn(LAYOUT.shape(tokens), generator=gen).to(torch.bfloat16)
-        out.append(
-            ChunkData(
-                k,
-                LAYOUT,
-                toks[i * tokens : (i + 1) * tokens],
-                kv.view(torch.uint8).reshape(-1).numpy().copy(),
-            )
-        )
-    return keys, out
+def _chunks(n: int, tokens: int = 32) -> tuple[list[ChunkKey], list[ChunkData]]:
+    return random_chunks(n, LAYOUT, tokens)
 
 
 @pytest.mark.slow

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvmesh.core.keys import KeyBuilder, KVLayout
-from kvmesh.core.memory import torch_dtype
+from kvmesh.core.keys import ChunkKey, KVLayout
 from kvmesh.harness.ports import free_port
 from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import ChunkData, TierOptions, open_tier
+from kvmesh.tiers.testing import random_chunks
 
 CREDS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -100,22 +100,8 @@ LAYOUT = KVLayout(2, 2, 16, "bfloat16")
 
 def _chunks(
     n: int, tokens: int = 64, seed: int = 0, layout: KVLayout = LAYOUT
-) -> tuple[list, list[ChunkData]]:
-    toks = np.arange(seed * 100000, seed * 100000 + n * tokens, dtype=np.uint32)
-    keys = KeyBuilder("m", layout, tokens).keys(toks)
-    gen = torch.Generator().manual_seed(seed)
-    chunks = []
-    for i, k in enumerate(keys):
-        kv = torch.randn(layout.shape(tokens), generator=gen).to(torch_dtype(layout.dtype))
-        chunks.append(
-            ChunkData(
-                k,
-                layout,
-                toks[i * tokens : (i + 1) * tokens],
-                kv.view(torch.uint8).reshape(-1).numpy().copy(),
-            )
-        )
-    return keys, chunks
+) -> tuple[list[ChunkKey], list[ChunkData]]:
+    return random_chunks(n, layout, tokens, seed)
 
 
 def _tier(moto: MotoServer, bucket: str, query: str = "", **kw: object):  # type: ignore[no-untyped-def]
