@@ -1,17 +1,22 @@
-"""Measure the router's added latency: the same request sent directly and through the router.
+"""Measure the router's added latency: the same streamed request sent directly and through it.
 
-A fake vLLM (:mod:`kvmesh.router.testing`) and the router each run in their own process, so
-the client, the router and the upstream do not share an interpreter lock. Requests
-alternate direct / routed over persistent connections and the report gives the median of
-each and of their difference, for three prompt shapes of ``--tokens`` tokens:
+A fake vLLM (:mod:`kvmesh.router.testing`) and the router each run in their own process
+(the client, the router and the upstream share no interpreter lock). The router's index is
+live: this process publishes vLLM-format KV events to it (:class:`EventPublisher`), a
+prefill of ``index_blocks`` blocks first, then ``event_rate`` batches a second throughout
+the measurement, as a busy replica would. Requests stream (``"stream": true``) and the
+figure is the time to the first streamed chunk (what a user's TTFT gains), sent
+alternately direct / routed over persistent connections; the added latency is routed
+minus direct, request by request. Text is realistic (:mod:`kvmesh.bench.corpus`: Zipf
+word frequencies over 30,000 words, so the router's word cache misses as on real text).
+Two prompt shapes of ``tokens`` tokens:
 
-* ``completion-unique``: a new prompt every time (nothing cached: the full tokenize cost);
-* ``completion-repeat``: the same prompt every time (the exact-repeat cache);
-* ``chat-shared-system``: a long system message shared by all, a new user turn each time
-  (the per-piece cache: only the new turn is tokenized).
+* ``completion-unique``: a new prompt every time (sentences of the corpus shuffled anew:
+  nothing cached but common words);
+* ``chat-shared-system``: a system message shared by all (3/4 of the tokens) and a new user
+  turn each time.
 
-``python -m kvmesh.bench.overhead --model DIR`` (DIR: any model directory with a
-tokenizer.json; without one a small test tokenizer is built).
+``python -m kvmesh.bench.overhead --model DIR --tokens 2000``.
 """
 
 from __future__ import annotations
@@ -24,17 +29,20 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvmesh.bench.corpus import zipf_words
 from kvmesh.bench.stats import percentile
 from kvmesh.errors import ProcessError
+from kvmesh.events import BlockStored, EventBatch
+from kvmesh.events.publisher import EventPublisher
 from kvmesh.harness.ports import free_port
 from kvmesh.harness.processes import Service, get_json
-from kvmesh.harness.router import RouterProcess
 
 
 class _FakeVLLMProcess(Service):
@@ -51,70 +59,124 @@ class _FakeVLLMProcess(Service):
         return get_json(f"http://127.0.0.1:{self.port}/health", 1.0)[0] == 200
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux): load-independent, unlike wall time."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+class _Feeder:
+    """Publishes BlockStored batches (16-token blocks of random prompts) on a thread."""
+
+    def __init__(self, pub: EventPublisher, rate: float, blocks_per_batch: int = 16) -> None:
+        self.pub, self.rate, self.per = pub, rate, blocks_per_batch
+        self._rng = random.Random(7)
+        self._next_hash = 1
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="overhead-feeder", daemon=True)
+        self.sent_blocks = 0
+
+    def batch(self, blocks: int) -> EventBatch:
+        h = self._next_hash
+        self._next_hash += blocks
+        toks = tuple(self._rng.randrange(4096) for _ in range(16 * blocks))
+        self.sent_blocks += blocks
+        return EventBatch(time.time(), (BlockStored(tuple(range(h, h + blocks)), None, toks, 16),))
+
+    def prefill(self, blocks: int) -> None:
+        for _ in range(blocks // 500):
+            self.pub.publish(self.batch(500))
+        self.pub.flush(30.0)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        period = 1.0 / self.rate
+        nxt = time.perf_counter()
+        while not self._stop.is_set():
+            self.pub.publish(self.batch(self.per))
+            nxt += period
+            self._stop.wait(max(0.0, nxt - time.perf_counter()))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
 
 
 @contextmanager
-def _processes(model_dir: str) -> Iterator[tuple[int, int, int]]:
-    """The fake upstream and the router over it; yields their ports and the router's pid."""
+def _processes(model_dir: str, events: str) -> Iterator[tuple[int, int, str]]:
+    """The fake upstream and the router over it (its index fed from ``events``)."""
+    from kvmesh.harness.router import RouterProcess
     from kvmesh.router import ReplicaConfig, RouterConfig
 
     with _FakeVLLMProcess() as fake:
         fake.start()
-        replica = ReplicaConfig(url=f"http://127.0.0.1:{fake.port}", name="up")
+        replica = ReplicaConfig(url=f"http://127.0.0.1:{fake.port}", events=events, name="up")
         with RouterProcess(RouterConfig(model=model_dir, replicas=(replica,), port=0)) as router:
             router.start()
-            assert router.proc is not None
-            yield fake.port, router.port, router.proc.pid
+            yield fake.port, router.port, router.url
 
 
-def _words(rng: random.Random, n: int) -> str:
-    from kvmesh.router.testing import _WORDS
+def _pool(tokens_per_word: float, tokens: int, seed: int) -> tuple[list[str], int]:
+    """Sentences of the corpus (~2 x ``tokens`` of text in all) and words per prompt."""
+    rng = random.Random(seed)
+    n_words = int(tokens / tokens_per_word)
+    text = zipf_words(rng, 2 * n_words)
+    sentences = [s.strip() + "." for s in text.replace("?", ".").replace("!", ".").split(".") if s.strip()]
+    return sentences, n_words
 
-    return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+def _take(rng: random.Random, sentences: list[str], n_words: int) -> str:
+    out: list[str] = []
+    count = 0
+    while count < n_words:
+        s = rng.choice(sentences)
+        out.append(s)
+        count += s.count(" ") + 1
+    return " ".join(out)
 
 
 def _shapes(tokenize: Callable[[str], int], tokens: int, seed: int) -> dict[str, Callable[[int], bytes]]:
-    rng = random.Random(seed)
-    # Calibrate words per token on this tokenizer, then size the texts to ~tokens.
-    sample = _words(rng, 2000)
-    per_word = tokenize(sample) / 2000
-    n_words = int(tokens / per_word)
-    repeat = _words(rng, n_words)
-    system = _words(rng, n_words * 3 // 4)
+    sample = zipf_words(random.Random(seed), 3000)
+    per_word = tokenize(sample) / 3000
+    sentences, n_words = _pool(per_word, tokens, seed)
+    system = _take(random.Random(seed + 1), sentences, n_words * 3 // 4)
+    stream = {"stream": True, "max_tokens": 1, "model": "tiny"}
 
     def unique(i: int) -> bytes:
-        text = f"{i} " + _words(random.Random(seed * 1_000_003 + i), n_words)
-        return json.dumps({"model": "tiny", "prompt": text, "max_tokens": 1}).encode()
-
-    def repeated(i: int) -> bytes:
-        return json.dumps({"model": "tiny", "prompt": repeat, "max_tokens": 1}).encode()
+        return json.dumps({**stream, "prompt": f"{i} " + _take(random.Random(seed * 1_000_003 + i), sentences, n_words)}).encode()
 
     def chat(i: int) -> bytes:
-        user = f"{i} " + _words(random.Random(seed * 7 + i), n_words // 4)
+        user = f"{i} " + _take(random.Random(seed * 7 + i), sentences, n_words // 4)
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-        return json.dumps({"model": "tiny", "messages": msgs, "max_tokens": 1}).encode()
+        return json.dumps({**stream, "messages": msgs}).encode()
 
-    return {"completion-unique": unique, "completion-repeat": repeated, "chat-shared-system": chat}
+    return {"completion-unique": unique, "chat-shared-system": chat}
 
 
-def _post(conn: http.client.HTTPConnection, path: str, body: bytes) -> float:
+def _first_chunk(conn: http.client.HTTPConnection, path: str, body: bytes) -> float:
+    """Seconds to the first streamed ``data:`` line; the rest of the stream is drained."""
     t = time.perf_counter()
     conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
-    resp.read()
     if resp.status != 200:
-        raise ProcessError(f"POST {path} answered {resp.status}")
-    return time.perf_counter() - t
+        raise ProcessError(f"POST {path} answered {resp.status}: {resp.read()[:200]!r}")
+    ttft = None
+    while True:
+        line = resp.readline()
+        if not line:
+            break
+        if ttft is None and line.startswith(b"data:"):
+            ttft = time.perf_counter() - t
+    if ttft is None:
+        raise ProcessError(f"POST {path} streamed no data line")
+    return ttft
 
 
 def measure(
-    model_dir: str | None = None, tokens: int = 2000, n: int = 200, warmup: int = 20
+    model_dir: str | None = None,
+    tokens: int = 2000,
+    n: int = 200,
+    warmup: int = 10,
+    index_blocks: int = 200_000,
+    event_rate: float = 50.0,
 ) -> dict[str, Any]:
-    """Median direct / routed / added milliseconds per prompt shape (see the module docstring)."""
+    """Added time to first streamed chunk per prompt shape (see the module docstring)."""
     from tokenizers import Tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -124,33 +186,44 @@ def measure(
             model_dir = str(write_test_tokenizer(Path(tmp) / "tok"))
         tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
         shapes = _shapes(lambda s: len(tok.encode(s).ids), tokens, seed=1)
-        out: dict[str, Any] = {"tokens": tokens, "n": n, "model": model_dir, "shapes": {}}
-        with _processes(model_dir) as (up, rt, router_pid):
-            direct = http.client.HTTPConnection("127.0.0.1", up)
-            routed = http.client.HTTPConnection("127.0.0.1", rt)
-            for name, make in shapes.items():
-                path = "/v1/chat/completions" if name.startswith("chat") else "/v1/completions"
-                d: list[float] = []
-                r: list[float] = []
-                cpu = 0.0
-                for i in range(warmup + n):
-                    body = make(i + (0 if name == "completion-repeat" else 10_000 * len(out["shapes"])))
-                    td = _post(direct, path, body)
-                    c0 = _cpu_s(router_pid)
-                    tr = _post(routed, path, body)
-                    if i >= warmup:
-                        cpu += _cpu_s(router_pid) - c0
-                        d.append(td)
-                        r.append(tr)
-                added = [b - a for a, b in zip(d, r, strict=True)]
-                out["shapes"][name] = {
-                    "direct_ms": round(statistics.median(d) * 1e3, 3),
-                    "routed_ms": round(statistics.median(r) * 1e3, 3),
-                    "added_ms_median": round(statistics.median(added) * 1e3, 3),
-                    "added_ms_p90": round(percentile(added, 90) * 1e3, 3),
-                    "router_cpu_ms_per_request": round(cpu / n * 1e3, 3),
-                    "prompt_tokens": len(tok.encode(_prompt_text(body)).ids),
-                }
+        out: dict[str, Any] = {"tokens": tokens, "n": n, "model": model_dir, "event_rate_per_s": event_rate,
+                               "shapes": {}}  # fmt: skip
+        with EventPublisher("tcp://127.0.0.1:0") as pub, _processes(model_dir, pub.endpoint) as (up, rt, url):
+            feeder = _Feeder(pub, event_rate)
+            time.sleep(1.0)  # PUB/SUB: let the router's subscription arrive before the prefill
+            feeder.prefill(index_blocks)
+            feeder.start()
+            try:
+                direct = http.client.HTTPConnection("127.0.0.1", up, timeout=60)
+                routed = http.client.HTTPConnection("127.0.0.1", rt, timeout=60)
+                for si, (name, make) in enumerate(shapes.items()):
+                    path = "/v1/chat/completions" if name.startswith("chat") else "/v1/completions"
+                    d: list[float] = []
+                    r: list[float] = []
+                    lens: list[int] = []
+                    for i in range(warmup + n):
+                        body = make(i + 10_000 * si)
+                        td = _first_chunk(direct, path, body)
+                        tr = _first_chunk(routed, path, body)
+                        if i >= warmup:
+                            d.append(td)
+                            r.append(tr)
+                            if len(lens) < 5:
+                                lens.append(len(tok.encode(_prompt_text(body)).ids))
+                    added = [(b - a) * 1e3 for a, b in zip(d, r, strict=True)]
+                    out["shapes"][name] = {
+                        "direct_ttft_ms_p50": round(statistics.median(d) * 1e3, 3),
+                        "routed_ttft_ms_p50": round(statistics.median(r) * 1e3, 3),
+                        "added_ms_p50": round(statistics.median(added), 3),
+                        "added_ms_p90": round(percentile(added, 90), 3),
+                        "added_ms_p99": round(percentile(added, 99), 3),
+                        "prompt_tokens": round(statistics.mean(lens)),
+                    }
+            finally:
+                feeder.stop()
+            status, state = get_json(url + "/kvmesh/state", 5.0)
+            out["index_after"] = state.get("index") if status == 200 and isinstance(state, dict) else None
+            out["events_blocks_sent"] = feeder.sent_blocks
         return out
 
 
@@ -174,4 +247,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -75,13 +75,21 @@ class Workload:
         question_words: int = 40,
         max_tokens: int = 8,
         seed: int = 0,
+        prefix_words_max: int = 0,
+        text: Callable[[random.Random, int], str] | None = None,
     ) -> Workload:
+        """``tenants`` x ``users`` conversations of ``turns`` turns. Every tenant's system
+        prompt has ``prefix_words`` words, or a number drawn from ``prefix_words`` ..
+        ``prefix_words_max`` when that is larger; ``text`` makes the words (default:
+        :func:`words`, a 15-syllable vocabulary)."""
         rng = random.Random(seed)
+        make = text or words
         convs = []
         for t in range(tenants):
-            system = f"Tenant {t} handbook. " + words(rng, prefix_words)
+            n = rng.randint(prefix_words, prefix_words_max) if prefix_words_max > prefix_words else prefix_words
+            system = f"Tenant {t} handbook. " + make(rng, n)
             for u in range(users):
-                qs = [f"User {u} asks: " + words(rng, question_words) for _ in range(turns)]
+                qs = [f"User {u} asks: " + make(rng, question_words) for _ in range(turns)]
                 convs.append(Conversation(t, u, system, qs))
         # Interleave tenants so consecutive arrivals do not share a prefix by construction.
         convs.sort(key=lambda c: (c.user, c.tenant))
@@ -120,6 +128,7 @@ class RunResult:
             "ttft_p50_s": round(statistics.median(ttfts), 4) if ttfts else None,
             "ttft_p90_s": round(percentile(ttfts, 90), 4) if ttfts else None,
             "requests_per_s": round(len(ok) / self.wall_s, 3) if self.wall_s else 0.0,
+            "prompt_tokens_mean": round(prompt / len(ok), 1) if ok else None,
         }
 
 
