@@ -52,6 +52,9 @@ def _bench_router(args: argparse.Namespace) -> int:
         setups=args.setups.split(",") if args.setups else None,
         arrival=args.arrival,
         prefix_words=args.prefix_words,
+        repeats=args.repeats,
+        workloads=args.workloads.split(",") if args.workloads else None,
+        measure_overhead=not args.no_overhead,
     )
     return 0 if all("error" not in r for r in out["results"]) else 1
 
@@ -136,11 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--json", help="write results here")
     br.add_argument("--plot", help="write a PNG plot here")
     br.add_argument("--model", help="model directory (default .cache/models/tiny, built if missing)")
-    br.add_argument(
-        "--setups",
-        help="comma-separated subset of vllm-router:round_robin,vllm-router:cache_aware,"
-        "vllm-router:kv_aware,vllm-router:kv_aware+lmcache,kvmesh:round-robin,kvmesh:kvmesh",
-    )
+    br.add_argument("--setups", help="comma-separated subset of kvmesh.bench.router_setups.SETUP_NAMES")
+    br.add_argument("--workloads", help="comma-separated subset of default,held-out,trace")
+    br.add_argument("--repeats", type=int, default=0, help="rounds per workload (default 2; --quick 1)")
+    br.add_argument("--no-overhead", action="store_true", help="skip the router overhead and index lookup")
     br.add_argument(
         "--arrival",
         choices=["turns", "sessions"],

@@ -139,7 +139,9 @@ def _shapes(tokenize: Callable[[str], int], tokens: int, seed: int) -> dict[str,
     stream = {"stream": True, "max_tokens": 1, "model": "tiny"}
 
     def unique(i: int) -> bytes:
-        return json.dumps({**stream, "prompt": f"{i} " + _take(random.Random(seed * 1_000_003 + i), sentences, n_words)}).encode()
+        return json.dumps(
+            {**stream, "prompt": f"{i} " + _take(random.Random(seed * 1_000_003 + i), sentences, n_words)}
+        ).encode()
 
     def chat(i: int) -> bytes:
         user = f"{i} " + _take(random.Random(seed * 7 + i), sentences, n_words // 4)
@@ -247,4 +249,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

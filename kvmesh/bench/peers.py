@@ -24,8 +24,15 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PEERS_DIR_ENV = "KVMESH_PEERS_DIR"  # where install_peers.sh put LMCache (overrides .cache/peers)
 VLLM_ROUTER_VERSION = "0.1.17"
 VLLM_ROUTER_ENV = "KVMESH_VLLM_ROUTER"  # path of a vllm-router binary (overrides the venv)
-VLLM_ROUTER_POLICIES = ("random", "round_robin", "power_of_two", "cache_aware", "kv_aware", "consistent_hash",
-                        "sticky_least_loaded")  # all of 0.1.17's
+VLLM_ROUTER_POLICIES = (
+    "random",
+    "round_robin",
+    "power_of_two",
+    "cache_aware",
+    "kv_aware",
+    "consistent_hash",
+    "sticky_least_loaded",
+)  # all of 0.1.17's
 LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "LMCACHE_DISABLE_BANNER": "1"}
 
 

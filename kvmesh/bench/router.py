@@ -53,7 +53,9 @@ def params(quick: bool, arrival: Arrival = "sessions", prefix_words: int = 0) ->
 
 
 # -- pure helpers (unit-tested) --------------------------------------------------------------
-def paired_ratio(ours: Sequence[Mapping[str, Any]], theirs: Sequence[Mapping[str, Any]], key: str) -> float | None:
+def paired_ratio(
+    ours: Sequence[Mapping[str, Any]], theirs: Sequence[Mapping[str, Any]], key: str
+) -> float | None:
     """Median over repeats of ours[i][key] / theirs[i][key]: repeat i of both ran in the same
     round, minutes apart at most, so the machine's drift cancels in each ratio."""
     ratios = [float(a[key]) / float(b[key]) for a, b in zip(ours, theirs, strict=False)
@@ -91,7 +93,8 @@ def workload_targets(
         paired = paired_ratio(runs.get(name_ours, []), runs.get(name_best, []), "ttft_p90_s")
         ratio = round(float(ours["ttft_p90_s"]) / float(best["ttft_p90_s"]), 3)
         out[label] = {"best": name_best, "ratio_of_medians": ratio, "median_paired_ratio": paired,
-                      "target": target, "met": (paired if paired is not None else ratio) <= target}  # fmt: skip
+                      "target": target,
+                      "met": (paired if paired is not None else ratio) <= target}  # fmt: skip
     return out
 
 
@@ -133,8 +136,12 @@ def _label(row: Mapping[str, Any]) -> str:
 
 def _commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "kvmesh"], capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "kvmesh"], capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return (out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")) if out.returncode == 0 else None
@@ -197,7 +204,9 @@ def run(
         for tokens in OVERHEAD_TARGETS_MS:
             log(f"[router overhead] {tokens}-token prompts, realistic text, streaming, live index")
             try:
-                overhead[tokens] = measure(model_dir, tokens=tokens, n=params(quick).overhead_n // (1 + tokens // 8000))
+                overhead[tokens] = measure(
+                    model_dir, tokens=tokens, n=params(quick).overhead_n // (1 + tokens // 8000)
+                )
                 for shape, s in overhead[tokens]["shapes"].items():
                     log(f"  {shape}: added TTFT p50 {s['added_ms_p50']} ms, p99 {s['added_ms_p99']} ms")
             except Exception as exc:  # a figure of its own: the table above stands
@@ -206,7 +215,10 @@ def run(
         try:
             lookup = index_run(blocks=1_000_000)
             for kind in ("hit", "miss"):
-                log(f"  {kind}: wall p50 {lookup[kind]['wall_p50_ms']} ms, p99 {lookup[kind]['wall_p99_ms']} ms")
+                log(
+                    f"  {kind}: wall p50 {lookup[kind]['wall_p50_ms']} ms, "
+                    f"p99 {lookup[kind]['wall_p99_ms']} ms"
+                )
         except Exception as exc:
             log(f"  failed: {type(exc).__name__}: {exc}")
 
@@ -240,5 +252,6 @@ def run(
             ok = [r for r in w["results"] if "error" not in r]
             path = plot_path if name == "default" else plot_path.replace(".png", f"-{name}.png")
             write_panels(path, {_label(r): r for r in ok}, METRIC_PANELS,
-                         title=f"{name} workload: 2 vLLM replicas x {NUM_BLOCKS} KV blocks, {n_repeats} repeats")  # fmt: skip
+                         title=f"{name} workload: 2 vLLM replicas x {NUM_BLOCKS} KV blocks, "
+                         f"{n_repeats} repeats")  # fmt: skip
     return out

@@ -99,7 +99,7 @@ def select_setups(names: Sequence[str] | None) -> list[Setup]:
 def run_seed(spec: WorkloadSpec, setup: Setup, repeat: int) -> int:
     """Texts of one run: different for every workload, setup and repeat, so no setup finds
     another's prompts in a cache that outlives a run (the shared tiers do)."""
-    return spec.seed_base + 100 * SETUPS.index(setup) + repeat
+    return spec.seed_base * 10_000 + 100 * SETUPS.index(setup) + repeat
 
 
 def run_order(setups: Sequence[Setup], repeat: int, workload_index: int) -> list[Setup]:
@@ -163,7 +163,8 @@ def lmcache_group(model_dir: str, workdir: str, num_blocks: int, log: Log) -> It
         replicas = [
             Replica(model_dir, name=groups.MODEL_NAME, cpu=i, num_blocks=num_blocks,
                     kv_transfer=s.connector(), events_port=forwarders[i].in_port,
-                    events_out=forwarders[i].out_port, log_path=os.path.join(workdir, f"lmcache-replica{i}.log"),
+                    events_out=forwarders[i].out_port,
+                    log_path=os.path.join(workdir, f"lmcache-replica{i}.log"),
                     env_extra=env_extra, extra_args=list(groups.REPLICA_ARGS), pin_process=True)
             for i, s in enumerate(servers)
         ]  # fmt: skip
@@ -194,7 +195,9 @@ def run_once(
     with groups.router_for(setup, replicas, model_dir, workdir) as url:
         for i in range(len(replicas)):  # the router's own first requests (short: no full block)
             groups.chat(url, f"router warm-up {i}")
-        with tqdm(total=num_requests(spec), desc=f"  {setup.name} {spec.name}", unit="req", leave=False) as bar:
+        with tqdm(
+            total=num_requests(spec), desc=f"  {setup.name} {spec.name}", unit="req", leave=False
+        ) as bar:
             result = run_workload(spec, url, seed, bar.update)
     summary = result.summary()
     errors = [s.error for s in result.samples if not s.ok]
@@ -257,13 +260,16 @@ def run_all(
                             log(f"  {setup.name}: {failed[setup]}")
                             continue
                         runs[spec.name][setup].append(summary)
-                        log(f"  {setup.name} {spec.name} [{repeat + 1}/{repeats}]: hit {summary['hit_rate']}, "
+                        log(f"  {setup.name} {spec.name} [{repeat + 1}/{repeats}]: "
+                            f"hit {summary['hit_rate']}, "
                             f"TTFT p90 {summary['ttft_p90_s']} s, {summary['errors']} errors "
                             f"({time.monotonic() - t0:.0f} s)")  # fmt: skip
     return runs, failed, idle
 
 
-def rows(runs: Mapping[Setup, Sequence[Mapping[str, Any]]], failed: Mapping[Setup, str]) -> list[dict[str, Any]]:
+def rows(
+    runs: Mapping[Setup, Sequence[Mapping[str, Any]]], failed: Mapping[Setup, str]
+) -> list[dict[str, Any]]:
     """One row per setup: medians over its repeats, or the reason it failed."""
     out = []
     for s, r in runs.items():

@@ -49,7 +49,9 @@ def load_conversations(
     multi-request conversations among the trace's first ``scan`` requests, in trace order."""
     file = Path(path or Path(traces_dir()) / TRACE_FILE)
     if not file.is_file():
-        raise ConfigError(f"trace file {file} not found: set KVMESH_TRACES to the folder holding {TRACE_FILE}")
+        raise ConfigError(
+            f"trace file {file} not found: set KVMESH_TRACES to the folder holding {TRACE_FILE}"
+        )
     rows = []
     with file.open() as fh:
         for i, line in enumerate(fh):

@@ -86,7 +86,11 @@ class Workload:
         make = text or words
         convs = []
         for t in range(tenants):
-            n = rng.randint(prefix_words, prefix_words_max) if prefix_words_max > prefix_words else prefix_words
+            n = (
+                rng.randint(prefix_words, prefix_words_max)
+                if prefix_words_max > prefix_words
+                else prefix_words
+            )
             system = f"Tenant {t} handbook. " + make(rng, n)
             for u in range(users):
                 qs = [f"User {u} asks: " + make(rng, question_words) for _ in range(turns)]
