@@ -194,6 +194,7 @@ def measure(
             feeder = _Feeder(pub, event_rate)
             time.sleep(1.0)  # PUB/SUB: let the router's subscription arrive before the prefill
             feeder.prefill(index_blocks)
+            out["index_before"] = _wait_indexed(url, feeder.sent_blocks)
             feeder.start()
             try:
                 direct = http.client.HTTPConnection("127.0.0.1", up, timeout=60)
@@ -227,6 +228,21 @@ def measure(
             out["index_after"] = state.get("index") if status == 200 and isinstance(state, dict) else None
             out["events_blocks_sent"] = feeder.sent_blocks
         return out
+
+
+def _wait_indexed(url: str, blocks: int, timeout: float = 120.0) -> int:
+    """Wait until the router's index holds the prefill (else its ingestion backlog would be
+    timed as overhead); returns the blocks it holds."""
+    deadline = time.monotonic() + timeout
+    held = 0
+    while time.monotonic() < deadline:
+        status, state = get_json(url + "/kvmesh/state", 5.0)
+        if status == 200 and isinstance(state, dict):
+            held = int((state.get("index") or {}).get("blocks", 0))
+            if held >= blocks:
+                break
+        time.sleep(0.2)
+    return held
 
 
 def _prompt_text(body: bytes) -> str:
