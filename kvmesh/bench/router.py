@@ -118,6 +118,14 @@ def index_target(lookup: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return {"wall_p99_ms": p99, "target_ms": INDEX_P99_TARGET_MS, "met": p99 <= INDEX_P99_TARGET_MS}
 
 
+def native_rows(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The rows of each router over its own kind of replica (vllm-router over plain vLLM,
+    kvmesh over kvmesh): one per (router, policy), the shape ``kvmesh sim validate`` reads
+    from the JSON's top-level ``results``; every row is under ``workloads``."""
+    native = {"vllm-router": "none", "kvmesh": "kvmesh"}
+    return [r for r in rows if native.get(str(r["router"])) == r["cache"]]
+
+
 # -- the benchmark -----------------------------------------------------------------------------
 def _fmt(row: Mapping[str, Any]) -> dict[str, Any]:
     out = {"setup": f"{row['router']}:{row['policy']}", "replicas": row["replicas"]}
@@ -160,7 +168,7 @@ def run(
     measure_overhead: bool = True,
 ) -> dict[str, Any]:
     """Run the router benchmark; returns (and optionally writes) ``{"results"`` (the default
-    workload's rows, one per setup), ``"workloads"`` (every workload's rows and targets),
+    workload's :func:`native_rows`), ``"workloads"`` (every workload's rows and targets),
     ``"overhead"``, ``"index_lookup"``, ``"targets"}``. ``arrival`` / ``prefix_words``
     change the default workload (for exploring; the recorded run keeps them)."""
 
@@ -225,7 +233,7 @@ def run(
     targets: dict[str, Any] = {w: v["targets"] for w, v in per_workload.items()}
     targets.update(overhead_targets(overhead))
     targets["index_lookup_p99"] = index_target(lookup)
-    default_rows = per_workload.get("default", {}).get("results", [])
+    default_rows = native_rows(per_workload.get("default", {}).get("results", []))
     out: dict[str, Any] = {
         "commit": _commit(),
         "results": default_rows,

@@ -51,6 +51,14 @@ def test_targets_pick_the_best_peer_of_any_replica_kind_and_of_plain_replicas() 
     assert (plain["median_paired_ratio"], plain["target"], plain["met"]) == (0.95, 0.9, False)
 
 
+def test_native_rows_keep_one_row_per_router_and_policy() -> None:
+    rows = [_row("vllm-router", "kv_aware", "none", 1.0), _row("vllm-router", "kv_aware", "kvmesh", 1.0),
+            _row("vllm-router", "kv_aware", "lmcache", 1.0), _row("kvmesh", "kvmesh", "none", 1.0),
+            _row("kvmesh", "kvmesh", "kvmesh", 1.0)]  # fmt: skip
+    kept = [(r["router"], r["cache"]) for r in router.native_rows(rows)]
+    assert kept == [("vllm-router", "none"), ("kvmesh", "kvmesh")]
+
+
 def test_targets_are_none_when_a_side_is_missing() -> None:
     t = workload_targets([_row("kvmesh", "kvmesh", "kvmesh", 0.7)], {})
     assert set(t.values()) == {None}
