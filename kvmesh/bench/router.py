@@ -187,6 +187,7 @@ def run(
             raise ValueError(f"unknown workload(s) {bad}; valid: {', '.join(s.name for s in specs)}")
         specs = [s for s in specs if s.name in workloads]
     n_repeats = repeats or params(quick).repeats
+    commit = _commit()  # the code this run measures: read now, the tree may move on during it
     install_signal_handlers()
     model_dir = ensure_model(model_dir or DEFAULT_TINY_MODEL)
     workdir = tempfile.mkdtemp(prefix="kvmesh-bench-router-")
@@ -235,7 +236,7 @@ def run(
     targets["index_lookup_p99"] = index_target(lookup)
     default_rows = native_rows(per_workload.get("default", {}).get("results", []))
     out: dict[str, Any] = {
-        "commit": _commit(),
+        "commit": commit,
         "results": default_rows,
         "workloads": per_workload,
         "overhead": {str(k): v for k, v in overhead.items()},
