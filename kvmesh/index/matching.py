@@ -12,6 +12,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from kvmesh.index.prefix import Medium
 from kvmesh.index.speculative import Held
 
@@ -96,3 +98,107 @@ def _leading(alives: list[int], bit: int) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def walk(
+    blocks: OrderedDict[bytes, tuple[Any, ...]],
+    low: int,
+    spec: dict[bytes, Held],
+    keys: Sequence[bytes],
+    wanted: int,
+) -> tuple[list[int], list[int]]:
+    """:func:`match_chain`'s walk alone: per matched block its holder mask and the ``low``
+    bits of the replicas whose prefix still covers it (matched keys move to the LRU end)."""
+    alive = wanted
+    masks: list[int] = []
+    alives: list[int] = []
+    for key in keys:
+        entry = blocks.get(key)
+        mask = entry[0] << entry[1] if entry is not None else 0
+        if spec:
+            held = spec.get(key)
+            if held is not None:
+                mask |= held.mask
+        present = low if mask & low else (mask >> 1 | mask >> 2 | mask >> 3) & low
+        alive &= present
+        if not alive:
+            break
+        if entry is not None:
+            blocks.move_to_end(key)
+        masks.append(mask)
+        alives.append(alive)
+    return masks, alives
+
+
+def _lane_luts() -> tuple[np.ndarray, np.ndarray]:
+    """Byte of an effective mask (see :func:`medium_counts`) → its two replicas' best media,
+    as one 16-bit lane per Medium value (lane ``v`` is 1 when that replica's medium is ``v``)."""
+    lo = np.zeros(256, np.uint64)
+    hi = np.zeros(256, np.uint64)
+    for byte in range(256):
+        for nib, lut in ((byte & NIBBLE, lo), (byte >> BITS, hi)):
+            if nib:
+                lut[byte] += np.uint64(1 << (16 * int(NIB_MEDIUM[nib])))
+    return lo, hi
+
+
+_LANES_LO, _LANES_HI = _lane_luts()
+_MAX_ROWS = (1 << 16) - 1  # a 16-bit lane counts at most this many blocks
+
+
+def medium_counts(masks: list[int], alives: list[int]) -> tuple[list[int], np.ndarray]:
+    """:func:`walk`'s result as ``(effective masks, counts)``.
+
+    An effective mask has, per replica, its own medium bits where its prefix still covers
+    the block, bit REMOTE alone where only another replica's REMOTE copy does, and nothing
+    where its prefix has ended: the nibble's top bit is the replica's medium on that block
+    (as :data:`NIB_MEDIUM`), and a zero nibble ends its match. ``counts[rid, v]``: the
+    blocks replica ``rid``'s prefix has in the medium of value ``v``, for every replica at
+    once: a few numpy calls over the masks' bytes (two lookup tables, two sums), not a loop
+    per holder (a system prompt is held by hundreds of a 1,000-replica fleet).
+    """
+    # alive has bit 4*rid per replica: *15 widens each to its nibble (no carries between them)
+    effs = [(m & a * NIBBLE) | a for m, a in zip(masks, alives, strict=True)]
+    # Neighbouring blocks mostly have the same holders: count each distinct row once, weighted.
+    rows: list[int] = []
+    weights: list[int] = []
+    for e in effs:
+        if rows and rows[-1] == e and weights[-1] < _MAX_ROWS:
+            weights[-1] += 1
+        else:
+            rows.append(e)
+            weights.append(1)
+    nbytes = (max(e.bit_length() for e in rows) + 7) // 8
+    counts = np.zeros((2 * nbytes, 4), np.int64)
+    lo = 0
+    while lo < len(rows):
+        # one pass counts at most _MAX_ROWS blocks, so no 16-bit lane overflows into the next
+        hi, total = lo, 0
+        while hi < len(rows) and total + weights[hi] <= _MAX_ROWS:
+            total += weights[hi]
+            hi += 1
+        raw = np.frombuffer(b"".join([e.to_bytes(nbytes, "little") for e in rows[lo:hi]]), np.uint8)
+        raw = raw.reshape(hi - lo, nbytes)
+        w = np.array(weights[lo:hi], np.uint64)
+        for start, lanes in ((0, _LANES_LO), (1, _LANES_HI)):
+            # little-endian: 16-bit lane v of each uint64 is medium v's count
+            got = w @ lanes[raw] if hi - lo > 1 else lanes[raw[0]] * w[0]
+            counts[start::2] += got.view(np.uint16).reshape(nbytes, 4)
+        lo = hi
+    return effs, counts
+
+
+def replica_ranges(effs: list[int], rid: int, bs: int) -> tuple[tuple[int, int, Medium], ...]:
+    """One replica's ``(start, end, medium)`` token ranges from :func:`medium_counts`' masks."""
+    shift = BITS * rid
+    ranges: list[tuple[int, int, Medium]] = []
+    for i, eff in enumerate(effs):
+        nib = eff >> shift & NIBBLE
+        if not nib:
+            break
+        med = NIB_MEDIUM[nib]
+        if ranges and ranges[-1][2] == med:
+            ranges[-1] = (ranges[-1][0], (i + 1) * bs, med)
+        else:
+            ranges.append((i * bs, (i + 1) * bs, med))
+    return tuple(ranges)
