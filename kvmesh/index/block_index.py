@@ -371,7 +371,9 @@ class BlockIndex:
                 masks, alives = walk(self._blocks, self._low, spec, keys, wanted)
             else:
                 for size, keys in chains:
-                    for rid, ranges in match_chain(self._blocks, self._low, spec, size, keys, wanted, now).items():
+                    for rid, ranges in match_chain(
+                        self._blocks, self._low, spec, size, keys, wanted, now
+                    ).items():
                         per_rid.setdefault(rid, []).append(ranges)
                 names = self._names
                 found = {names[rid]: PrefixMatch(combine_ranges(parts)) for rid, parts in per_rid.items()}

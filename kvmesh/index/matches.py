@@ -93,5 +93,9 @@ class ReplicaMatches(Mapping[str, PrefixMatch]):
     def __len__(self) -> int:
         return len(self._holder_names())
 
+    def __bool__(self) -> bool:
+        # Asked per request ("any match?"): without naming the holders.
+        return bool(self._built) or bool(self._tokens.any())
+
     def __repr__(self) -> str:
         return f"ReplicaMatches({dict(self.items())!r})"

@@ -49,7 +49,18 @@ class Decision:
     first time they are read (the simulator reads only the winner, the router the ranking).
     """
 
-    __slots__ = ("_hashes", "_key", "_names", "_over", "_parts", "_ranked", "_rounded", "_totals", "index", "policy")
+    __slots__ = (
+        "_hashes",
+        "_key",
+        "_names",
+        "_over",
+        "_parts",
+        "_ranked",
+        "_rounded",
+        "_totals",
+        "index",
+        "policy",
+    )
 
     def __init__(
         self,

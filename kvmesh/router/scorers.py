@@ -187,7 +187,8 @@ class PrefixScorer(ArrayScorer):
         tokens = medium_tokens(request, table) if n else None
         if tokens is None:
             return np.zeros(len(table))
-        return np.minimum(tokens @ self._column_weights / n, 1.0)
+        hit: np.ndarray = np.minimum(tokens @ self._column_weights / n, 1.0)
+        return hit
 
 
 def prefill_cost(request: RoutingRequest, replica: str, load_cost: float) -> float:
@@ -236,7 +237,8 @@ class PrefillScorer(ArrayScorer):
             gpu = tokens[:, _GPU]
             cost = np.maximum(0.0, cost - gpu - (tokens.sum(axis=1) - gpu) * (1.0 - self.load_cost))
         est = table.prefill_tokens + cost
-        return (est.min() + self.smoothing) / (est + self.smoothing)
+        score: np.ndarray = (est.min() + self.smoothing) / (est + self.smoothing)
+        return score
 
 
 class QueueScorer(ArrayScorer):
@@ -257,7 +259,8 @@ class QueueScorer(ArrayScorer):
         if not len(table):
             return np.zeros(0)
         loads = table.load
-        return 1.0 - loads / (loads.max() + self.smoothing)
+        score: np.ndarray = 1.0 - loads / (loads.max() + self.smoothing)
+        return score
 
 
 class KVUtilScorer(ArrayScorer):

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.sim import PROFILES, FleetConfig, Workload
-from kvmesh.sim import policies
+from kvmesh.sim import PROFILES, FleetConfig, Workload, policies
 from kvmesh.sim.fleet import Fleet
 from kvmesh.sim.workload import generate
 
