@@ -1,7 +1,8 @@
 """KV-event ingest at fleet scale: simulated replicas publish, a separate process indexes.
 
 The *sink* is its own process, as the router is: one :class:`~kvmesh.events.EventSubscriber`
-per replica (the router's subscriber, one thread each) feeding one
+per replica (the router's subscriber), all served by one :class:`~kvmesh.events.hub.EventHub`
+thread (``hub=False``: one thread each, as before), feeding one
 :class:`~kvmesh.index.BlockIndex`. It records, per batch, the lag from the batch's timestamp
 (set when the replica sent it) to the end of its ``apply``. Python's GIL makes it one core.
 
@@ -44,7 +45,7 @@ def _allow_sockets(n: int) -> None:
     zmq.Context.instance().set(zmq.MAX_SOCKETS, max(4096, 2 * n + 64))
 
 
-def sink_main(endpoints: list[str], expected: int, max_blocks: int) -> None:
+def sink_main(endpoints: list[str], expected: int, max_blocks: int, hub: bool = True) -> None:
     """Subscribe to every endpoint, apply until ``expected`` events (or 5 s of quiet), print JSON."""
     _allow_sockets(len(endpoints))
     index = BlockIndex(max_blocks=max_blocks)
@@ -67,7 +68,13 @@ def sink_main(endpoints: list[str], expected: int, max_blocks: int) -> None:
             if got[0] >= expected:
                 done.set()
 
-    subs = [EventSubscriber(ep, on_batch, f"r{i}", replay_on_start=False) for i, ep in enumerate(endpoints)]
+    from kvmesh.events.hub import EventHub
+
+    shared = EventHub() if hub else None
+    subs = [
+        EventSubscriber(ep, on_batch, f"r{i}", replay_on_start=False, hub=shared)
+        for i, ep in enumerate(endpoints)
+    ]
     time.sleep(1.0 + len(endpoints) / 500)  # PUB/SUB: let every subscription reach its publisher
     print("ready", flush=True)
     c0 = time.process_time()
@@ -139,8 +146,11 @@ class _Sender:
             s.close(linger=2000)
 
 
-def measure(replicas: int, rate: float, seconds: float, max_blocks: int = 1_000_000) -> dict[str, Any]:
-    """Offer ``rate`` events/s for ``seconds`` from ``replicas`` replicas; the sink's figures."""
+def measure(
+    replicas: int, rate: float, seconds: float, max_blocks: int = 1_000_000, hub: bool = True
+) -> dict[str, Any]:
+    """Offer ``rate`` events/s for ``seconds`` from ``replicas`` replicas; the sink's figures
+    (``hub``: the sink's subscribers share one thread, else one thread each)."""
     sender = _Sender(replicas)
     batches = max(1, int(rate * seconds / EVENTS_PER_BATCH))
     expected = batches * EVENTS_PER_BATCH
@@ -148,7 +158,7 @@ def measure(replicas: int, rate: float, seconds: float, max_blocks: int = 1_000_
         sys.executable,
         "-m",
         "kvmesh.bench.scale_ingest",
-        json.dumps([sender.endpoints, expected, max_blocks]),
+        json.dumps([sender.endpoints, expected, max_blocks, hub]),
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
@@ -174,6 +184,7 @@ def measure(replicas: int, rate: float, seconds: float, max_blocks: int = 1_000_
     res: dict[str, Any] = json.loads(line) if line.strip() else {"error": "sink gave no result"}
     out: dict[str, Any] = {
         "replicas": replicas,
+        "hub": hub,
         "offered_events_per_s": rate,
         "sent_events_per_s": round(expected / send_s),
         **res,
@@ -191,5 +202,5 @@ def measure(replicas: int, rate: float, seconds: float, max_blocks: int = 1_000_
 
 
 if __name__ == "__main__":
-    eps, exp, mb = json.loads(sys.argv[1])
-    sink_main(eps, exp, mb)
+    eps, exp, mb, use_hub = json.loads(sys.argv[1])
+    sink_main(eps, exp, mb, use_hub)

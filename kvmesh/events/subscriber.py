@@ -1,7 +1,9 @@
 """Subscriber to one replica's KV-event stream, with sequence-gap repair.
 
 One daemon thread per replica owns a SUB socket (and, when a replay endpoint is given, a
-DEALER socket for replay requests). Batches reach ``on_batch`` strictly in sequence order.
+DEALER socket for replay requests), or, given an :class:`~kvmesh.events.hub.EventHub`, the
+hub's one thread serves it with every other replica's. Batches reach ``on_batch`` strictly
+in sequence order.
 
 A hole in the sequence numbers means the router's view of that replica is now wrong: a
 missed ``BlockRemoved`` would leave an entry that routes requests to a prefix that is gone.
@@ -18,13 +20,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import zmq
 
 from kvmesh.errors import EventDecodeError
 from kvmesh.events.codec import EventBatch, decode_batch
 from kvmesh.events.publisher import END_SEQ
+
+if TYPE_CHECKING:
+    from kvmesh.events.hub import EventHub
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +57,10 @@ class EventSubscriber:
         topic: str = "",
         replay_timeout_s: float = 1.0,
         replay_on_start: bool = True,
+        hub: EventHub | None = None,
     ) -> None:
         self.replica = replica
+        self._hub = hub
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self._on_batch = on_batch
@@ -88,7 +95,10 @@ class EventSubscriber:
         self._dealer: zmq.Socket[bytes] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvmesh-event-sub-{replica}", daemon=True)
-        self._thread.start()
+        if hub is not None:
+            hub.add(self)
+        else:
+            self._thread.start()
 
     def stats(self) -> dict[str, int]:
         """Counters: batches, events, malformed, gaps, repaired, unrepaired, restarts, callback_errors."""
@@ -103,7 +113,12 @@ class EventSubscriber:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._thread.join(timeout)
+        if self._hub is not None:
+            if not self._hub.remove(self, timeout):
+                log.warning("KV event hub did not let go of %s within %.1fs", self.replica, timeout)
+                return
+        else:
+            self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("KV event subscriber for %s did not stop within %.1fs", self.replica, timeout)
             return
@@ -118,12 +133,15 @@ class EventSubscriber:
 
     # -- thread ---------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _started(self) -> None:
         if self.replay_endpoint is not None and self._replay_on_start:
             # A (re)started router must not wait for the replica's next event to learn what it
             # already holds: an idle replica may send none for a long time. A replica not up
             # yet times out here, and the first live message asks again.
             self._replay(0)
+
+    def _run(self) -> None:
+        self._started()
         while not self._stop.is_set():
             try:
                 if not self._sub.poll(_POLL_MS):

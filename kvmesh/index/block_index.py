@@ -34,7 +34,8 @@ import numpy as np
 
 from kvmesh.events.codec import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
 from kvmesh.index.events import batch_tokens, event_keys
-from kvmesh.index.matching import BITS, NIBBLE, match_chain
+from kvmesh.index.matches import ReplicaMatches
+from kvmesh.index.matching import BITS, NIBBLE, match_chain, medium_counts, walk
 from kvmesh.index.prefix import (
     Medium,
     PrefixMatch,
@@ -82,6 +83,11 @@ class BlockIndex:
         self._lock = threading.Lock()
         self._rids: dict[str, int] = {}
         self._names: dict[int, str] = {}
+        # rid → name as one tuple and name → rid as a dict, both replaced (never changed) when
+        # a replica comes or goes: a lookup's result keeps them, and scorers cache their
+        # alignment by the tuple's identity.
+        self._rid_names: tuple[str | None, ...] = ()
+        self._rid_view: dict[str, int] = {}
         self._free_rids: list[int] = []
         self._low = 0  # bit 4*rid set for every registered replica (REMOTE bit positions)
         # Tuples, not lists: tuples of ints and bytes drop out of the cyclic GC, so a full
@@ -119,6 +125,8 @@ class BlockIndex:
                 return
             self._clear(rid)
             del self._names[rid], self._emap[rid]
+            self._rid_names = (*self._rid_names[:rid], None, *self._rid_names[rid + 1 :])
+            self._rid_view = dict(self._rids)
             self._low &= ~(1 << (_BITS * rid))
             heapq.heappush(self._free_rids, rid)
 
@@ -129,6 +137,10 @@ class BlockIndex:
             rid = heapq.heappop(self._free_rids) if self._free_rids else len(self._rids)
             self._rids[replica] = rid
             self._names[rid] = replica
+            names = list(self._rid_names) + [None] * (rid + 1 - len(self._rid_names))
+            names[rid] = replica
+            self._rid_names = tuple(names)
+            self._rid_view = dict(self._rids)
             self._emap[rid] = {}
             self._low |= 1 << (_BITS * rid)
         return rid
@@ -323,18 +335,24 @@ class BlockIndex:
         lora_name: str | None = None,
         cache_salt: str | None = None,
         replicas: Iterable[str] | None = None,
-    ) -> dict[str, PrefixMatch]:
+    ) -> ReplicaMatches:
         """Longest consecutive prefix of ``tokens`` per replica, with the best medium of each range.
 
         Every block size seen in events is tried (or only ``block_size``); per replica the
         results are combined into token ranges. Replicas without a match are left out.
         ``tokens``: token ids, or a :class:`PromptKeys` (its keys are hashed once, then reused).
+        The result is a read-only mapping replica → :class:`PrefixMatch` (see
+        :class:`~kvmesh.index.matches.ReplicaMatches`: its arrays serve the scorers).
         """
         prompt = PromptKeys.of(tokens, lora_name, cache_salt)
         sizes = (block_size,) if block_size else self._sizes()
         # Hashing is the bulk of the work and needs no lock.
         chains = [(bs, prompt.chain(bs)) for bs in sizes]
         per_rid: dict[int, list[list[tuple[int, int, Medium]]]] = {}
+        found: dict[str, PrefixMatch] = {}
+        masks: list[int] = []
+        alives: list[int] = []
+        bs = 0
         with self._lock:
             now = self._clock()
             self._spec.expire(now)
@@ -346,11 +364,22 @@ class BlockIndex:
                     if rid is not None:
                         wanted |= 1 << (_BITS * rid)
             spec = self._spec.keys
-            for bs, keys in chains:
-                for rid, ranges in match_chain(self._blocks, self._low, spec, bs, keys, wanted, now).items():
-                    per_rid.setdefault(rid, []).append(ranges)
-            names = self._names
-            return {names[rid]: PrefixMatch(combine_ranges(parts)) for rid, parts in per_rid.items()}
+            rid_names, rid_view = self._rid_names, self._rid_view
+            if len(chains) == 1:
+                # One block size (the usual case): arrays, ranges built only on demand.
+                bs, keys = chains[0]
+                masks, alives = walk(self._blocks, self._low, spec, keys, wanted)
+            else:
+                for size, keys in chains:
+                    for rid, ranges in match_chain(
+                        self._blocks, self._low, spec, size, keys, wanted, now
+                    ).items():
+                        per_rid.setdefault(rid, []).append(ranges)
+                names = self._names
+                found = {names[rid]: PrefixMatch(combine_ranges(parts)) for rid, parts in per_rid.items()}
+        if masks:
+            return ReplicaMatches(rid_names, rid_view, *medium_counts(masks, alives), bs)
+        return ReplicaMatches.of(found)
 
     # -- helpers --------------------------------------------------------------------------
 

@@ -19,11 +19,9 @@ The ranking (not just the winner) is returned so that a connect failure can go t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from itertools import repeat
 
 import numpy as np
-import xxhash
 
 from kvmesh.router.config import POLICIES, RouterConfig
 from kvmesh.router.scorers import (
@@ -39,26 +37,89 @@ from kvmesh.router.scorers import (
     Scorer,
     SessionScorer,
     SessionTable,
+    as_table,
 )
+from kvmesh.router.table import ReplicaTable
 
 
-@dataclass(slots=True)
 class Decision:
-    """The ranking of one request's candidates, best first, with the scores behind it."""
+    """The ranking of one request's candidates, best first, with the scores behind it.
 
-    policy: str
-    ranked: list[str]
-    scores: dict[str, float]
-    parts: dict[str, dict[str, float]] = field(default_factory=dict)  # scorer name → replica → raw
-    overloaded: list[str] = field(default_factory=list)
+    Built from the picker's arrays; the full ranking and the per-name dicts are made the
+    first time they are read (the simulator reads only the winner, the router the ranking).
+    """
+
+    __slots__ = (
+        "_hashes",
+        "_key",
+        "_names",
+        "_over",
+        "_parts",
+        "_ranked",
+        "_rounded",
+        "_totals",
+        "index",
+        "policy",
+    )
+
+    def __init__(
+        self,
+        policy: str,
+        table: ReplicaTable,
+        totals: np.ndarray,
+        parts: dict[str, np.ndarray],
+        over: np.ndarray,
+        key: int,
+    ) -> None:
+        self.policy = policy
+        self._names = table.names
+        self._hashes = table.name_hashes()
+        self._key = key
+        self._totals = totals
+        self._parts = parts
+        self._over = over
+        self._ranked: list[str] | None = None
+        # Rounded so that float noise (1e-17) cannot beat the deterministic tie-break.
+        self._rounded = rounded = np.round(totals, 9)
+        # The ranking's first, without ranking: not overloaded, the best score, then the
+        # lowest tie-break among the few that share that score.
+        if over.any():
+            pool = ~over
+            best = np.flatnonzero(pool & (rounded == rounded[pool].max()))
+        else:
+            best = np.flatnonzero(rounded == rounded.max())
+        if len(best) > 1:
+            best = best[np.argmin(_mix(self._hashes[best], key))]
+        self.index = int(best if best.ndim == 0 else best[0])
 
     @property
     def replica(self) -> str:
-        return self.ranked[0]
+        return self._names[self.index]
+
+    @property
+    def ranked(self) -> list[str]:
+        if self._ranked is None:
+            order = np.lexsort((_mix(self._hashes, self._key), -self._rounded, self._over))
+            self._ranked = list(map(self._names.__getitem__, order.tolist()))
+        return self._ranked
+
+    @property
+    def scores(self) -> dict[str, float]:
+        return dict(zip(self._names, self._totals.tolist(), strict=True))
+
+    @property
+    def parts(self) -> dict[str, dict[str, float]]:
+        """Scorer name → replica → its raw score."""
+        names = self._names
+        return {k: dict(zip(names, v.tolist(), strict=True)) for k, v in self._parts.items()}
+
+    @property
+    def overloaded(self) -> list[str]:
+        return sorted(map(self._names.__getitem__, np.flatnonzero(self._over).tolist()))
 
 
 class Picker:
-    """Sums ``weight * scorer.score`` per replica and ranks the replicas.
+    """Sums ``weight * scorer.score_array`` per replica and ranks the replicas.
 
     ``overload=(abs, rel)``: a replica whose load exceeds the lightest candidate's by more than
     ``abs`` requests *and* ``rel`` times is ranked after every other, whatever its prefix score:
@@ -77,62 +138,53 @@ class Picker:
             raise ValueError(f"policy {policy!r} has no scorer with a positive weight")
         self.overload = overload
 
-    def pick(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> Decision:
-        if not replicas:
+    def pick(self, request: RoutingRequest, replicas: Sequence[ReplicaState] | ReplicaTable) -> Decision:
+        """Rank ``replicas``: the pool's snapshots, or a :class:`ReplicaTable` kept up to date."""
+        table = as_table(replicas)
+        n = len(table)
+        if not n:
             raise ValueError("no candidate replicas")
-        # Summed and ranked with numpy, and every per-replica step a C-level map: at 1,000
-        # replicas a Python loop per replica per scorer was most of a decision's time.
-        names = [r.name for r in replicas]
-        n = len(names)
+        # Every scorer scores every candidate in one array: at 1,000 replicas a Python loop
+        # per replica per scorer was most of a decision's time (and of the simulator's).
         totals = np.zeros(n)
-        parts: dict[str, dict[str, float]] = {}
+        parts: dict[str, np.ndarray] = {}
         for scorer, weight in self.scorers:
-            got = scorer.score(request, replicas)
+            score_array = getattr(scorer, "score_array", None)
+            if score_array is not None:
+                got = score_array(request, table)
+            else:  # a scorer of the dict kind: by name
+                states = replicas if not isinstance(replicas, ReplicaTable) else table.states()
+                d = scorer.score(request, states)
+                got = np.fromiter(map(d.get, table.names, repeat(0.0, n)), float, count=n)
             parts[scorer.name] = got
-            totals += weight * np.fromiter(map(got.get, names, repeat(0.0, n)), float, count=n)
-        over = self._overloaded(replicas)
-        overloaded = np.fromiter(map(over.__contains__, names), bool, count=n) if over else np.zeros(n, bool)
-        # Rounded so that float noise (1e-17) cannot beat the deterministic tie-break.
-        order = np.lexsort((_tie_break(request.key, names), -np.round(totals, 9), overloaded))
-        ranked = list(map(names.__getitem__, order.tolist()))
-        return Decision(
-            self.policy, ranked, dict(zip(names, totals.tolist(), strict=True)), parts, sorted(over)
-        )
+            totals += weight * got
+        return Decision(self.policy, table, totals, parts, self._overloaded(table), request.key)
 
-    def _overloaded(self, replicas: Sequence[ReplicaState]) -> set[str]:
-        if self.overload is None or len(replicas) < 2:
-            return set()
+    def _overloaded(self, table: ReplicaTable) -> np.ndarray:
+        if self.overload is None or len(table) < 2:
+            return np.zeros(len(table), bool)
         margin, ratio = self.overload
-        loads = [r.load for r in replicas]
-        low = min(loads)
-        bar = max(low + margin, low * ratio)
-        return {r.name for r, load in zip(replicas, loads, strict=True) if load > bar}
+        loads = table.load
+        low = float(loads.min())
+        return loads > max(low + margin, low * ratio)
 
 
-_NAME_HASHES: dict[tuple[str, ...], np.ndarray] = {}
 _M64 = (1 << 64) - 1
 
 
-def _name_hashes(names: Sequence[str]) -> np.ndarray:
-    """xxh3 of each name, as one array cached per candidate list (it rarely changes)."""
-    key = tuple(names)
-    arr = _NAME_HASHES.get(key)
-    if arr is None:
-        if len(_NAME_HASHES) >= 64:  # bounded under replica churn
-            _NAME_HASHES.clear()
-        arr = np.array([xxhash.xxh3_64_intdigest(n.encode()) for n in names], dtype=np.uint64)
-        _NAME_HASHES[key] = arr
-    return arr
-
-
-def _tie_break(key: int, names: Sequence[str]) -> np.ndarray:
+def _tie_break(key: int, names: Sequence[str] | ReplicaTable) -> np.ndarray:
     """Rendezvous hash of the request key with each name (splitmix64 of key ^ xxh3(name)).
 
     No replica is favoured by its place in the list, equal keys order alike, and it costs one
     vectorised mix per decision (names are hashed once per candidate list, not per request).
     """
+    table = names if isinstance(names, ReplicaTable) else ReplicaTable(names)
+    return _mix(table.name_hashes(), key)
+
+
+def _mix(hashes: np.ndarray, key: int) -> np.ndarray:
     with np.errstate(over="ignore"):
-        x = _name_hashes(names) ^ np.uint64(key & _M64)
+        x = hashes ^ np.uint64(key & _M64)
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         return x ^ (x >> np.uint64(31))

@@ -1,8 +1,12 @@
 """Scorers: each rates every candidate replica for one request with a number in [0, 1].
 
 Pure code (no I/O, no clock, no server), shared by the router and the trace simulator. A
-scorer sees a :class:`RoutingRequest` (token ids, session, a stable key) and a snapshot
-:class:`ReplicaState` per candidate; :mod:`kvmesh.router.picker` sums the weighted scores.
+scorer sees a :class:`RoutingRequest` (token ids, session, a stable key) and the candidates
+as a :class:`ReplicaTable` (their states as arrays), and scores them all at once into one
+array (``score_array``); :mod:`kvmesh.router.picker` sums the weighted arrays. The router
+builds the table from its :class:`ReplicaState` snapshots per request; the simulator keeps
+one table and updates it in place, so at 1,000 replicas no step is a Python loop per
+replica. ``score`` (a dict per replica) is the same code, for callers that want names.
 
 Modelled on llm-d's scorers (prefix, queue, kv-cache utilisation, session affinity), with
 one difference on purpose: the queue score is relative to the busiest replica and damped at
@@ -18,7 +22,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import xxhash
+
+from kvmesh.router.table import ReplicaTable
 
 DEFAULT_MEDIUM_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5, "REMOTE": 0.3}
 
@@ -53,6 +60,8 @@ class RoutingRequest:
     lora_name: str | None = None
     matches: Mapping[str, MatchLike] | None = None
     prompt: Any = None  # the tokens as the prefix source wants them (e.g. PromptKeys), if not tokens
+    # (table, matches, tokens per medium per candidate): the prefix and prefill scorers share it
+    aligned: tuple[Any, Any, np.ndarray | None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -81,9 +90,67 @@ class ReplicaState:
 
 
 class Scorer(Protocol):
+    """Rates candidates; the picker calls ``score_array`` when a scorer has one, else ``score``."""
+
     name: str
 
     def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]: ...
+
+
+_MEDIA = ("REMOTE", "DISK", "CPU", "GPU")  # kvmesh.index.Medium by value; column 4: unknown
+_MEDIUM_COLUMN = {name: i for i, name in enumerate(_MEDIA)}
+_GPU = 3
+
+
+def medium_tokens(request: RoutingRequest, table: ReplicaTable) -> np.ndarray | None:
+    """Per candidate, its matched prompt tokens per medium (``(len(table), 5)``: columns
+    REMOTE, DISK, CPU, GPU by :class:`kvmesh.index.Medium` value, then unknown media), or
+    None without matches. Computed once per request and table, from the index's arrays
+    (:class:`kvmesh.index.matches.ReplicaMatches`) or from any mapping of matches."""
+    m = request.matches
+    cached = request.aligned
+    if cached is not None and cached[0] is table and cached[1] is m:
+        return cached[2]
+    out: np.ndarray | None = None
+    if m:
+        out = np.zeros((len(table), len(_MEDIA) + 1))
+        arrays = getattr(m, "medium_tokens", None)
+        if arrays is not None:
+            rid_names, tokens = arrays()
+            rows = min(len(tokens), len(rid_names))
+            pos = table.align(rid_names)
+            if pos is None:  # the index's ids are the table's positions (the simulator)
+                out[:rows, : tokens.shape[1]] = tokens[:rows]
+            else:
+                pos = pos[:rows]
+                keep = pos >= 0
+                out[pos[keep], : tokens.shape[1]] = tokens[:rows][keep]
+        else:  # another prefix source: its ranges, one match at a time
+            for name, match in m.items():
+                i = table.position(name)
+                if i is not None:
+                    for start, end, med in match.ranges:
+                        col = _MEDIUM_COLUMN.get(str(getattr(med, "name", med)).upper(), len(_MEDIA))
+                        out[i, col] += end - start
+    request.aligned = (table, m, out)
+    return out
+
+
+def as_table(replicas: Sequence[ReplicaState] | ReplicaTable) -> ReplicaTable:
+    return replicas if isinstance(replicas, ReplicaTable) else ReplicaTable.of(replicas)
+
+
+class ArrayScorer:
+    """A scorer whose one implementation is ``score_array``; ``score`` names its entries."""
+
+    name: str
+
+    def score_array(self, request: RoutingRequest, table: ReplicaTable) -> np.ndarray:
+        raise NotImplementedError
+
+    def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]:
+        table = as_table(replicas)
+        return dict(zip(table.names, self.score_array(request, table).tolist(), strict=True))
 
 
 def prompt_key(tokens: Any, head: int = 256) -> int:
@@ -93,7 +160,7 @@ def prompt_key(tokens: Any, head: int = 256) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-class PrefixScorer:
+class PrefixScorer(ArrayScorer):
     """Matched prompt tokens / prompt tokens, each token weighted by the medium holding it."""
 
     name = "prefix"
@@ -102,6 +169,8 @@ class PrefixScorer:
         self.source = source
         self._weights = {k.upper(): float(v) for k, v in (medium_weights or DEFAULT_MEDIUM_WEIGHTS).items()}
         self._by_medium: dict[Any, float] = {}
+        # per medium_tokens column; unknown media weigh nothing
+        self._column_weights = np.array([*(self._weights.get(m, 0.0) for m in _MEDIA), 0.0])
 
     def medium_weight(self, medium: Any) -> float:
         w = self._by_medium.get(medium)
@@ -110,26 +179,23 @@ class PrefixScorer:
             w = self._by_medium[medium] = self._weights.get(str(getattr(medium, "name", medium)).upper(), 0.0)
         return w
 
-    def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]:
+    def score_array(self, request: RoutingRequest, table: ReplicaTable) -> np.ndarray:
         n = request.num_tokens
         if request.matches is None:
             query = request.tokens if request.prompt is None else request.prompt
             request.matches = self.source.match(query, lora_name=request.lora_name) if n else {}
-        out = dict.fromkeys([r.name for r in replicas], 0.0)
-        if not n:
-            return out
-        # Per match, not per candidate: a prefix is held by a few replicas of a large fleet.
-        for name, m in request.matches.items():
-            if name in out:
-                hit = sum((end - start) * self.medium_weight(med) for start, end, med in m.ranges)
-                out[name] = min(1.0, hit / n)
-        return out
+        tokens = medium_tokens(request, table) if n else None
+        if tokens is None:
+            return np.zeros(len(table))
+        hit: np.ndarray = np.minimum(tokens @ self._column_weights / n, 1.0)
+        return hit
 
 
 def prefill_cost(request: RoutingRequest, replica: str, load_cost: float) -> float:
     """The prompt tokens ``replica`` must compute for ``request``, in recompute-token units:
     a block in its GPU cache is free, one in a lower or shared tier costs ``load_cost`` (a
-    load, not a recompute), anything else costs 1. Needs ``request.matches`` (else: all)."""
+    load, not a recompute), anything else costs 1. Needs ``request.matches`` (else: all).
+    :meth:`PrefillScorer.score_array` computes the same for every candidate at once."""
     n = float(request.num_tokens)
     m = request.matches.get(replica) if request.matches else None
     if m is None:
@@ -140,7 +206,7 @@ def prefill_cost(request: RoutingRequest, replica: str, load_cost: float) -> flo
     return max(0.0, n)
 
 
-class PrefillScorer:
+class PrefillScorer(ArrayScorer):
     """Less prefill work ahead of this request's first token scores higher.
 
     A replica's estimate is the prompt tokens still to compute for the requests this router
@@ -161,22 +227,21 @@ class PrefillScorer:
         self.load_cost = load_cost
         self.smoothing = smoothing_tokens
 
-    def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]:
-        if not replicas:
-            return {}
-        n = float(request.num_tokens)
-        matches = request.matches or {}
-        # Only a replica with a match can cost less than the whole prompt: no per-replica call.
-        est = {
-            r.name: r.prefill_tokens
-            + (prefill_cost(request, r.name, self.load_cost) if r.name in matches else n)
-            for r in replicas
-        }
-        low = min(est.values()) + self.smoothing
-        return {name: low / (e + self.smoothing) for name, e in est.items()}
+    def score_array(self, request: RoutingRequest, table: ReplicaTable) -> np.ndarray:
+        if not len(table):
+            return np.zeros(0)
+        cost = np.full(len(table), float(request.num_tokens))
+        tokens = medium_tokens(request, table)
+        if tokens is not None:
+            # prefill_cost for every candidate: a GPU token is free, any other matched one a load
+            gpu = tokens[:, _GPU]
+            cost = np.maximum(0.0, cost - gpu - (tokens.sum(axis=1) - gpu) * (1.0 - self.load_cost))
+        est = table.prefill_tokens + cost
+        score: np.ndarray = (est.min() + self.smoothing) / (est + self.smoothing)
+        return score
 
 
-class QueueScorer:
+class QueueScorer(ArrayScorer):
     """Less load scores higher: ``1 - load / (max load + smoothing)``.
 
     Relative to the busiest candidate, so it means the same at 2 and at 200 requests; the
@@ -190,28 +255,22 @@ class QueueScorer:
             raise ValueError(f"smoothing must be positive, got {smoothing}")
         self.smoothing = smoothing
 
-    def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]:
-        if not replicas:
-            return {}
-        loads = [r.load for r in replicas]
-        top = max(loads) + self.smoothing
-        return {r.name: 1.0 - load / top for r, load in zip(replicas, loads, strict=True)}
+    def score_array(self, request: RoutingRequest, table: ReplicaTable) -> np.ndarray:
+        if not len(table):
+            return np.zeros(0)
+        loads = table.load
+        score: np.ndarray = 1.0 - loads / (loads.max() + self.smoothing)
+        return score
 
 
-class KVUtilScorer:
+class KVUtilScorer(ArrayScorer):
     """Free KV cache scores higher: ``1 - kv_cache_usage``; unknown usage counts as half full."""
 
     name = "kv_util"
 
-    def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]:
-        return {r.name: _free(r.kv_usage) for r in replicas}
-
-
-def _free(usage: float | None) -> float:
-    if usage is None:
-        return 0.5
-    free = 1.0 - usage
-    return 0.0 if free < 0.0 else 1.0 if free > 1.0 else free
+    def score_array(self, request: RoutingRequest, table: ReplicaTable) -> np.ndarray:
+        usage = table.kv_usage
+        return np.where(np.isnan(usage), 0.5, np.clip(1.0 - usage, 0.0, 1.0))
 
 
 class SessionTable:
@@ -238,7 +297,7 @@ class SessionTable:
         return len(self._d)
 
 
-class SessionScorer:
+class SessionScorer(ArrayScorer):
     """1 for the replica that served this request's session last, 0 for the others."""
 
     name = "session"
@@ -246,15 +305,15 @@ class SessionScorer:
     def __init__(self, table: SessionTable) -> None:
         self.table = table
 
-    def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]:
-        last = self.table.get(request.session_id) if request.session_id else None
-        out = dict.fromkeys([r.name for r in replicas], 0.0)
-        if last in out:
-            out[last] = 1.0
+    def score_array(self, request: RoutingRequest, table: ReplicaTable) -> np.ndarray:
+        out = np.zeros(len(table))
+        i = table.position(self.table.get(request.session_id) if request.session_id else None)
+        if i is not None:
+            out[i] = 1.0
         return out
 
 
-class RoundRobinScorer:
+class RoundRobinScorer(ArrayScorer):
     """1 for the next replica in turn (over the candidates given), 0 for the others."""
 
     name = "round_robin"
@@ -262,17 +321,15 @@ class RoundRobinScorer:
     def __init__(self) -> None:
         self._n = 0
 
-    def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]:
-        if not replicas:
-            return {}
-        chosen = replicas[self._n % len(replicas)].name
-        self._n += 1
-        out = dict.fromkeys([r.name for r in replicas], 0.0)
-        out[chosen] = 1.0
+    def score_array(self, request: RoutingRequest, table: ReplicaTable) -> np.ndarray:
+        out = np.zeros(len(table))
+        if len(table):
+            out[self._n % len(table)] = 1.0
+            self._n += 1
         return out
 
 
-class RandomScorer:
+class RandomScorer(ArrayScorer):
     """A uniform random number per replica; seeded, so a simulation replays exactly."""
 
     name = "random"
@@ -280,5 +337,6 @@ class RandomScorer:
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
 
-    def score(self, request: RoutingRequest, replicas: Sequence[ReplicaState]) -> dict[str, float]:
-        return {r.name: self._rng.random() for r in replicas}
+    def score_array(self, request: RoutingRequest, table: ReplicaTable) -> np.ndarray:
+        draw = self._rng.random
+        return np.array([draw() for _ in range(len(table))], dtype=float)

@@ -172,21 +172,40 @@ def cmd_speed(args: argparse.Namespace) -> int:
     work = Workload(work.name, work.block_tokens, requests=work.requests[: args.requests])
     rows = []
     for name in args.policies.split(","):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = simulate(work, name, FleetConfig(args.replicas, 880), cost, progress=not args.no_progress)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         row = {
             "policy": name,
             "replicas": args.replicas,
             "requests": out["requests"],
             "wall_s": round(wall, 1),
+            "cpu_s": round(cpu, 1),  # the machine is shared: wall includes waiting for a core
             "requests_per_s": round(out["requests"] / wall),
-            "minutes_for_1M_extrapolated": round(1e6 / (out["requests"] / wall) / 60, 1),
+            "hit_ratio": out["hit_ratio"],
         }
+        if out["requests"] < 1_000_000:
+            row["minutes_for_1M_extrapolated"] = round(1e6 / (out["requests"] / wall) / 60, 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    _write(args.json, {"rows": rows})
+    _write(args.json, {"commit": args.commit or _commit(), "target_minutes_for_1M": 10, "rows": rows})
     return 0
+
+
+def _commit() -> str | None:
+    import subprocess
+
+    try:
+        got = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except OSError:
+        return None
+    return got.stdout.strip() or None
 
 
 def _write(path: str | None, data: dict[str, Any]) -> None:
@@ -244,5 +263,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s.add_argument("--requests", type=int, default=50_000)
     s.add_argument("--policies", default="round-robin,kvmesh")
     s.add_argument("--json")
+    s.add_argument("--commit", help="the commit measured (default: git rev-parse of this checkout)")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(func=cmd_speed)

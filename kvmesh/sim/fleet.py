@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvmesh.router.scorers import ReplicaState
+from kvmesh.router.table import ReplicaTable
 from kvmesh.sim.cost import CostProfile
 from kvmesh.sim.workload import SimRequest, Workload
 
@@ -77,7 +77,6 @@ class _Replica:
     gpu: _LRU
     cpu: _LRU | None
     disk: _LRU | None
-    state: ReplicaState
     queue: deque[tuple[SimRequest, float]] = field(default_factory=deque)
     busy: bool = False
     decoding: int = 0
@@ -112,10 +111,11 @@ class Fleet:
                 _LRU(config.gpu_blocks),
                 _LRU(config.cpu_blocks) if config.cpu_blocks else None,
                 _LRU(config.disk_blocks) if config.disk_blocks else None,
-                ReplicaState(f"r{i}"),
             )
             for i in range(config.replicas)
         ]
+        # What the router's scorers see, as the pool would report it: updated in place.
+        self.states = ReplicaTable([f"r{i}" for i in range(config.replicas)])
         self.shared = _LRU(config.shared_blocks) if config.shared_blocks else None
         self.seen: set[int] = set()  # the oracle's infinite cache
         self.records: list[Record] = []
@@ -125,10 +125,6 @@ class Fleet:
         self._rng = random.Random(seed)  # service-time jitter; seeded: a run replays exactly
         self._rest: dict[int, tuple[SimRequest, ...]] = {}  # closed loop: a session's later turns
         policy.bind(self)
-
-    @property
-    def states(self) -> list[ReplicaState]:
-        return [r.state for r in self.replicas]
 
     def backlog(self, i: int) -> int:
         """Requests queued or prefilling on replica ``i`` (what the oracle places by)."""
@@ -153,7 +149,7 @@ class Fleet:
                 i = self.policy.route(req, t)
                 r = self.replicas[i]
                 r.queue.append((req, t))
-                r.state.waiting = float(len(r.queue))
+                self.states.waiting[i] = len(r.queue)
                 if rest is not None:
                     self._rest[id(req)] = rest
                 if not r.busy:
@@ -165,7 +161,7 @@ class Fleet:
                 r = self.replicas[i]
                 r.decoding -= 1
                 r.active_blocks -= len(req.blocks)
-                self._sync(r)
+                self._sync(i)
                 self.policy.finished(i, req)
                 self.records.append(rec)
                 if on_done is not None:
@@ -186,11 +182,11 @@ class Fleet:
         sigma = self.cost.jitter
         return self._rng.lognormvariate(-0.5 * sigma * sigma, sigma) if sigma > 0 else 1.0
 
-    def _sync(self, r: _Replica) -> None:
-        s = r.state
-        s.waiting = float(len(r.queue))
-        s.running = float(r.decoding + r.busy)
-        s.kv_usage = min(1.0, r.active_blocks / max(1, self.config.gpu_blocks))
+    def _sync(self, i: int) -> None:
+        r, s = self.replicas[i], self.states
+        s.waiting[i] = len(r.queue)
+        s.running[i] = r.decoding + r.busy
+        s.kv_usage[i] = min(1.0, r.active_blocks / max(1, self.config.gpu_blocks))
 
     def _start(self, i: int) -> None:
         r = self.replicas[i]
@@ -221,7 +217,7 @@ class Fleet:
         r.busy = True
         r.busy_s += dt
         r.active_blocks += len(req.blocks)
-        self._sync(r)
+        self._sync(i)
         self._push(self.now + dt, _PREFILLED, (i, req, arrived, (g * bt, c * bt, dk * bt, sh * bt)))
 
     def _prefilled(self, item: tuple[Any, ...]) -> None:
@@ -264,4 +260,4 @@ class Fleet:
         if r.queue:
             self._start(i)
         else:
-            self._sync(r)
+            self._sync(i)

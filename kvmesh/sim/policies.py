@@ -91,7 +91,7 @@ class RouterPolicy:
         self.clock.fleet = fleet
         self.bt = fleet.block_tokens
         self.states = fleet.states
-        self.names = [s.name for s in self.states]
+        self.names = list(self.states.names)
         if self.index is not None:
             for n in self.names:
                 self.index.add_replica(n)
@@ -102,17 +102,17 @@ class RouterPolicy:
         key = xxhash.xxh3_64_intdigest((head & _M128).to_bytes(16, "little"))
         rr = RoutingRequest(prompt.tokens, session_id=req.session, key=key, prompt=prompt)
         d = self.picker.pick(rr, self.states)
-        name = d.replica
-        i = int(name[1:])
-        state = self.states[i]
+        i = d.index
+        name = self.names[i]
+        states = self.states
         # As the router's _acquire: count it in flight, queue its prefill work, speculate.
         cost = (
             prefill_cost(rr, name, self.config.prefill_load_cost)
             if rr.matches is not None
             else float(req.tokens)
         )
-        state.in_flight += 1
-        state.prefill_tokens += cost
+        states.in_flight[i] += 1
+        states.prefill_tokens[i] += cost
         self._cost[id(req)] = cost
         if self.speculative and self.index is not None:
             self.index.add_speculative(name, prompt, ttl_s=self.config.speculative_ttl_s, block_size=self.bt)
@@ -129,12 +129,12 @@ class RouterPolicy:
             self.index.remove(self.names[replica], blocks, medium)
 
     def first_token(self, replica: int, req: SimRequest) -> None:
-        s = self.states[replica]
-        s.prefill_tokens = max(0.0, s.prefill_tokens - self._cost.pop(id(req), 0.0))
+        s = self.states.prefill_tokens
+        s[replica] = max(0.0, s[replica] - self._cost.pop(id(req), 0.0))
 
     def finished(self, replica: int, req: SimRequest) -> None:
-        s = self.states[replica]
-        s.in_flight = max(0, s.in_flight - 1)
+        s = self.states.in_flight
+        s[replica] = max(0.0, s[replica] - 1)
 
 
 class CacheAware:
