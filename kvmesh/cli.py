@@ -34,7 +34,7 @@ def _bench_ttft(args: argparse.Namespace) -> int:
         json_path=args.json,
         plot_path=args.plot,
         model_dir=args.model,
-        setups=args.setups.split(",") if args.setups else None,
+        phases=[p.split(",") for p in args.setups.split(";")] if args.setups else None,
         lengths=[int(x) for x in args.lengths.split(",")] if args.lengths else None,
         kvmesh_overrides=json.loads(args.kvmesh_config) if args.kvmesh_config else None,
         trials=args.trials,
@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--setups",
         help="comma-separated setups: recompute, example_connector, lmcache_mp[@CHUNK], "
         "lmcache_redis[@CHUNK], kvmesh_cpu|kvmesh_disk|kvmesh_redis[@CHUNK][+tail|-tail] "
-        "(default: the peers, kvmesh at 128 without tail chunks, kvmesh out of the box)",
+        "(default: the peers, kvmesh at 128 without tail chunks, kvmesh out of the box); "
+        "';' separates phases (groups whose workers are up at once)",
     )
     tt.add_argument("--lengths", help="comma-separated prompt lengths (default 500,1000,2000)")
     tt.add_argument("--kvmesh-config", help="JSON of kvmesh config keys for every kvmesh setup")

@@ -54,7 +54,7 @@ from kvmesh.bench.ttft_pairs import compute_targets, schedule, summarize, unavai
 from kvmesh.bench.ttft_plot import write_plot
 from kvmesh.bench.ttft_spec import (
     DEFAULT_LENGTHS,
-    DEFAULT_SETUPS,
+    DEFAULT_PHASES,
     FAIR_ENV,
     FAIR_LLM_ARGS,
     KVMESH_SETUPS,
@@ -72,15 +72,17 @@ from kvmesh.harness.processes import log_tail, stop_process
 from kvmesh.harness.services import RedisServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MIN_FREE_GIB = 3.0  # a worker (two processes, each with torch, + 1 GiB of KV) takes ~2 GiB here
+MIN_FREE_GIB = 3.0  # a worker (three processes with torch + 256 MiB of KV) takes ~2 GiB here
 START_TIMEOUT_S = 400.0
 CYCLE_TIMEOUT_S = 180.0
 
 
 def worker_env(extra_path: str | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a worker or peer: ``base`` (default: this process's) with the
-    fairness settings, ``extra_path`` first on PYTHONPATH."""
-    return with_pythonpath(extra_path, {**(os.environ if base is None else base), **FAIR_ENV})
+    fairness settings, ``extra_path`` first on PYTHONPATH. A ``VLLM_CPU_KVCACHE_SPACE`` from
+    the caller goes: it would override every setup's ``kv_cache_memory_bytes``."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    return with_pythonpath(extra_path, {**env, **FAIR_ENV})
 
 
 _LOG_PREFIX = re.compile(r"^\((?:EngineCore|Worker)[^)]*\)\s+(?:[A-Z]+\s+[\d-]+ [\d:]+ \[[^\]]*\]\s+)?")
@@ -346,16 +348,20 @@ def run(
     lengths: list[int] | None = None,
     kvmesh_overrides: dict[str, Any] | None = None,
     trials: int | None = None,
+    phases: Sequence[Sequence[str]] | None = None,
 ) -> dict[str, Any]:
     """Run the TTFT benchmark; returns (and optionally writes) ``{"results", "pairs",
-    "targets", "trials", "setups", "env"}``. ``setups`` defaults to :data:`DEFAULT_SETUPS`,
-    ``lengths`` to 500, 1000, 2000, ``trials`` to 3 (quick) or 8; ``kvmesh_overrides``
-    (kvmesh config keys, e.g. ``{"chunk_size": 128}``) change every kvmesh setup's config."""
-    chosen = list(setups or DEFAULT_SETUPS)
+    "targets", "trials", "setups", "env"}``. ``phases`` (default :data:`DEFAULT_PHASES`; or
+    ``setups``, one phase) are groups of setups whose workers are up at once and whose
+    trials interleave; a ratio compares two setups of one phase. ``lengths`` defaults to 500,
+    1000, 2000, ``trials`` to 3 (quick) or 8; ``kvmesh_overrides`` (kvmesh config keys, e.g.
+    ``{"chunk_size": 128}``) change every kvmesh setup's config."""
+    groups = [list(g) for g in (phases or ([setups] if setups else DEFAULT_PHASES))]
+    chosen = [s for g in groups for s in g]
     for name in chosen:
         parse_setup(name)  # ValueError naming the valid forms
-    if len(set(chosen)) != len(chosen):
-        raise ValueError(f"setups must be distinct, got {chosen}")
+    if not all(groups) or len(set(chosen)) != len(chosen):
+        raise ValueError(f"setups must be distinct and no phase empty, got {groups}")
     lens = sorted(set(lengths or DEFAULT_LENGTHS))
     if lens[0] < 2 or lens[-1] >= MAX_MODEL_LEN:
         raise ValueError(f"prompt lengths must be within 2..{MAX_MODEL_LEN - 1}, got {lens}")
@@ -365,27 +371,31 @@ def run(
     mdir = ensure_model(model_dir or default_model_dir(), "bench")
     base_dir = os.path.join(os.getcwd(), ".cache")  # a real disk (the tiers' files, cold reads)
     os.makedirs(base_dir, exist_ok=True)
-    print(f"kvmesh bench ttft: setups {', '.join(chosen)}; prompt tokens {lens}; "
+    print(f"kvmesh bench ttft: phases {' | '.join(', '.join(g) for g in groups)}; prompt tokens {lens}; "
           f"{n_trials} trials + 1 warm-up round, interleaved; model {mdir}", flush=True)  # fmt: skip
 
     notes: dict[str, dict[str, Any]] = {}
-    workers: dict[str, Worker] = {}
-    with contextlib.ExitStack() as stack:
-        for i, setup in enumerate(chosen, 1):  # one at a time: a vLLM start is CPU-bound
-            print(f"[start {i}/{len(chosen)}] {setup}", flush=True)
-            t0 = time.monotonic()
-            worker, notes[setup] = start_worker(setup, mdir, base_dir, stack, kvmesh_overrides)
-            notes[setup]["start_wall_s"] = round(time.monotonic() - t0, 1)
-            if worker is None:
-                print(f"  {setup}: {notes[setup]['error']}", flush=True)
-            else:
-                workers[setup] = worker
-        mem_all_up = mem_available_gib()
-        records = run_trials(workers, lens, n_trials, notes) if workers else []
-        for setup, w in workers.items():
-            if "error" not in notes[setup]:
-                with contextlib.suppress(ProcessError):
-                    notes[setup].update(w.call(60.0, op="stats"))
+    records: list[dict[str, Any]] = []
+    mem_all_up: list[float | None] = []
+    for p, phase in enumerate(groups, 1):
+        with contextlib.ExitStack() as stack:  # a phase's workers are up together, then stopped
+            workers: dict[str, Worker] = {}
+            for i, setup in enumerate(phase, 1):  # one at a time: a vLLM start is CPU-bound
+                print(f"[phase {p}/{len(groups)}, start {i}/{len(phase)}] {setup}", flush=True)
+                t0 = time.monotonic()
+                worker, notes[setup] = start_worker(setup, mdir, base_dir, stack, kvmesh_overrides)
+                notes[setup].update(start_wall_s=round(time.monotonic() - t0, 1), phase=p)
+                if worker is None:
+                    print(f"  {setup}: {notes[setup]['error']}", flush=True)
+                else:
+                    workers[setup] = worker
+            mem_all_up.append(mem_available_gib())
+            got = run_trials(workers, lens, n_trials, notes) if workers else []
+            records += [{**r, "phase": p} for r in got]
+            for setup, w in workers.items():
+                if "error" not in notes[setup]:
+                    with contextlib.suppress(ProcessError):
+                        notes[setup].update(w.call(60.0, op="stats"))
     for setup in chosen:  # the stored KV goes; a failed setup's logs stay for a look
         workdir = notes[setup].get("workdir")
         if workdir and "error" not in notes[setup]:
@@ -401,11 +411,12 @@ def run(
             for r, n in zip(got, lens, strict=True)
         ]
     at = TARGET_TOKENS if TARGET_TOKENS in lens else lens[-1]
-    targets = compute_targets(records, chosen, at)
+    targets = compute_targets(records, groups, at)
     env = environment(mdir, quick, n_trials)
     env["kvmesh_overrides"] = kvmesh_overrides or {}
     env["setups"] = chosen
-    env["mem_available_gib_all_up"] = None if mem_all_up is None else round(mem_all_up, 1)
+    env["phases"] = groups
+    env["mem_available_gib_all_up"] = [None if m is None else round(m, 1) for m in mem_all_up]
     out = {"results": results, "targets": targets, "trials": records, "setups": notes, "env": env}
     table = [
         {**r, "ttft_ms_median": _ms(r["ttft_s_median"]), "ttft_ms_p90": _ms(r["ttft_s_p90"]),

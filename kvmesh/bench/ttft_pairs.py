@@ -127,15 +127,15 @@ def paired(
 
 def compute_targets(
     trials: Sequence[Mapping[str, Any]],
-    setups: Sequence[str],
+    phases: Sequence[Sequence[str]],
     tokens: int = TARGET_TOKENS,
     pairs: Sequence[tuple[str, str, float | None]] = HEADLINE_PAIRS,
 ) -> dict[str, Any]:
-    """The paired ratios of ``pairs`` whose two sides both ran, at ``tokens``, keyed
-    ``"num/den"``; a pair with a side missing from ``setups`` is left out, one whose side ran
-    but failed has ``median`` None."""
+    """The paired ratios of ``pairs`` at ``tokens``, keyed ``"num/den"``, for the pairs whose
+    two sides ran in one phase (trials of two phases ran minutes apart: no pair); a pair
+    whose side failed has ``median`` None."""
     out: dict[str, Any] = {"prompt_tokens": tokens}
     for num, den, target in pairs:
-        if num in setups and den in setups:
+        if any(num in phase and den in phase for phase in phases):
             out[f"{num}/{den}"] = paired(trials, num, den, tokens, target)
     return out

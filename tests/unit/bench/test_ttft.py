@@ -117,7 +117,9 @@ def test_specs_share_the_fairness_settings(tmp_path: Path) -> None:
         assert spec.settle_s == specs[0].settle_s
         json.dumps(asdict(spec))  # the worker gets it as JSON
     assert ttft_spec.FAIR_ENV["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
-    assert ttft_spec.FAIR_ENV["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in ttft_spec.FAIR_ENV  # it would override the next line
+    assert ttft_spec.FAIR_LLM_ARGS["kv_cache_memory_bytes"] == 256 * 2**20
+    assert "VLLM_CPU_KVCACHE_SPACE" not in ttft.worker_env(None, {"VLLM_CPU_KVCACHE_SPACE": "4"})
     assert ttft_spec.FAIR_ENV["LMCACHE_TRACK_USAGE"] == "false"
 
 
@@ -308,3 +310,26 @@ def test_worker_usage() -> None:
     from kvmesh.bench import ttft_worker
 
     assert ttft_worker.main([]) == 2
+
+
+def test_phases_run_one_after_another_and_pair_within_a_phase(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ttft, "ensure_model", lambda model_dir, preset: str(model_dir))
+    log: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(
+        ttft,
+        "start_worker",
+        lambda setup, *a: (FakeWorker(setup, 0.1 if "kvmesh" in setup else 0.2, 128, log), {}),
+    )
+    phases = [
+        ["recompute", "kvmesh_cpu@128-tail"],
+        ["example_connector", "kvmesh_disk@128-tail", "lmcache_mp"],
+    ]
+    out = ttft.run(model_dir=str(tmp_path), phases=phases, lengths=[2000], trials=2)
+    cycles = [e[3] for e in log if e[0] == "cycle"]
+    assert set(cycles[:6]) == set(phases[0]) and set(cycles[6:]) == set(phases[1])  # 3 rounds each
+    assert [r["phase"] for r in out["trials"]] == [1] * 6 + [2] * 9
+    assert out["targets"]["kvmesh_disk@128-tail/example_connector"]["median"] == 0.5
+    assert "kvmesh_cpu@128-tail/lmcache_mp" not in out["targets"]  # different phases: not paired
+    assert out["env"]["phases"] == phases

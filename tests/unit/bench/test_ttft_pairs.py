@@ -87,8 +87,10 @@ def test_compute_targets_keeps_the_pairs_that_ran() -> None:
     setups = ["recompute", "lmcache_mp", "kvmesh_cpu@128-tail"]
     trials = [_trial("recompute", 2000, 0, 1.0, 0), _trial("lmcache_mp", 2000, 0, 0.2, 1920)]
     trials.append(_trial("kvmesh_cpu@128-tail", 2000, 0, 0.1, 1920))
-    t = compute_targets(trials, setups)
+    t = compute_targets(trials, [setups])
     assert t["prompt_tokens"] == 2000
+    apart = compute_targets(trials, [setups[:2], setups[2:]])  # kvmesh ran in another phase
+    assert set(apart) == {"prompt_tokens"}
     assert set(t) == {"prompt_tokens", "kvmesh_cpu@128-tail/lmcache_mp", "kvmesh_cpu@128-tail/recompute"}
     assert t["kvmesh_cpu@128-tail/recompute"]["median"] == 0.1 and t["kvmesh_cpu@128-tail/recompute"]["met"]
     assert t["kvmesh_cpu@128-tail/lmcache_mp"]["median"] == 0.5
