@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt.set_defaults(func=_bench_tiers)
 
     tt = bsub.add_parser("ttft", help="TTFT of a cached prompt: kvmesh vs recompute and peers")
-    tt.add_argument("--quick", action="store_true", help="3 trials per length instead of 8")
+    tt.add_argument("--quick", action="store_true", help="3 trials per length instead of 10")
     tt.add_argument("--trials", type=int, help="trials per setup and length (overrides --quick)")
     tt.add_argument("--json", help="write results here")
     tt.add_argument("--plot", help="write a PNG plot here")

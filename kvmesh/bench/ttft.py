@@ -354,7 +354,7 @@ def run(
     "targets", "trials", "setups", "env"}``. ``phases`` (default :data:`DEFAULT_PHASES`; or
     ``setups``, one phase) are groups of setups whose workers are up at once and whose
     trials interleave; a ratio compares two setups of one phase. ``lengths`` defaults to 500,
-    1000, 2000, ``trials`` to 3 (quick) or 8; ``kvmesh_overrides`` (kvmesh config keys, e.g.
+    1000, 2000, ``trials`` to 3 (quick) or 10; ``kvmesh_overrides`` (kvmesh config keys, e.g.
     ``{"chunk_size": 128}``) change every kvmesh setup's config."""
     groups = [list(g) for g in (phases or ([setups] if setups else DEFAULT_PHASES))]
     chosen = [s for g in groups for s in g]
@@ -365,7 +365,7 @@ def run(
     lens = sorted(set(lengths or DEFAULT_LENGTHS))
     if lens[0] < 2 or lens[-1] >= MAX_MODEL_LEN:
         raise ValueError(f"prompt lengths must be within 2..{MAX_MODEL_LEN - 1}, got {lens}")
-    n_trials = trials if trials is not None else (3 if quick else 8)
+    n_trials = trials if trials is not None else (3 if quick else 10)
     if n_trials < 1:
         raise ValueError(f"trials must be at least 1, got {n_trials}")
     mdir = ensure_model(model_dir or default_model_dir(), "bench")
