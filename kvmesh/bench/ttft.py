@@ -374,6 +374,7 @@ def run(
     print(f"kvmesh bench ttft: phases {' | '.join(', '.join(g) for g in groups)}; prompt tokens {lens}; "
           f"{n_trials} trials + 1 warm-up round, interleaved; model {mdir}", flush=True)  # fmt: skip
 
+    env = environment(mdir, quick, n_trials)  # at the start: the commit measured, not a later one
     notes: dict[str, dict[str, Any]] = {}
     records: list[dict[str, Any]] = []
     mem_all_up: list[float | None] = []
@@ -412,7 +413,6 @@ def run(
         ]
     at = TARGET_TOKENS if TARGET_TOKENS in lens else lens[-1]
     targets = compute_targets(records, groups, at)
-    env = environment(mdir, quick, n_trials)
     env["kvmesh_overrides"] = kvmesh_overrides or {}
     env["setups"] = chosen
     env["phases"] = groups
