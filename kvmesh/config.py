@@ -45,7 +45,9 @@ class CacheConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    chunk_size: int = Field(256, gt=0, description="tokens per chunk (the unit of storage and I/O)")
+    # 128 = vLLM's KV block on CPU: measured in ``kvmesh bench ttft`` (docs/readme-parts/ttft.md),
+    # 256-token chunks leave up to 255 tokens to recompute and were ~2x slower at 2,000 tokens.
+    chunk_size: int = Field(128, gt=0, description="tokens per chunk (the unit of storage and I/O)")
     local_cpu: bool = Field(True, description="keep hot chunks in the CPU DRAM pool")
     max_local_cpu_size: float = Field(2.0, gt=0, description="CPU pool size in GB (allocated up front)")
     local_disk: str | None = Field(None, description="disk tier: file:///path or a path; None = off")

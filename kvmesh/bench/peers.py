@@ -9,6 +9,7 @@ health check. The command builders are pure and unit-tested. Where the peers com
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -73,13 +74,24 @@ def require_lmcache() -> str:
 
 
 def lmcache_server_command(
-    python: str, port: int, http_port: int, shm_name: str, l1_size_gb: float = 1.0
+    python: str,
+    port: int,
+    http_port: int,
+    shm_name: str,
+    l1_size_gb: float = 1.0,
+    chunk_size: int = 256,
+    l2_adapters: Sequence[Mapping[str, Any]] = (),
 ) -> list[str]:
-    """``lmcache server`` on loopback (PEERS.md recipe; ``auto`` transfer mode is required)."""
-    return [python, "-m", "lmcache.cli.main", "server", "--host", "127.0.0.1", "--port", str(port),
+    """``lmcache server`` on loopback (PEERS.md recipe; ``auto`` transfer mode is required).
+    ``l2_adapters``: its ``--l2-adapter`` JSON specs, e.g. ``{"type": "resp", "host": ...,
+    "port": ...}`` for a Redis L2 (LMCache 0.5.6's native RESP client)."""
+    args = [python, "-m", "lmcache.cli.main", "server", "--host", "127.0.0.1", "--port", str(port),
             "--http-host", "127.0.0.1", "--http-port", str(http_port), "--l1-size-gb", f"{l1_size_gb:g}",
-            "--chunk-size", "256", "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
+            "--chunk-size", str(chunk_size), "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
             "--shm-name", shm_name]  # fmt: skip
+    for adapter in l2_adapters:
+        args += ["--l2-adapter", json.dumps(dict(adapter), separators=(",", ":"))]
+    return args
 
 
 class LMCacheServer(Service):
@@ -87,17 +99,31 @@ class LMCacheServer(Service):
 
     name = "lmcache server"
 
-    def __init__(self, pythonpath: str, log_path: str | None = None, l1_size_gb: float = 1.0) -> None:
+    def __init__(
+        self,
+        pythonpath: str,
+        log_path: str | None = None,
+        l1_size_gb: float = 1.0,
+        chunk_size: int = 256,
+        l2_adapters: Sequence[Mapping[str, Any]] = (),
+    ) -> None:
         self.port, self.http_port = free_port(), free_port()
         # a shared-memory name of its own: two servers of one process must not collide
         shm = f"kvbench{os.getpid()}p{self.port}"
-        args = lmcache_server_command(sys.executable, self.port, self.http_port, shm, l1_size_gb)
+        args = lmcache_server_command(
+            sys.executable, self.port, self.http_port, shm, l1_size_gb, chunk_size, l2_adapters
+        )
         env = with_pythonpath(pythonpath)
         env.update(LMCACHE_ENV)
         super().__init__(args, env, log_path)
 
+    @property
+    def http_url(self) -> str:
+        """Its HTTP admin API (``/healthcheck``, ``POST /cache/clear``)."""
+        return f"http://127.0.0.1:{self.http_port}"
+
     def ready(self) -> bool:
-        return get_json(f"http://127.0.0.1:{self.http_port}/healthcheck", 1.0)[0] == 200
+        return get_json(f"{self.http_url}/healthcheck", 1.0)[0] == 200
 
     def connector(self) -> dict[str, Any]:
         """A replica's ``--kv-transfer-config`` for this server (PEERS.md)."""

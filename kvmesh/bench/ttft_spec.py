@@ -1,34 +1,88 @@
-"""What ``kvmesh bench ttft`` runs, as data: the setups, their fairness settings, the
-prompts, the per-setup worker spec and the scoring of the results (all pure, unit-tested;
-the orchestration is :mod:`kvmesh.bench.ttft`, the vLLM process :mod:`kvmesh.bench.ttft_worker`).
+"""What ``kvmesh bench ttft`` runs, as data: the setups and their variants, their fairness
+settings, the prompts and the per-setup worker spec (all pure, unit-tested; the schedule and
+the paired statistics are :mod:`kvmesh.bench.ttft_pairs`, the orchestration
+:mod:`kvmesh.bench.ttft`, the vLLM process :mod:`kvmesh.bench.ttft_worker`).
 """
 
 from __future__ import annotations
 
 import os
 import random
-import statistics
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.bench.stats import percentile
-from kvmesh.harness.connector import KVMESH_CONNECTOR, KVMESH_MODULE, TRANSFER_ARGS, extra_config
+from kvmesh.harness.connector import CPU_GB, KVMESH_CONNECTOR, KVMESH_MODULE, TRANSFER_ARGS
 
-SETUPS = ("recompute", "example_connector", "lmcache_mp", "kvmesh_cpu", "kvmesh_disk", "kvmesh_redis")
+BASES = (
+    "recompute",
+    "example_connector",
+    "lmcache_mp",
+    "lmcache_redis",
+    "kvmesh_cpu",
+    "kvmesh_disk",
+    "kvmesh_redis",
+)
+SETUPS = BASES  # (the old name: the plot's colours and the CLI's help list these)
 KVMESH_SETUPS = ("kvmesh_cpu", "kvmesh_disk", "kvmesh_redis")
+LMCACHE_SETUPS = ("lmcache_mp", "lmcache_redis")
 DEFAULT_LENGTHS = (500, 1000, 2000)
 TARGET_TOKENS = 2000
 LOGPROB_TOL = 1e-4
 MAX_MODEL_LEN = 4096
-# LMCache runs with 256-token chunks too (kvmesh.harness.connector.CHUNK_SIZE). Note a
-# 2,000-token prompt then loads 1,792 tokens (7 chunks) where ExampleConnector, keyed by
-# 128-token blocks, loads 1,920.
+# vLLM-CPU's KV block is 128 tokens: ExampleConnector reloads whole blocks (1,920 of a
+# 2,000-token prompt). LMCache gets 128-token chunks too (its server's --chunk-size), so a
+# headline row of each peer reloads the same 1,920 tokens as kvmesh at 128 without tail chunks.
+PEER_CHUNK = 128
+# The run's rows, in two phases (a phase's workers are all up at once, ~2 GiB each: all of
+# them at once do not fit this machine's memory beside the other work on it); each headline
+# pair is within one phase. kvmesh's rows are its config defaults (out of the box: 128-token
+# chunks, no tail chunk, so 1,920 tokens reloaded at 2,000, like the peers: equal work),
+# plus the tail-chunk feature row (``save_unfull_chunk``: 1,999 reloaded).
+DEFAULT_PHASES: tuple[tuple[str, ...], ...] = (
+    ("recompute", "lmcache_mp", "kvmesh_cpu", "kvmesh_cpu+tail"),
+    ("example_connector", "kvmesh_disk", "lmcache_redis", "kvmesh_redis"),
+)
+DEFAULT_SETUPS = tuple(s for phase in DEFAULT_PHASES for s in phase)
+_SETUP_NAME = re.compile(r"(?P<base>[a-z_]+)(?:@(?P<chunk>\d+))?(?P<tail>[+-]tail)?")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A setup name parsed: ``kvmesh_disk@128-tail`` is the disk setup at 128-token chunks
+    without tail chunks; ``kvmesh_cpu+tail`` the cpu one with ``save_unfull_chunk``; a bare
+    name keeps kvmesh's config defaults (LMCache: :data:`PEER_CHUNK`)."""
+
+    base: str
+    chunk: int | None = None
+    tail: bool | None = None
+
+
+def parse_setup(name: str) -> Variant:
+    """The :class:`Variant` a setup name stands for; ValueError naming the valid forms."""
+    m = _SETUP_NAME.fullmatch(name)
+    if m is None or m["base"] not in BASES:
+        raise ValueError(
+            f"unknown setup {name!r}; valid: {', '.join(BASES)}, a kvmesh one optionally with "
+            "@CHUNK and +tail/-tail (e.g. kvmesh_cpu@128-tail), an lmcache one with @CHUNK"
+        )
+    base, chunk = m["base"], int(m["chunk"]) if m["chunk"] else None
+    tail = None if not m["tail"] else m["tail"] == "+tail"
+    if base not in KVMESH_SETUPS + LMCACHE_SETUPS and (chunk or tail is not None):
+        raise ValueError(f"setup {base!r} takes no @CHUNK or tail option (got {name!r})")
+    if base in LMCACHE_SETUPS and tail is not None:
+        # LMCache 0.5.6's MP server has no save_unfull_chunk: lmcache/v1/multiprocess/config.py
+        # takes no such argument, and its token hasher keys full chunks only.
+        raise ValueError(f"{name!r}: LMCache 0.5.6's MP server has no tail-chunk option")
+    if chunk is not None and (chunk <= 0 or chunk % PEER_CHUNK):
+        raise ValueError(f"{name!r}: the chunk size must be a multiple of vLLM's block size {PEER_CHUNK}")
+    return Variant(base, chunk, tail)
+
 
 # Identical for every setup (PEERS.md "Fairness settings").
 FAIR_ENV = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "LMCACHE_TRACK_USAGE": "false",
@@ -42,6 +96,10 @@ FAIR_LLM_ARGS: dict[str, Any] = {
     "enable_prefix_caching": True,
     "max_model_len": MAX_MODEL_LEN,
     "seed": 0,
+    # 256 MiB of vLLM KV space each (a 4,096-token prompt takes 24 MiB of this model's KV):
+    # with every setup of a phase up at once, 1 GiB each (VLLM_CPU_KVCACHE_SPACE=1, which would
+    # override this) made a worker ~3 GiB and nine of them more than this machine has.
+    "kv_cache_memory_bytes": 256 * 2**20,
 }
 
 
@@ -74,92 +132,23 @@ def logprob_diff(a: Sequence[Mapping[int, float]], b: Sequence[Mapping[int, floa
     return worst, mismatches
 
 
-def summarize(setup: str, row: Mapping[str, Any]) -> dict[str, Any]:
-    """One result row from a worker's per-length measurements (seconds)."""
-    runs = [float(x) for x in row["reload_s"]]
-    cold = [float(x) for x in row["cold_s"]]
-    diff = row.get("max_logprob_diff")
-    mismatches = int(row.get("top5_mismatches", 0))
-    return {
-        "setup": setup,
-        "prompt_tokens": int(row["prompt_tokens"]),
-        "ttft_s_median": round(statistics.median(runs), 4) if runs else None,
-        "ttft_s_p90": round(percentile(runs, 90), 4) if runs else None,
-        "runs": [round(x, 4) for x in runs],  # every timed reload, in trial order
-        "trials": len(runs),
-        "cold_s_median": round(statistics.median(cold), 4) if cold else None,
-        "cached_tokens": list(row.get("cached_tokens", [])),
-        "max_logprob_diff": diff,
-        "top5_mismatches": mismatches,
-        "logprobs_ok": diff is not None and mismatches == 0 and float(diff) <= LOGPROB_TOL,
-        "page_cache_dropped": row.get("page_cache_dropped"),
-    }
-
-
-def unavailable(setup: str, lengths: Sequence[int], error: str) -> list[dict[str, Any]]:
-    """Rows that say why a setup has no numbers (one per length, so tables stay aligned)."""
-    return [
-        {
-            "setup": setup,
-            "prompt_tokens": n,
-            "ttft_s_median": None,
-            "ttft_s_p90": None,
-            "runs": [],
-            "max_logprob_diff": None,
-            "error": error,
-        }
-        for n in lengths
-    ]
-
-
-def _median_at(results: Sequence[Mapping[str, Any]], setup: str, tokens: int) -> float | None:
-    for r in results:
-        if r["setup"] == setup and r["prompt_tokens"] == tokens and r.get("ttft_s_median") is not None:
-            return float(r["ttft_s_median"])
-    return None
-
-
-def compute_targets(results: Sequence[Mapping[str, Any]], tokens: int = TARGET_TOKENS) -> dict[str, Any]:
-    """The three headline ratios at ``tokens`` (lower is better), each with its target."""
-    med = {s: _median_at(results, s, tokens) for s in SETUPS}
-
-    def ratio(num: str, dens: Sequence[str], limit: float) -> dict[str, Any]:
-        have = [v for v in (med[d] for d in dens) if v is not None]
-        missing = [s for s in (num, *dens) if med[s] is None]
-        top = med[num]
-        # min over the denominators that ran: the strongest peer present.
-        value = round(top / min(have), 3) if top is not None and have else None
-        out: dict[str, Any] = {"value": value, "target": f"<= {limit}"}
-        out["met"] = None if value is None else value <= limit
-        if missing:
-            out["missing"] = missing
-        return out
-
-    return {
-        "prompt_tokens": tokens,
-        "kvmesh_cpu/recompute": ratio("kvmesh_cpu", ["recompute"], 0.5),
-        "kvmesh_cpu/min(example_connector,lmcache_mp)": ratio(
-            "kvmesh_cpu", ["example_connector", "lmcache_mp"], 0.9
-        ),
-        "kvmesh_disk/example_connector": ratio("kvmesh_disk", ["example_connector"], 1.0),
-    }
-
-
 @dataclass
 class SetupSpec:
     """What the worker needs to run one setup (written to it as JSON)."""
 
     setup: str
     model_dir: str
-    lengths: list[int]
-    trials: int
     seed: int = 0
     kv_connector: str | None = None
     kv_connector_module_path: str | None = None
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
     kvmesh_clear_cpu: bool = False  # clear kvmesh's cpu tier before timing (load from below)
     kvmesh_wait_writes: bool = False  # wait for kvmesh's write-behind before timing
+    lmcache_clear_url: str | None = None  # POST {"tier": "l1"} here before timing (load from L2)
     settle_s: float = 0.3  # pause after the cold run, every setup alike
+    # LMCache's L2 store is write-behind with no "flushed" call to wait on (kvmesh's is
+    # wait_for_writes): the L2 setup waits this much longer before its L1 is cleared.
+    extra_settle_s: float = 0.0
     drop_page_cache: bool = True
     llm_args: dict[str, Any] = field(default_factory=lambda: dict(FAIR_LLM_ARGS))
     kv_transfer_args: dict[str, Any] = field(default_factory=dict)  # more KVTransferConfig fields
@@ -168,46 +157,61 @@ class SetupSpec:
 def build_spec(
     setup: str,
     model_dir: str,
-    lengths: Sequence[int],
-    trials: int,
     workdir: str,
     *,
     lmcache_port: int | None = None,
+    lmcache_http_url: str | None = None,
     redis_url: str | None = None,
     kvmesh_overrides: Mapping[str, Any] | None = None,
 ) -> SetupSpec:
-    """The connector configuration of ``setup``; storage lives under ``workdir``.
-    ``kvmesh_overrides`` (kvmesh config keys) are applied last to every kvmesh setup."""
-    spec = SetupSpec(setup=setup, model_dir=model_dir, lengths=list(lengths), trials=trials)
-    if setup == "recompute":
+    """The connector configuration of ``setup`` (a :func:`parse_setup` name); storage lives
+    under ``workdir``. kvmesh setups get kvmesh's config defaults, then ``kvmesh_overrides``
+    (kvmesh config keys), then the name's ``@CHUNK`` / ``+tail`` / ``-tail``."""
+    v = parse_setup(setup)
+    spec = SetupSpec(setup=setup, model_dir=model_dir)
+    if v.base == "recompute":
         pass
-    elif setup == "example_connector":
+    elif v.base == "example_connector":
         spec.kv_connector = "ExampleConnector"
         spec.kv_connector_extra_config = {"shared_storage_path": os.path.join(workdir, "example")}
-    elif setup == "lmcache_mp":
+    elif v.base in LMCACHE_SETUPS:
         if lmcache_port is None:
-            raise ValueError("lmcache_mp needs the port of a running lmcache server")
+            raise ValueError(f"{setup} needs the port of a running lmcache server")
         spec.kv_connector = "LMCacheMPConnector"
         spec.kv_connector_extra_config = {
             "lmcache.mp.host": "tcp://127.0.0.1",
             "lmcache.mp.port": lmcache_port,
         }
-    elif setup in KVMESH_SETUPS:
+        if v.base == "lmcache_redis":
+            if lmcache_http_url is None:
+                raise ValueError(f"{setup} needs the HTTP URL of its lmcache server (to clear its L1)")
+            spec.lmcache_clear_url = lmcache_http_url.rstrip("/") + "/cache/clear"
+            spec.extra_settle_s = 1.0
+    elif v.base in KVMESH_SETUPS:
         spec.kv_connector = KVMESH_CONNECTOR
         spec.kv_connector_module_path = KVMESH_MODULE
         spec.kvmesh_wait_writes = True
         # as the connector asks; the worker sets kv_role itself
         spec.kv_transfer_args = {k: v for k, v in TRANSFER_ARGS.items() if k != "kv_role"}
-        cfg = extra_config()
-        if setup == "kvmesh_disk":
+        # kvmesh's own defaults (config.py) for chunk size and tail chunks: out of the box
+        cfg: dict[str, Any] = {"max_local_cpu_size": CPU_GB}
+        if v.base == "kvmesh_disk":
             cfg.update(local_disk=os.path.join(workdir, "kvmesh-disk"), write_mode="through")
             spec.kvmesh_clear_cpu = True
-        elif setup == "kvmesh_redis":
+        elif v.base == "kvmesh_redis":
             if redis_url is None:
-                raise ValueError("kvmesh_redis needs the URL of a running Redis")
+                raise ValueError(f"{setup} needs the URL of a running Redis")
             cfg.update(remote_url=redis_url)
             spec.kvmesh_clear_cpu = True
-        spec.kv_connector_extra_config = {**cfg, **(kvmesh_overrides or {})}
-    else:
-        raise ValueError(f"unknown setup {setup!r}; valid: {', '.join(SETUPS)}")
+        cfg.update(kvmesh_overrides or {})
+        if v.chunk is not None:
+            cfg["chunk_size"] = v.chunk
+        if v.tail is not None:
+            cfg["save_unfull_chunk"] = v.tail
+        spec.kv_connector_extra_config = cfg
     return spec
+
+
+def lmcache_chunk(setup: str) -> int:
+    """The ``--chunk-size`` of an lmcache setup's server (:data:`PEER_CHUNK` unless named)."""
+    return parse_setup(setup).chunk or PEER_CHUNK

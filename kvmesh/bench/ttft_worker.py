@@ -1,15 +1,17 @@
-"""One setup of ``kvmesh bench ttft`` in a fresh vLLM process (run by :mod:`kvmesh.bench.ttft`).
+"""One setup of ``kvmesh bench ttft`` in a vLLM process of its own, serving the parent
+(:mod:`kvmesh.bench.ttft`), which keeps every setup's worker up at once and interleaves them.
 
-    python -m kvmesh.bench.ttft_worker SPEC.json OUT.json
+    python -m kvmesh.bench.ttft_worker SPEC.json      # then JSON commands on stdin
 
-SPEC is a :class:`kvmesh.bench.ttft_spec.SetupSpec` as JSON. Per prompt length: one untimed
-warm-up cycle, then ``trials`` cycles of: new prompt, cold ``max_tokens=1`` request (the
-connector stores), settle, kvmesh write-behind drained, ``reset_prefix_cache()``, kvmesh cpu
-tier cleared (disk/redis setups; through the connector's control socket), page cache
-dropped, the same request timed again.
-Writes ``{"setup", "rows": [...], "engine_start_s", ...}`` (and ``"error"`` if it failed,
-with the rows measured so far) to OUT, prints it as the last line, and prints ``[ttft] ...``
-progress lines on the way.
+SPEC is a :class:`kvmesh.bench.ttft_spec.SetupSpec` as JSON. Once vLLM is up the worker
+answers ``{"ready": true, "engine_start_s"}``, then one line per command:
+``{"op": "cycle", "prompt_tokens": N, "trial": K}`` runs one cycle on the prompt
+``make_prompt(N, K)``: cold ``max_tokens=1`` request (the connector stores), settle, kvmesh
+write-behind drained, ``reset_prefix_cache()``, kvmesh's cpu tier or LMCache's L1 cleared
+(setups that load from below), page cache dropped, the same request timed again; it answers
+the times, the tokens vLLM reports cached (all from the connector, after the reset) and the
+logprob check. ``{"op": "stats"}`` answers the connector's stats; ``{"op": "quit"}`` or EOF
+ends. Answers are stdout lines starting with :data:`PREFIX`; an error answers ``{"error"}``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import sys
 import time
 import traceback
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +31,25 @@ from kvmesh.errors import ProcessError
 from kvmesh.harness.connector import KVMESH_MODULE
 from kvmesh.harness.services import drop_page_cache
 
+PREFIX = "[ttft-json] "
+
 
 def top5(output: Any) -> list[dict[int, float]]:
     return [{int(t): float(lp.logprob) for t, lp in step.items()} for step in output.outputs[0].logprobs]
 
 
-def measure(spec: dict[str, Any], out: dict[str, Any]) -> None:
+def clear_lmcache_l1(url: str) -> None:
+    """Empty an ``lmcache server``'s L1 (``POST /cache/clear``, as ``lmcache kvcache clear``
+    does), so the timed reload comes from its L2."""
+    req = urllib.request.Request(
+        url, data=json.dumps({"tier": "l1"}).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        if resp.status != 200:
+            raise ProcessError(f"lmcache server answered {resp.status} to POST {url}")
+
+
+def serve(spec: dict[str, Any], out: dict[str, Any]) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -86,18 +102,21 @@ def measure(spec: dict[str, Any], out: dict[str, Any]) -> None:
 
     def cycle(ids: list[int]) -> dict[str, Any]:
         cold_s, cold = timed(ids)
-        time.sleep(spec["settle_s"])
+        time.sleep(spec["settle_s"] + spec["extra_settle_s"])
         if spec["kvmesh_wait_writes"] and not rpc("wait_for_writes", timeout=60.0):
             raise ProcessError("kvmesh writes did not land within 60 s")
         retries = reset()
         cleared = rpc("clear", tier="cpu") if spec["kvmesh_clear_cpu"] else None
+        if spec["lmcache_clear_url"]:
+            clear_lmcache_l1(spec["lmcache_clear_url"])
         dropped = drop_page_cache() if spec["drop_page_cache"] else False
         reload_s, again = timed(ids)
         diff, mismatches = logprob_diff(top5(cold), top5(again))
         return {
             "cold_s": cold_s,
             "reload_s": reload_s,
-            "cached": int(again.num_cached_tokens or 0),
+            # after reset_prefix_cache vLLM's own cache is empty: these came from the connector
+            "cached_tokens": int(again.num_cached_tokens or 0),
             "diff": diff,
             "mismatches": mismatches,
             "dropped": dropped,
@@ -106,60 +125,52 @@ def measure(spec: dict[str, Any], out: dict[str, Any]) -> None:
         }
 
     out["reset_retries"] = 0
-    for n in spec["lengths"]:
-        w = cycle(make_prompt(n, "warmup", vocab, spec["seed"]))
-        print(
-            f"[ttft] {setup} {n} tokens warm-up: cold {1000 * w['cold_s']:.0f} ms, "
-            f"reload {1000 * w['reload_s']:.0f} ms, cached {w['cached']}"
-            + (f", kvmesh cpu chunks cleared {w['cleared'].get('cpu')}" if w["cleared"] is not None else ""),
-            flush=True,
-        )
-        row: dict[str, Any] = {"prompt_tokens": n, "cold_s": [], "reload_s": [], "cached_tokens": []}
-        worst, mism, dropped = 0.0, 0, True
-        for k in range(spec["trials"]):
-            c = cycle(make_prompt(n, k, vocab, spec["seed"]))
-            row["cold_s"].append(c["cold_s"])
-            row["reload_s"].append(c["reload_s"])
-            row["cached_tokens"].append(c["cached"])
-            if c["cleared"] is not None:
-                row.setdefault("cpu_chunks_cleared", []).append(c["cleared"].get("cpu"))
-            worst, mism, dropped = max(worst, c["diff"]), mism + c["mismatches"], dropped and c["dropped"]
-            out["reset_retries"] += c["retries"]
-            print(
-                f"[ttft] {setup} {n} tokens trial {k + 1}/{spec['trials']}: "
-                f"cold {1000 * c['cold_s']:.0f} ms, reload {1000 * c['reload_s']:.0f} ms, "
-                f"cached {c['cached']}, max dlogprob {c['diff']:.1e}"
-                f"{' TOP5 MISMATCH' if c['mismatches'] else ''}",
-                flush=True,
-            )
-        row.update(max_logprob_diff=worst, top5_mismatches=mism, page_cache_dropped=dropped)
-        out["rows"].append(row)
-    if kvmesh:
-        out["kvmesh_stats"] = rpc("stats")
+    reply({"ready": True, "engine_start_s": out["engine_start_s"]})
+    for line in sys.stdin:  # one command a line, from the parent; EOF or "quit" ends
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        if cmd["op"] == "stats":
+            reply({"kvmesh_stats": rpc("stats") if kvmesh else None, "reset_retries": out["reset_retries"]})
+            continue
+        n, trial = int(cmd["prompt_tokens"]), cmd["trial"]
+        try:
+            c = cycle(make_prompt(n, trial, vocab, spec["seed"]))
+        except Exception as exc:  # one failed cycle is a result; the next may work
+            traceback.print_exc()
+            reply({"error": f"{type(exc).__name__}: {exc}"})
+            continue
+        out["reset_retries"] += c.pop("retries")
+        cleared = c.pop("cleared")
+        c["cpu_chunks_cleared"] = None if cleared is None else cleared.get("cpu")
+        reply(c)
     if client is not None:
         client.close()
     with contextlib.suppress(Exception):  # exit promptly; the parent reaps what is left
         llm.llm_engine.engine_core.shutdown()
 
 
+def reply(obj: dict[str, Any]) -> None:
+    """One protocol line on stdout (vLLM's own logging shares the stream; the parent keeps
+    only the lines with this prefix)."""
+    print(PREFIX + json.dumps(obj), flush=True)
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m kvmesh.bench.ttft_worker SPEC.json OUT.json", file=sys.stderr)
+    if len(argv) != 1:
+        print("usage: python -m kvmesh.bench.ttft_worker SPEC.json  (commands on stdin)", file=sys.stderr)
         return 2
     for key, value in FAIR_ENV.items():  # before vLLM is imported: it reads them at import / start
         os.environ.setdefault(key, value)
     spec = json.loads(Path(argv[0]).read_text())
-    out: dict[str, Any] = {"setup": spec["setup"], "rows": []}
-    code = 0
+    out: dict[str, Any] = {"setup": spec["setup"]}
     try:
-        measure(spec, out)
+        serve(spec, out)
     except Exception as exc:
         traceback.print_exc()
-        out["error"] = f"{type(exc).__name__}: {exc}"
-        code = 1
-    Path(argv[1]).write_text(json.dumps(out))
-    print(json.dumps(out), flush=True)
-    return code
+        reply({"error": f"{type(exc).__name__}: {exc}"})
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,15 @@ def test_missing_vllm_router_says_how_to_install_it(tmp_path: Path, monkeypatch:
     binary.chmod(0o755)
     monkeypatch.setenv(peers.VLLM_ROUTER_ENV, str(binary))
     assert peers.vllm_router_binary() == str(binary)
+
+
+def test_lmcache_server_command_chunk_size_and_l2_adapters() -> None:
+    cmd = lmcache_server_command("p", 1, 2, "s", 1.0, 128, [{"type": "resp", "host": "127.0.0.1", "port": 7}])
+    text = " ".join(cmd)
+    assert "--chunk-size 128 " in text
+    i = cmd.index("--l2-adapter")
+    assert json.loads(cmd[i + 1]) == {"type": "resp", "host": "127.0.0.1", "port": 7}
+    assert "--l2-adapter" not in lmcache_server_command("p", 1, 2, "s")
+    server = peers.LMCacheServer("/p", chunk_size=128)
+    assert server.args[server.args.index("--chunk-size") + 1] == "128"
+    assert server.http_url == f"http://127.0.0.1:{server.http_port}"

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvmesh.bench import ttft, ttft_spec
+from kvmesh.bench import ttft, ttft_proc, ttft_spec
 from kvmesh.config import CacheConfig
 
 
@@ -75,77 +75,40 @@ def test_logprob_diff_counts_different_token_sets() -> None:
         ttft_spec.logprob_diff([{1: 0.0}], [])
 
 
-def _worker_row(n: int, reload: list[float], diff: float = 1e-5, mismatches: int = 0) -> dict[str, Any]:
-    return {
-        "prompt_tokens": n,
-        "cold_s": [1.0] * len(reload),
-        "reload_s": reload,
-        "cached_tokens": [n - n % 256] * len(reload),
-        "max_logprob_diff": diff,
-        "top5_mismatches": mismatches,
-        "page_cache_dropped": True,
-    }
+# -- setup names and specs -----------------------------------------------------------------------
+def test_parse_setup_variants() -> None:
+    p = ttft_spec.parse_setup
+    assert p("kvmesh_cpu") == ttft_spec.Variant("kvmesh_cpu", None, None)
+    assert p("kvmesh_disk@128-tail") == ttft_spec.Variant("kvmesh_disk", 128, False)
+    assert p("kvmesh_redis@256+tail") == ttft_spec.Variant("kvmesh_redis", 256, True)
+    assert p("kvmesh_cpu+tail") == ttft_spec.Variant("kvmesh_cpu", None, True)
+    assert p("lmcache_mp@256") == ttft_spec.Variant("lmcache_mp", 256, None)
+    assert ttft_spec.lmcache_chunk("lmcache_mp") == ttft_spec.PEER_CHUNK == 128
+    assert ttft_spec.lmcache_chunk("lmcache_redis@256") == 256
+    for name in ttft_spec.DEFAULT_SETUPS:
+        p(name)
 
 
-def test_summarize() -> None:
-    r = ttft_spec.summarize("kvmesh_cpu", _worker_row(2000, [0.3, 0.1, 0.2, 0.5, 0.4]))
-    assert r["setup"] == "kvmesh_cpu"
-    assert r["prompt_tokens"] == 2000
-    assert r["ttft_s_median"] == 0.3
-    assert r["ttft_s_p90"] == pytest.approx(0.46)
-    assert r["runs"] == [0.3, 0.1, 0.2, 0.5, 0.4]
-    assert r["cold_s_median"] == 1.0
-    assert r["logprobs_ok"] is True
-    assert ttft_spec.summarize("x", _worker_row(500, [0.1], diff=2e-4))["logprobs_ok"] is False
-    assert ttft_spec.summarize("x", _worker_row(500, [0.1], mismatches=1))["logprobs_ok"] is False
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("vllm_magic", "unknown setup"),
+        ("kvmesh_cpu@", "unknown setup"),
+        ("recompute@128", "takes no"),
+        ("example_connector+tail", "takes no"),
+        ("lmcache_mp+tail", "no tail-chunk option"),
+        ("kvmesh_cpu@100", "multiple of vLLM's block size"),
+        ("kvmesh_cpu@0", "multiple of vLLM's block size"),
+    ],
+)
+def test_parse_setup_rejects(name: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ttft_spec.parse_setup(name)
 
 
-def _result(setup: str, n: int, median: float | None) -> dict[str, Any]:
-    return {"setup": setup, "prompt_tokens": n, "ttft_s_median": median, "ttft_s_p90": median}
-
-
-def test_targets() -> None:
-    results = [
-        _result("recompute", 2000, 1.2),
-        _result("example_connector", 2000, 0.16),
-        _result("lmcache_mp", 2000, 0.20),
-        _result("kvmesh_cpu", 2000, 0.12),
-        _result("kvmesh_disk", 2000, 0.2),
-        _result("kvmesh_cpu", 500, 9.0),  # another length: ignored
-    ]
-    t = ttft_spec.compute_targets(results)
-    assert t["prompt_tokens"] == 2000
-    assert t["kvmesh_cpu/recompute"] == {"value": 0.1, "target": "<= 0.5", "met": True}
-    assert t["kvmesh_cpu/min(example_connector,lmcache_mp)"]["value"] == 0.75  # vs the faster peer
-    assert t["kvmesh_cpu/min(example_connector,lmcache_mp)"]["met"] is True
-    assert t["kvmesh_disk/example_connector"]["value"] == 1.25
-    assert t["kvmesh_disk/example_connector"]["met"] is False
-
-
-def test_targets_with_missing_setups() -> None:
-    results = [_result("recompute", 2000, 1.0), _result("example_connector", 2000, 0.2)]
-    results += ttft_spec.unavailable("kvmesh_cpu", [2000], "not available: boom")
-    t = ttft_spec.compute_targets(results)
-    cpu = t["kvmesh_cpu/recompute"]
-    assert cpu["value"] is None and cpu["met"] is None and cpu["missing"] == ["kvmesh_cpu"]
-    peers = t["kvmesh_cpu/min(example_connector,lmcache_mp)"]
-    assert peers["missing"] == ["kvmesh_cpu", "lmcache_mp"]
-
-
-def test_unavailable_rows() -> None:
-    rows = ttft_spec.unavailable("lmcache_mp", [500, 2000], "not available: RuntimeError: x")
-    assert [r["prompt_tokens"] for r in rows] == [500, 2000]
-    assert all(r["ttft_s_median"] is None and r["error"] == "not available: RuntimeError: x" for r in rows)
-
-
-# -- setup specs -------------------------------------------------------------------------------
 def test_specs_share_the_fairness_settings(tmp_path: Path) -> None:
-    specs = [
-        ttft_spec.build_spec(
-            s, "/m", [500], 5, str(tmp_path), lmcache_port=5555, redis_url="redis://127.0.0.1:1"
-        )
-        for s in ttft_spec.SETUPS
-    ]
+    kw: dict[str, Any] = {"lmcache_port": 5555, "lmcache_http_url": "http://h:1", "redis_url": "redis://h:1"}
+    specs = [ttft_spec.build_spec(s, "/m", str(tmp_path), **kw) for s in ttft_spec.DEFAULT_SETUPS]
     for spec in specs:
         assert spec.llm_args == ttft_spec.FAIR_LLM_ARGS
         assert spec.llm_args["disable_hybrid_kv_cache_manager"] is True
@@ -154,27 +117,35 @@ def test_specs_share_the_fairness_settings(tmp_path: Path) -> None:
         assert spec.settle_s == specs[0].settle_s
         json.dumps(asdict(spec))  # the worker gets it as JSON
     assert ttft_spec.FAIR_ENV["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
-    assert ttft_spec.FAIR_ENV["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in ttft_spec.FAIR_ENV  # it would override the next line
+    assert ttft_spec.FAIR_LLM_ARGS["kv_cache_memory_bytes"] == 256 * 2**20
+    assert "VLLM_CPU_KVCACHE_SPACE" not in ttft_proc.worker_env(None, {"VLLM_CPU_KVCACHE_SPACE": "4"})
     assert ttft_spec.FAIR_ENV["LMCACHE_TRACK_USAGE"] == "false"
 
 
 def test_spec_connectors(tmp_path: Path) -> None:
     w = str(tmp_path)
-    assert ttft_spec.build_spec("recompute", "/m", [500], 5, w).kv_connector is None
-    ex = ttft_spec.build_spec("example_connector", "/m", [500], 5, w)
+    assert ttft_spec.build_spec("recompute", "/m", w).kv_connector is None
+    ex = ttft_spec.build_spec("example_connector", "/m", w)
     assert ex.kv_connector == "ExampleConnector"
     assert ex.kv_connector_extra_config["shared_storage_path"].startswith(w)
-    lm = ttft_spec.build_spec("lmcache_mp", "/m", [500], 5, w, lmcache_port=6000)
+    lm = ttft_spec.build_spec("lmcache_mp", "/m", w, lmcache_port=6000)
     assert lm.kv_connector == "LMCacheMPConnector"
     assert lm.kv_connector_extra_config == {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 6000}
-    cpu = ttft_spec.build_spec("kvmesh_cpu", "/m", [500], 5, w)
-    disk = ttft_spec.build_spec("kvmesh_disk", "/m", [500], 5, w)
-    red = ttft_spec.build_spec("kvmesh_redis", "/m", [500], 5, w, redis_url="redis://127.0.0.1:7")
+    assert lm.lmcache_clear_url is None  # L1 is what it is timed on
+    l2 = ttft_spec.build_spec("lmcache_redis", "/m", w, lmcache_port=6000, lmcache_http_url="http://h:9/")
+    assert l2.lmcache_clear_url == "http://h:9/cache/clear" and l2.extra_settle_s > 0
+    cpu = ttft_spec.build_spec("kvmesh_cpu", "/m", w)
+    disk = ttft_spec.build_spec("kvmesh_disk", "/m", w)
+    red = ttft_spec.build_spec("kvmesh_redis", "/m", w, redis_url="redis://127.0.0.1:7")
     for spec in (cpu, disk, red):
         assert spec.kv_connector == "KVMeshConnector"
         assert spec.kv_connector_module_path == "kvmesh.integrations.vllm"
         assert spec.kvmesh_wait_writes is True
         CacheConfig.from_dict(spec.kv_connector_extra_config)  # valid kvmesh config keys
+        # out of the box: kvmesh's own defaults for chunks and tail chunks
+        assert "chunk_size" not in spec.kv_connector_extra_config
+        assert "save_unfull_chunk" not in spec.kv_connector_extra_config
     assert cpu.kvmesh_clear_cpu is False
     assert disk.kvmesh_clear_cpu is True and disk.kv_connector_extra_config["local_disk"].startswith(w)
     assert disk.kv_connector_extra_config["write_mode"] == "through"
@@ -182,25 +153,30 @@ def test_spec_connectors(tmp_path: Path) -> None:
         red.kvmesh_clear_cpu is True and red.kv_connector_extra_config["remote_url"] == "redis://127.0.0.1:7"
     )
     assert "local_disk" not in red.kv_connector_extra_config
-    small = ttft_spec.build_spec("kvmesh_disk", "/m", [500], 5, w, kvmesh_overrides={"chunk_size": 128})
-    assert small.kv_connector_extra_config["chunk_size"] == 128
-    assert small.kv_connector_extra_config["local_disk"] == disk.kv_connector_extra_config["local_disk"]
+    eq = ttft_spec.build_spec("kvmesh_disk@128-tail", "/m", w, kvmesh_overrides={"chunk_size": 512, "x": 1})
+    assert eq.kv_connector_extra_config["chunk_size"] == 128  # the name wins over the overrides
+    assert (
+        eq.kv_connector_extra_config["save_unfull_chunk"] is False and eq.kv_connector_extra_config["x"] == 1
+    )
+    assert ttft_spec.build_spec("kvmesh_cpu+tail", "/m", w).kv_connector_extra_config["save_unfull_chunk"]
 
 
 def test_spec_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown setup"):
-        ttft_spec.build_spec("vllm_magic", "/m", [500], 5, str(tmp_path))
+        ttft_spec.build_spec("vllm_magic", "/m", str(tmp_path))
     with pytest.raises(ValueError, match="lmcache server"):
-        ttft_spec.build_spec("lmcache_mp", "/m", [500], 5, str(tmp_path))
+        ttft_spec.build_spec("lmcache_mp", "/m", str(tmp_path))
+    with pytest.raises(ValueError, match="HTTP URL"):
+        ttft_spec.build_spec("lmcache_redis", "/m", str(tmp_path), lmcache_port=1)
     with pytest.raises(ValueError, match="Redis"):
-        ttft_spec.build_spec("kvmesh_redis", "/m", [500], 5, str(tmp_path))
+        ttft_spec.build_spec("kvmesh_redis", "/m", str(tmp_path))
 
 
 def test_env_puts_extra_path_first() -> None:
-    env = ttft.worker_env("/peers", {"PYTHONPATH": "/a", "X": "1"})
+    env = ttft_proc.worker_env("/peers", {"PYTHONPATH": "/a", "X": "1"})
     assert env["PYTHONPATH"] == os.pathsep.join(["/peers", "/a"])
     assert env["X"] == "1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
-    assert "PYTHONPATH" not in ttft.worker_env(None, {})
+    assert "PYTHONPATH" not in ttft_proc.worker_env(None, {})
 
 
 def test_root_cause_is_the_first_exception_line() -> None:
@@ -214,80 +190,158 @@ def test_root_cause_is_the_first_exception_line() -> None:
             "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
         ]
     )
-    assert ttft.root_cause(log) == (
+    assert ttft_proc.root_cause(log) == (
         "kvmesh.errors.ConfigError: unknown kv_connector_extra_config key(s) 'bogus_key'"
     )
-    assert ttft.root_cause("all fine\nno errors here") is None
+    assert ttft_proc.root_cause("all fine\nno errors here") is None
 
 
 # -- orchestration with canned workers -----------------------------------------------------------
-def test_run_writes_json_table_and_plot(
+class FakeWorker:
+    """Stands in for a vLLM worker (no vLLM in unit tests): answers cycles with a reload time
+    of ``speed * n / 2000`` s and the tokens a ``block``-token connector reloads."""
+
+    def __init__(self, setup: str, speed: float, block: int | None, log: list[tuple[Any, ...]]) -> None:
+        self.setup, self.speed, self.block, self.log = setup, speed, block, log
+
+    def call(self, timeout: float, **cmd: Any) -> dict[str, Any]:
+        self.log.append((cmd["op"], cmd.get("trial"), cmd.get("prompt_tokens"), self.setup))
+        if cmd["op"] == "stats":
+            return {"kvmesh_stats": None, "reset_retries": 0}
+        n = int(cmd["prompt_tokens"])
+        cached = 0 if self.block is None else (n - 1) // self.block * self.block
+        return {"cold_s": 1.0, "reload_s": self.speed * n / 2000, "cached_tokens": cached, "diff": 1e-6,
+                "mismatches": 0, "dropped": True, "cpu_chunks_cleared": None}  # fmt: skip
+
+
+def test_run_interleaves_writes_json_table_and_plot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(ttft, "ensure_model", lambda model_dir, preset: str(model_dir))
-    speed = {"recompute": 1.0, "example_connector": 0.2, "lmcache_mp": 0.25, "kvmesh_cpu": 0.15}
+    speed = {"recompute": (1.0, None), "example_connector": (0.2, 128), "lmcache_mp": (0.25, 128),
+             "kvmesh_cpu@128-tail": (0.15, 128), "kvmesh_cpu": (0.1, 1)}  # fmt: skip
+    log: list[tuple[Any, ...]] = []
 
-    def fake_setup(
-        setup: str,
-        model_dir: str,
-        lengths: list[int],
-        trials: int,
-        base_dir: str,
-        timeout: float,
-        overrides: dict[str, Any] | None,
-    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def fake_start(setup: str, model_dir: str, base_dir: str, stack: Any, overrides: Any) -> tuple[Any, Any]:
         assert overrides == {"chunk_size": 128}
-        assert trials == 3  # quick
         if setup not in speed:
-            err = "not available: ModuleNotFoundError: No module named 'x'"
-            return ttft_spec.unavailable(setup, lengths, err), {"error": err}
-        rows = [
-            ttft_spec.summarize(setup, _worker_row(n, [speed[setup] * n / 2000] * trials)) for n in lengths
-        ]
-        return rows, {"engine_start_s": 1.0}
+            return None, {"error": "not available: ModuleNotFoundError: No module named 'x'"}
+        return FakeWorker(setup, *speed[setup], log), {"engine_start_s": 1.0}
 
-    monkeypatch.setattr(ttft, "run_setup", fake_setup)
+    monkeypatch.setattr(ttft, "start_worker", fake_start)
     out = ttft.run(
         quick=True,
         json_path=str(tmp_path / "ttft.json"),
         plot_path=str(tmp_path / "ttft.png"),
         model_dir=str(tmp_path / "model"),
-        setups=["recompute", "example_connector", "lmcache_mp", "kvmesh_cpu", "kvmesh_disk"],
-        lengths=[2000, 500, 1000],
+        setups=["recompute", "example_connector", "lmcache_mp", "kvmesh_cpu@128-tail", "kvmesh_disk@128-tail",
+                "kvmesh_cpu"],
+        lengths=[2000, 500],
         kvmesh_overrides={"chunk_size": 128},
-    )
+    )  # fmt: skip
     saved = json.loads((tmp_path / "ttft.json").read_text())
-    assert saved["targets"] == out["targets"]
-    assert saved["targets"]["kvmesh_cpu/recompute"]["value"] == 0.15
-    assert saved["targets"]["kvmesh_cpu/min(example_connector,lmcache_mp)"]["value"] == 0.75
-    assert saved["targets"]["kvmesh_disk/example_connector"]["value"] is None
-    assert {r["setup"] for r in saved["results"]} == set(speed) | {"kvmesh_disk"}
-    assert [r["prompt_tokens"] for r in saved["results"] if r["setup"] == "recompute"] == [500, 1000, 2000]
+    t = saved["targets"]
+    assert t == out["targets"] and t["prompt_tokens"] == 2000
+    assert t["kvmesh_cpu@128-tail/recompute"]["median"] == 0.15
+    assert t["kvmesh_cpu@128-tail/lmcache_mp"]["median"] == 0.6
+    assert t["kvmesh_cpu@128-tail/lmcache_mp"]["equal_tokens"] is True
+    assert t["kvmesh_cpu@128-tail/lmcache_mp"]["tokens_num"] == 1920
+    assert t["kvmesh_cpu/lmcache_mp"]["equal_tokens"] is False  # 1,999 against 1,920: a feature row
+    assert t["kvmesh_disk@128-tail/example_connector"]["median"] is None  # did not start
+    # the cycles ran interleaved: a warm-up round, then 3 rounds, every length, every setup
+    cycles = [e for e in log if e[0] == "cycle"]
+    assert len(cycles) == 5 * 2 * 4
+    assert [e[1] for e in cycles[:10]] == ["warmup"] * 10 and cycles[10][1] == 0
+    rows = {(r["setup"], r["prompt_tokens"]): r for r in saved["results"]}
+    assert rows["example_connector", 2000]["tokens_reloaded"] == 1920
+    assert rows["kvmesh_cpu", 2000]["tokens_reloaded"] == 1999
+    assert rows["recompute", 500]["tokens_reloaded"] == 0 and rows["recompute", 500]["trials"] == 3
+    assert rows["kvmesh_disk@128-tail", 500]["error"].startswith("not available: ")
+    assert all(isinstance(x, float) for x in rows["lmcache_mp", 2000]["loadavg_1m"])
+    assert [r["prompt_tokens"] for r in saved["results"] if r["setup"] == "recompute"] == [500, 2000]
     assert saved["env"]["quick"] is True and saved["env"]["trials"] == 3
-    assert saved["setups"]["kvmesh_disk"]["error"].startswith("not available: ")
+    assert len(saved["trials"]) == 5 * 2 * 4 and {"loadavg_1m", "t_s", "position"} <= set(saved["trials"][0])
     assert (tmp_path / "ttft.png").stat().st_size > 0
     printed = capsys.readouterr().out
-    assert "ttft_ms_median" in printed and "kvmesh_cpu/recompute" in printed
+    assert "ttft_ms_median" in printed and "kvmesh_cpu@128-tail/recompute" in printed
 
 
 def test_run_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="unknown setup"):
         ttft.run(setups=["recompute", "nope"])
+    with pytest.raises(ValueError, match="distinct"):
+        ttft.run(setups=["recompute", "recompute"])
     with pytest.raises(ValueError, match="prompt lengths"):
         ttft.run(setups=["recompute"], lengths=[5000])
+    with pytest.raises(ValueError, match="trials"):
+        ttft.run(setups=["recompute"], trials=0)
 
 
 def test_kvmesh_setups_are_skipped_with_the_import_error(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    import contextlib
+
     monkeypatch.setattr(ttft, "kvmesh_connector_error", lambda: "ModuleNotFoundError: No module named 'x'")
-    rows, notes = ttft.run_setup("kvmesh_cpu", "/m", [500, 2000], 3, str(tmp_path), 10.0)
+    with contextlib.ExitStack() as stack:
+        worker, notes = ttft.start_worker("kvmesh_cpu", "/m", str(tmp_path), stack, None)
+    assert worker is None
     assert notes["error"] == "not available: ModuleNotFoundError: No module named 'x'"
-    assert [r["prompt_tokens"] for r in rows] == [500, 2000]
     assert list(tmp_path.iterdir()) == []  # nothing started
+
+
+def test_a_worker_that_dies_is_reported_with_its_root_cause(tmp_path: Path) -> None:
+    """The real worker process, with a spec whose model does not exist: it fails before vLLM
+    is up and the parent reports the error it answered."""
+    spec = ttft_spec.build_spec("recompute", str(tmp_path / "no-model"), str(tmp_path))
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(asdict(spec)))
+    w = ttft_proc.Worker("recompute", str(path), str(tmp_path / "w.log"), None)
+    try:
+        got = w.answer(120.0)
+        assert "error" in got
+        with pytest.raises(ttft.ProcessError, match="exited with 1"):
+            w.answer(60.0)
+    finally:
+        w.stop()
 
 
 def test_worker_usage() -> None:
     from kvmesh.bench import ttft_worker
 
     assert ttft_worker.main([]) == 2
+
+
+def test_phases_run_one_after_another_and_pair_within_a_phase(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ttft, "ensure_model", lambda model_dir, preset: str(model_dir))
+    log: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(
+        ttft,
+        "start_worker",
+        lambda setup, *a: (FakeWorker(setup, 0.1 if "kvmesh" in setup else 0.2, 128, log), {}),
+    )
+    phases = [
+        ["recompute", "kvmesh_cpu@128-tail"],
+        ["example_connector", "kvmesh_disk@128-tail", "lmcache_mp"],
+    ]
+    out = ttft.run(model_dir=str(tmp_path), phases=phases, lengths=[2000], trials=2)
+    cycles = [e[3] for e in log if e[0] == "cycle"]
+    assert set(cycles[:6]) == set(phases[0]) and set(cycles[6:]) == set(phases[1])  # 3 rounds each
+    assert [r["phase"] for r in out["trials"]] == [1] * 6 + [2] * 9
+    assert out["targets"]["kvmesh_disk@128-tail/example_connector"]["median"] == 0.5
+    assert "kvmesh_cpu@128-tail/lmcache_mp" not in out["targets"]  # different phases: not paired
+    assert out["env"]["phases"] == phases
+
+
+def test_a_spent_time_budget_starts_no_new_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ttft, "ensure_model", lambda model_dir, preset: str(model_dir))
+    log: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(ttft, "start_worker", lambda setup, *a: (FakeWorker(setup, 0.1, 128, log), {}))
+    out = ttft.run(
+        model_dir=str(tmp_path), setups=["recompute", "kvmesh_cpu"], lengths=[500], time_budget_s=0.0
+    )
+    assert out["trials"] == [] and [e for e in log if e[0] == "cycle"] == []
+    assert out["setups"]["kvmesh_cpu"]["stopped_before_round"] == "warmup"
+    assert out["targets"]["kvmesh_cpu/recompute"]["median"] is None
