@@ -64,7 +64,7 @@ peers: setup
 
 bench-ttft: setup redis peers
 	mkdir -p bench-out
-	$(BIN)/kvmesh bench ttft --kvmesh-config '{"save_unfull_chunk": true}' --json bench-out/ttft.json --plot bench-out/ttft.png
+	$(BIN)/kvmesh bench ttft --json bench-out/ttft.json --plot bench-out/ttft.png
 
 demo: setup redis models
 	$(BIN)/kvmesh demo --model $(MODELS)/tiny --json bench-out/demo.json --plot bench-out/demo.png

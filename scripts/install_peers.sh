@@ -23,6 +23,13 @@ if [[ ! -x "$PY" ]]; then
     exit 1
 fi
 
+# LMCache's server imports opentelemetry.exporter.prometheus. A copy in $PEERS_DIR is hidden
+# by the venv's own `opentelemetry` package (vLLM's), so it goes into the venv itself, without
+# dependencies (it changes no installed version).
+if ! "$PY" -c "import opentelemetry.exporter.prometheus" 2>/dev/null; then
+    "$PY" -m pip install -q --no-deps opentelemetry-exporter-prometheus==0.66b2
+fi
+
 if [[ -f "$STAMP" ]]; then
     echo "peers already installed in $PEERS_DIR"
 else
