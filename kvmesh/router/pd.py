@@ -30,7 +30,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -87,6 +88,21 @@ def matched_tokens(req: RoutingRequest, replica: str) -> int:
     return int(match.ranges[-1][1])
 
 
+@dataclass(frozen=True, slots=True)
+class _Match:
+    ranges: Sequence[tuple[int, int, Any]]
+
+
+def transferred(req: RoutingRequest, replica: str) -> RoutingRequest:
+    """``req`` as the decode replica sees it after a prefill: its whole prompt arrives as a
+    load (medium ``PD``), so the prefill work counted there is a load's
+    (``prefill_load_cost`` per token), not a recompute's, and the hit-token metric says
+    how many tokens came by transfer."""
+    n = len(req.tokens)
+    matches = {**(req.matches or {}), replica: _Match(((0, n, "PD"),))}
+    return replace(req, matches=matches)
+
+
 class PDRouter:
     """The pd path of a :class:`~kvmesh.router.app.RouterService` (its pool, picker,
     upstream client and bookkeeping; nothing of its own but the counters' meaning)."""
@@ -128,7 +144,13 @@ class PDRouter:
         params: dict[str, Any] | None = None
         if prefill:
             order = s.picker.pick(req, prefill).ranked
-            params, outcome = await self._prefill(request, path, body, order, req)
+            # The decode replica counts this request from now on: a burst of long prompts
+            # must not all pick the same decode replica while their prefills run.
+            s.pool.acquire(ranked[0])
+            try:
+                params, outcome = await self._prefill(request, path, body, order, req)
+            finally:
+                s.pool.release(ranked[0])
         else:
             outcome = "no_prefill_replica"
         if params is None:
@@ -143,6 +165,7 @@ class PDRouter:
             s._child(s.metrics.pd_requests, "pd").inc()
             log.debug("prefilled %d uncached tokens on %s; decode on %s", uncached, outcome, ranked[0])
             out = self._encoder.encode(decode_body(body, params))
+            req = transferred(req, ranked[0])
         return await s._forward(request, path, out, stream, ranked, req, t0)
 
     async def _prefill(

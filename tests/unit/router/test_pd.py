@@ -138,6 +138,19 @@ def test_long_prompt_prefills_on_the_producer_then_streams_from_the_consumer(
     (dec,) = bodies(fakes["d"])
     assert dec == {**body, "kv_transfer_params": PARAMS}  # the client's body, the params as returned
     assert metric(router, "kvmesh_router_pd_requests_total", path="pd") == 1
+    assert metric(router, "kvmesh_router_pd_prefill_seconds_count") == 1
+    # The decode replica loaded the whole prompt: counted as transferred, not recomputed.
+    assert (
+        metric(router, "kvmesh_router_prefix_hit_tokens_total", medium="PD")
+        == metric(router, "kvmesh_router_prompt_tokens_total")
+        > 250
+    )
+    state = router.service.pool.replicas
+    assert (state["p"].state.in_flight, state["d"].state.in_flight, state["d"].state.prefill_tokens) == (
+        0,
+        0,
+        0,
+    )
 
 
 def test_chat_prefill_caps_max_completion_tokens(make_router: MakeRouter, fakes: dict[str, PDFake]) -> None:
