@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvmesh.integrations.vllm.metadata import BlockHash, KVMeshConnectorMetadata, LoadSpec, SaveSpec
+from kvmesh.integrations.vllm.pd import remote_prefill, response_params, wants_export
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class SchedulerSide:
         save: bool = True,
         tail: bool = False,
         delay_free: bool = False,
+        pd_ranks: Sequence[Lookup] = (),
+        engine_id: str = "",
     ) -> None:
         self.chunk_size = chunk_size
         # save_unfull_chunk: the prompt's partial last chunk is cached too, so a repeated
@@ -86,6 +89,11 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._releases: list[tuple[str, int]] = []
         self.stats = {"lookups": 0, "lookup_hit_tokens": 0, "rpc_failures": 0, "loads_planned": 0}
+        # Prefill/decode (pd.py): the worker ranks' pd_export / pd_pull, on clients whose
+        # timeout covers a pull; decode halves already pulled (a re-lookup never pulls again).
+        self.pd_ranks = list(pd_ranks)
+        self.engine_id = engine_id
+        self._pulled: set[str] = set()
 
     # -- vLLM: get_num_new_matched_tokens ------------------------------------------------
     def lookup(self, request: Any, num_computed_tokens: int) -> int:
@@ -102,11 +110,24 @@ class SchedulerSide:
         # keyed by the whole prompt, which loads up to the prompt's last token.
         last = len(prompt) - 1
         cap = len(prompt) if self.tail else last // self.chunk_size * self.chunk_size
+        tokens = list(prompt[:cap])
+        pd = remote_prefill(request) if self.pd_ranks and req_id not in self._pulled else None
+        if pd is not None:
+            self._pulled.add(req_id)
+            # vLLM's own prefix cache has it: only release the producer's pins.
+            op = "pd_confirm" if min(cap, last) <= num_computed_tokens else "pd_pull"
+            for rank in self.pd_ranks:
+                args = (
+                    {"params": dict(pd)}
+                    if op == "pd_confirm"
+                    else {"req": req_id, "tokens": tokens, "params": dict(pd)}
+                )
+                rank.call(op, **args)
+            self.stats["pd_pulls"] = self.stats.get("pd_pulls", 0) + (op == "pd_pull")
         if min(cap, last) <= num_computed_tokens:
             return 0
         self._seq += 1
         seq = self._seq
-        tokens = list(prompt[:cap])
         hit = cap
         self.stats["lookups"] += 1
         for rank in self.ranks:
@@ -212,12 +233,31 @@ class SchedulerSide:
                     break
 
     # -- vLLM: request_finished ----------------------------------------------------------
+    def export(self, request: Any) -> dict[str, Any] | None:
+        """A prefill half's ``kv_transfer_params`` for the decode replica (pd.py), or
+        ``None`` (not a prefill half, or this replica cannot serve its KV)."""
+        if not (self.save_enabled and self.pd_ranks and wants_export(request) and cacheable(request)):
+            return None
+        prompt = request.prompt_token_ids
+        limit = len(prompt) if self.tail else len(prompt) // self.chunk_size * self.chunk_size
+        tokens = list(prompt[:limit])
+        answers = [rank.call("pd_export", req=request.request_id, tokens=tokens) for rank in self.pd_ranks]
+        if not all(isinstance(a, dict) for a in answers):
+            log.warning(
+                "kvmesh: PD export of %s failed on a worker rank; no KV handed over", request.request_id
+            )
+            self.stats["pd_export_failures"] = self.stats.get("pd_export_failures", 0) + 1
+            return None
+        self.stats["pd_exports"] = self.stats.get("pd_exports", 0) + 1
+        return response_params(self.engine_id, answers)
+
     def finished(self, request: Any) -> bool:
         """Forget the request. ``True``: vLLM must keep its blocks until the worker reports
         its saves done (host-device path, and the request had saves)."""
         req_id = request.request_id
         self._new.pop(req_id, None)
         self._active.pop(req_id, None)
+        self._pulled.discard(req_id)
         found = self._lookups.pop(req_id, None)
         if found is not None:
             self._releases.append((req_id, found[0]))
