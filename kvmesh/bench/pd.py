@@ -36,7 +36,7 @@ from typing import Any
 from kvmesh.bench.pd_workload import make_workload, replay
 from kvmesh.bench.report import print_table, write_json, write_panels
 from kvmesh.errors import ProcessError
-from kvmesh.harness.connector import connector_config
+from kvmesh.harness.connector import pd_config
 from kvmesh.harness.ports import free_port
 from kvmesh.harness.processes import Service, get_json, install_signal_handlers
 from kvmesh.harness.replicas import Replica, start_replicas
@@ -129,9 +129,7 @@ def targets(trials: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def transfer_config(setup: str, role: str, workdir: str) -> dict[str, Any] | None:
     """A replica's ``--kv-transfer-config`` in ``setup`` (``role``: kv_both/producer/consumer)."""
     if setup in ("colocated", "kvmesh-pd"):
-        cfg = connector_config()  # the CPU tier only: every prompt is new, nothing is shared
-        cfg.update({"kv_role": role, "kv_ip": "127.0.0.1", "kv_port": free_port()})
-        return cfg
+        return pd_config(role)  # the CPU tier only: every prompt is new, nothing is shared
     if setup == "vllm-router-pd":
         return {
             "kv_connector": "ExampleConnector",

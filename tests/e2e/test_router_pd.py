@@ -28,7 +28,7 @@ import openai
 import pytest
 
 from kvmesh.bench.workload import words
-from kvmesh.harness.connector import connector_config
+from kvmesh.harness.connector import consumer_config, producer_config
 from kvmesh.harness.ports import free_port
 from kvmesh.harness.processes import spawn, stop_process
 from kvmesh.harness.replicas import Replica, start_replicas
@@ -49,12 +49,6 @@ class PD:
     log_dir: Path
 
 
-def _pd_connector(role: str) -> dict[str, Any]:
-    cfg = connector_config()
-    cfg.update({"kv_role": role, "kv_ip": "127.0.0.1", "kv_port": free_port()})
-    return cfg
-
-
 def _tail(path: Path) -> str:
     try:
         return path.read_text(errors="replace")[-3000:]
@@ -65,9 +59,9 @@ def _tail(path: Path) -> str:
 @pytest.fixture(scope="module")
 def pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
     work = tmp_path_factory.mktemp("router-pd")
-    producer = Replica(str(tiny_model), name=MODEL, cpu=0, kv_transfer=_pd_connector("kv_producer"),
+    producer = Replica(str(tiny_model), name=MODEL, cpu=0, kv_transfer=producer_config(),
                        log_path=str(work / "producer.log"), pin_process=True)  # fmt: skip
-    consumer = Replica(str(tiny_model), name=MODEL, cpu=1, kv_transfer=_pd_connector("kv_consumer"),
+    consumer = Replica(str(tiny_model), name=MODEL, cpu=1, kv_transfer=consumer_config(),
                        log_path=str(work / "consumer.log"), pin_process=True)  # fmt: skip
     port = free_port()
     router_log = work / "router.log"
