@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -38,7 +39,7 @@ from kvmesh.bench.report import print_table, write_json, write_panels
 from kvmesh.errors import ProcessError
 from kvmesh.harness.connector import pd_config
 from kvmesh.harness.ports import free_port
-from kvmesh.harness.processes import Service, get_json, install_signal_handlers
+from kvmesh.harness.processes import Service, get_json, install_signal_handlers, log_tail
 from kvmesh.harness.replicas import Replica, start_replicas
 from kvmesh.harness.router import RouterProcess
 
@@ -255,6 +256,9 @@ def run_phases(p: Params, model_dir: str, workdir: str, setups: Sequence[str], l
                             continue
                         row = replay(live[s].url, MODEL_NAME, reqs)
                         row.update({"setup": s, "phase": pi + 1, "trial": t})
+                        if row["errors"]:  # what the replicas said, for the report
+                            logs = [os.path.join(workdir, f"{s}-replica{i}.log") for i in range(2)]
+                            row["replica_log_errors"] = [log_tail(path, limit=3, chars=600) for path in logs]
                         trials.append(row)
                         log(f"  phase {pi + 1} trial {t} {s}: ttft p50 {row.get('ttft_p50_s')} s, itl p90 "
                             f"{row.get('itl_p90_s')} s, {row.get('requests_per_s')} req/s, "
@@ -279,8 +283,14 @@ def run(quick: bool, json_path: str, plot_path: str, model_dir: str | None = Non
         raise ValueError(f"unknown setup(s) {', '.join(bad)}; valid: {', '.join(SETUPS)}")
     model = model_dir or str(ensure_model(DEFAULT_TINY_MODEL))
     print(f"kvmesh bench pd: {p}")
-    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-pd-") as workdir:
+    # Kept after the run (the replicas' and routers' logs say why a setup failed); the
+    # ExampleConnector's KV files are not.
+    workdir = tempfile.mkdtemp(prefix="kvmesh-bench-pd-")
+    print(f"  logs in {workdir}")
+    try:
         done = run_phases(p, model, workdir, names, print)
+    finally:
+        shutil.rmtree(os.path.join(workdir, "example-kv"), ignore_errors=True)
     transfer = measure_transfer(p.transfer_mb << 20)
     rows = [aggregate(s, done["trials"]) for s in names]
     for r in rows:
