@@ -78,7 +78,9 @@ class Params:
 
 
 def params(quick: bool) -> Params:
-    return Params(1, 6, 0.3, transfer_mb=64) if quick else Params(3, 12, 0.3)
+    # 0.4 requests/s: the colocated pair sustains it (each request is ~0.6 s of prefill and
+    # ~5 s of decode at ~25 ms a token, so about two run at a time) with room for bursts.
+    return Params(1, 4, 0.4, transfer_mb=64) if quick else Params(2, 8, 0.4)
 
 
 # -- pure helpers (unit-tested) --------------------------------------------------------------
@@ -130,7 +132,8 @@ def targets(trials: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def transfer_config(setup: str, role: str, workdir: str) -> dict[str, Any] | None:
     """A replica's ``--kv-transfer-config`` in ``setup`` (``role``: kv_both/producer/consumer)."""
     if setup in ("colocated", "kvmesh-pd"):
-        return pd_config(role)  # the CPU tier only: every prompt is new, nothing is shared
+        # The CPU tier only (every prompt is new, nothing is shared); sockets of the run's own.
+        return pd_config(role, socket_dir=workdir)
     if setup == "vllm-router-pd":
         return {
             "kv_connector": "ExampleConnector",
@@ -316,7 +319,7 @@ def run(quick: bool, json_path: str, plot_path: str, model_dir: str | None = Non
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bp = sub.add_parser("pd", help="prefill/decode disaggregation vs colocated (kvmesh, vllm-router, plain)")
-    bp.add_argument("--quick", action="store_true", help="1 trial of 6 requests, a 64 MiB transfer")
+    bp.add_argument("--quick", action="store_true", help="1 trial of 4 requests, a 64 MiB transfer")
     bp.add_argument("--json", default="docs/bench/pd.json", help="write results here")
     bp.add_argument("--plot", default="docs/bench/pd.png", help="write the PNG here")
     bp.add_argument("--model", help="model directory (default .cache/models/tiny, built if missing)")
