@@ -209,3 +209,16 @@ def test_decode_half_pulls_once_then_looks_up() -> None:
     rank.calls.clear()
     assert s2.lookup(req("e", 300, params), 256) == 0  # vLLM's own cache has it: confirm only
     assert [op for op, _ in rank.calls] == ["pd_confirm"]
+
+
+def test_decode_half_finished_before_its_lookup_releases_the_producer() -> None:
+    rank = PdRank()
+    s = SchedulerSide(CS, BS, [rank], pd_ranks=[rank])
+    params = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "kvmesh": {"keys": []}}
+    s.finished(req("gone", 300, params))  # e.g. vLLM's notify_kv_transfer_request_rejected
+    assert [op for op, _ in rank.calls] == ["pd_confirm"]
+    rank.calls.clear()
+    r = req("d", 300, params)
+    s.lookup(r, 0)
+    s.finished(r)  # pulled already (the pull confirmed): nothing more
+    assert [op for op, _ in rank.calls] == ["pd_pull", "lookup"]
