@@ -57,6 +57,23 @@ def output(resp: dict[str, Any]) -> tuple[list[str], list[dict[str, float]], int
     return list(lp["tokens"]), list(lp["top_logprobs"]), int(details.get("cached_tokens") or 0)
 
 
+def chat(url: str, words: str, **body: Any) -> dict[str, Any]:
+    msg = [{"role": "user", "content": words}]
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": msg, **body}, timeout=120)
+    r.raise_for_status()
+    return dict(r.json())
+
+
+CHAT = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "logprobs": True, "top_logprobs": 5}
+
+
+def chat_output(resp: dict[str, Any]) -> tuple[list[str], list[dict[str, float]]]:
+    content = resp["choices"][0]["logprobs"]["content"]
+    return [c["token"] for c in content], [
+        {t["token"]: t["logprob"] for t in c["top_logprobs"]} for c in content
+    ]
+
+
 def top5_diff(a: list[dict[str, float]], b: list[dict[str, float]]) -> float:
     worst = 0.0
     for x, y in zip(a, b, strict=True):
@@ -105,6 +122,16 @@ def pd_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         res["prefill4"] = pre4
         own = {k: v for k, v in pre4["kv_transfer_params"].items() if k != "remote_prefill_cached_tokens"}
         res["decode4"] = complete(consumer.url, p4, **GEN, kv_transfer_params=own)
+        # 1c. the same handshake through /v1/chat/completions.
+        words = " ".join(f"w{i % 97}" for i in range(700))
+        res["chat_ref"] = chat(producer.url, words, **CHAT)
+        res["chat_prefill"] = chat(
+            producer.url, words, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+        )
+        res["chat_decode"] = chat(
+            consumer.url, words, **CHAT, kv_transfer_params=res["chat_prefill"]["kv_transfer_params"]
+        )
+        res["c_after_chat"] = admin_stats(c_admin)
         # 2. a decode that never comes: the pins go after the timeout.
         complete(producer.url, p2, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         res["p_orphan_pinned"] = admin_stats(p_admin)
@@ -149,6 +176,16 @@ def test_consumer_output_equals_colocated_and_prompt_is_cached(pd_run: dict[str,
     c = pd_run["c_after_decode"]
     assert c["pd_pull_chunks"] == 1100 // CS and not c["pd_fallbacks_total"]
     assert c["load_tokens"] >= (1100 - 1) // CS * CS
+
+
+def test_chat_completions_carry_the_handshake_too(pd_run: dict[str, Any]) -> None:
+    params = pd_run["chat_prefill"]["kv_transfer_params"]
+    assert params["do_remote_prefill"] and params["kvmesh"]["keys"]
+    ref_ids, ref_lp = chat_output(pd_run["chat_ref"])
+    ids, lp = chat_output(pd_run["chat_decode"])
+    assert ids == ref_ids and top5_diff(lp, ref_lp) <= LOOSE
+    before, after = pd_run["c_after_decode"], pd_run["c_after_chat"]
+    assert after["pd_pull_chunks"] > before["pd_pull_chunks"] and not after["pd_fallbacks_total"]
 
 
 def test_consumer_confirm_releases_the_producers_pins(pd_run: dict[str, Any]) -> None:
