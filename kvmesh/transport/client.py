@@ -24,7 +24,7 @@ from kvmesh.core import serde
 from kvmesh.core.engine import CacheEngine
 from kvmesh.core.keys import ChunkKey
 from kvmesh.errors import CorruptChunkError
-from kvmesh.transport.wire import WireError, recv_exact, recv_into_exact, recv_msg, send_msg
+from kvmesh.transport.wire import SOCKET_BUFFER, WireError, recv_exact, recv_into_exact, recv_msg, send_msg
 
 MAX_HEADER = 1 << 20
 
@@ -69,7 +69,7 @@ def pull(
     if first:
         res.tokens = engine.keys.chunk_bounds(len(tokens))[first - 1][1]
     try:
-        sock = socket.create_connection((host, port), timeout=max(0.01, min(connect_timeout_s, timeout_s)))
+        sock = connect((host, port), timeout=max(0.01, min(connect_timeout_s, timeout_s)))
     except OSError as exc:
         res.reason, res.detail = UNREACHABLE, f"{host}:{port}: {exc}"
         res.seconds = time.monotonic() - t0
@@ -95,6 +95,23 @@ def pull(
         confirm(host, port, req, timeout_s=min(1.0, timeout_s))
     res.seconds = time.monotonic() - t0
     return res
+
+
+def connect(address: tuple[str, int], timeout: float) -> socket.socket:
+    """A connection with a large receive buffer, set before connecting so the window
+    scales: a chunk's megabytes arrive in few reads."""
+    err: OSError | None = None
+    for family, kind, proto, _, addr in socket.getaddrinfo(*address, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+            sock.settimeout(timeout)
+            sock.connect(addr)
+            return sock
+        except OSError as exc:
+            sock.close()
+            err = exc
+    raise err or OSError(f"cannot resolve {address[0]}")
 
 
 def _set_deadline(sock: socket.socket, deadline: float) -> None:

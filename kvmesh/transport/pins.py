@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvmesh.core.engine import CacheEngine
@@ -30,6 +30,8 @@ class PinLedger:
         self._held: dict[str, tuple[list[ChunkKey], float]] = {}
         self.counters = {"pd_pins": 0, "pd_pins_confirmed": 0, "pd_pins_expired": 0}
         self._stop = threading.Event()
+        # Called with the keys of every hold that ends (confirm, expiry, replacement, close).
+        self.on_release: list[Callable[[list[ChunkKey]], None]] = []
         self._reaper = threading.Thread(target=self._reap_loop, name="kvmesh-pd-pins", daemon=True)
         self._reaper.start()
 
@@ -54,8 +56,13 @@ class PinLedger:
                 self.counters["pd_pins_confirmed"] += 1
         if entry is None:
             return False
-        self.engine.unpin_keys(entry[0])
+        self._unpin(entry[0])
         return True
+
+    def _unpin(self, keys: list[ChunkKey]) -> None:
+        self.engine.unpin_keys(keys)
+        for hook in self.on_release:
+            hook(keys)
 
     def expire(self, now: float | None = None) -> int:
         """Release every hold past its deadline; returns how many."""
@@ -65,7 +72,7 @@ class PinLedger:
             entries = [self._held.pop(r) for r in gone]
             self.counters["pd_pins_expired"] += len(gone)
         for keys, _ in entries:
-            self.engine.unpin_keys(keys)
+            self._unpin(keys)
         return len(gone)
 
     def _reap_loop(self) -> None:
@@ -87,4 +94,4 @@ class PinLedger:
         with self._lock:
             entries, self._held = list(self._held.values()), {}
         for keys, _ in entries:
-            self.engine.unpin_keys(keys)
+            self._unpin(keys)

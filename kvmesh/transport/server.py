@@ -14,6 +14,7 @@ import logging
 import socket
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from kvmesh.core import serde
@@ -21,10 +22,11 @@ from kvmesh.core.engine import CacheEngine
 from kvmesh.core.keys import ChunkKey
 from kvmesh.errors import ConfigError
 from kvmesh.transport.pins import PinLedger
-from kvmesh.transport.wire import WireError, recv_msg, send_msg
+from kvmesh.transport.wire import SOCKET_BUFFER, WireError, frame, recv_msg, send_msg, send_parts
 
 log = logging.getLogger(__name__)
 
+VLLM_DEFAULT_KV_PORT = 14579
 IDLE_TIMEOUT_S = 300.0  # a connection silent this long is dropped (its thread ends)
 
 
@@ -53,6 +55,11 @@ class TransferServer:
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self.counters: Counter[str] = Counter()
+        # Chunk headers (with the payload checksum) computed when a request is pinned, so a
+        # fetch only sends: key text -> (header, holds referring to it). A pinned chunk
+        # stays the same pool object, so its header stays true until the last hold ends.
+        self._heads: dict[str, tuple[bytes, int]] = {}
+        pins.on_release.append(self._forget)
 
     def start(self) -> TransferServer:
         try:
@@ -63,7 +70,10 @@ class TransferServer:
                     f"kvmesh transfer server cannot listen on {self.host}:{self._want_port} "
                     f"(kv_ip / kv_port): {exc}"
                 ) from None
-            log.warning(
+            # vLLM's kv_port defaults to 14579 on every replica: on a shared host the second
+            # one lands here, which is fine (consumers learn the port from kv_transfer_params).
+            log.log(
+                logging.INFO if self._want_port == VLLM_DEFAULT_KV_PORT else logging.WARNING,
                 "kvmesh: transfer port %s:%d is taken (%s); listening on a free port instead "
                 "(consumers learn it from kv_transfer_params)",
                 self.host,
@@ -96,6 +106,7 @@ class TransferServer:
             except OSError:
                 return  # closed
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
             conn.settimeout(IDLE_TIMEOUT_S)
             with self._lock:
                 self._conns.add(conn)
@@ -122,6 +133,43 @@ class TransferServer:
                 self._conns.discard(conn)
             conn.close()
 
+    def prepare(self, keys: Sequence[ChunkKey]) -> int:
+        """Compute the headers of ``keys`` (pinned by the caller) ahead of their fetch;
+        returns how many chunks are held. Called when the producer pins a request."""
+        n = 0
+        for key in keys:
+            with self._lock:
+                entry = self._heads.get(key.text)
+                if entry is not None:
+                    self._heads[key.text] = (entry[0], entry[1] + 1)
+                    n += 1
+                    continue
+            obj = self.engine.cpu.get([key])[0]
+            if obj is None:
+                continue
+            try:
+                if obj.layout is None or obj.tokens is None:
+                    continue
+                head, _ = serde.encode(key, obj.layout, obj.tokens, obj.raw(), "raw")
+            finally:
+                obj.release()
+            with self._lock:
+                old = self._heads.get(key.text)
+                self._heads[key.text] = (head, (old[1] if old else 0) + 1)
+            n += 1
+        return n
+
+    def _forget(self, keys: list[ChunkKey]) -> None:
+        with self._lock:
+            for key in keys:
+                entry = self._heads.get(key.text)
+                if entry is None:
+                    continue
+                if entry[1] <= 1:
+                    del self._heads[key.text]
+                else:
+                    self._heads[key.text] = (entry[0], entry[1] - 1)
+
     def _fetch(self, conn: socket.socket, msg: dict[str, Any]) -> None:
         keys = msg.get("keys")
         if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
@@ -143,11 +191,16 @@ class TransferServer:
                 send_msg(conn, {"t": "missing", "i": i})
                 break
             try:
-                head, body = serde.encode(key, obj.layout, obj.tokens, obj.raw(), "raw")
-                plen = memoryview(body).nbytes
-                send_msg(conn, {"t": "chunk", "i": i, "hlen": len(head), "plen": plen})
-                conn.sendall(head)
-                conn.sendall(body)
+                with self._lock:
+                    cached = self._heads.get(key.text)
+                body = obj.raw()
+                if cached is not None:
+                    head = cached[0]
+                else:  # not prepared (pinned by hand, or its hold has ended): hash now
+                    head, _ = serde.encode(key, obj.layout, obj.tokens, body, "raw")
+                plen = body.nbytes
+                ctrl = frame({"t": "chunk", "i": i, "hlen": len(head), "plen": plen})
+                send_parts(conn, [ctrl, head, memoryview(body)])  # one syscall, the slot uncopied
                 self.counters["chunks"] += 1
                 self.counters["bytes"] += plen
             finally:

@@ -27,6 +27,25 @@ import msgspec
 
 MAX_CONTROL = 16 << 20  # a fetch of 1,000 keys is ~100 KB; anything near this is garbage
 _LEN = struct.Struct(">I")
+SOCKET_BUFFER = 4 << 20  # bytes; the kernel caps it at net.core.{r,w}mem_max
+
+
+def frame(obj: dict[str, Any]) -> bytes:
+    body = msgspec.msgpack.encode(obj)
+    return _LEN.pack(len(body)) + body
+
+
+def send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
+    """``sendall`` of several buffers with one ``sendmsg`` (no concatenation copy); a
+    partial send finishes with ``sendall`` of what is left."""
+    views = [memoryview(p).cast("B") for p in parts]
+    sent = sock.sendmsg(views)
+    for v in views:
+        if sent >= v.nbytes:
+            sent -= v.nbytes
+            continue
+        sock.sendall(v[sent:])
+        sent = 0
 
 
 class WireError(ConnectionError):
@@ -34,8 +53,7 @@ class WireError(ConnectionError):
 
 
 def send_msg(sock: socket.socket, obj: dict[str, Any]) -> None:
-    body = msgspec.msgpack.encode(obj)
-    sock.sendall(_LEN.pack(len(body)) + body)
+    sock.sendall(frame(obj))
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:

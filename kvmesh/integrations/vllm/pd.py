@@ -150,6 +150,7 @@ class PdWorker:
         n = held.index(False) if False in held else len(held)
         keys = keys[:n]
         self.pins.hold(req, keys)
+        self.server.prepare(keys)  # checksums now, off the transfer's path
         with self._lock:
             self.counters["pd_exports"] += 1
             self.counters["pd_export_chunks"] += n

@@ -257,7 +257,13 @@ class SchedulerSide:
         req_id = request.request_id
         self._new.pop(req_id, None)
         self._active.pop(req_id, None)
-        self._pulled.discard(req_id)
+        if req_id in self._pulled:
+            self._pulled.discard(req_id)
+        elif self.pd_ranks and self.load_enabled and (pd := remote_prefill(request)) is not None:
+            # A decode half that ended before its lookup (rejected, aborted while waiting):
+            # the producer unpins now rather than after pd_pin_timeout_s.
+            for rank in self.pd_ranks:
+                rank.call("pd_confirm", params=dict(pd))
         found = self._lookups.pop(req_id, None)
         if found is not None:
             self._releases.append((req_id, found[0]))

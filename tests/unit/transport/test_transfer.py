@@ -289,3 +289,24 @@ def test_producer_killed_mid_transfer() -> None:
             child.kill()
         child.join(5)
         consumer.close()
+
+
+def test_prepared_headers_are_used_then_forgotten(producer, consumer) -> None:  # type: ignore[no-untyped-def]
+    eng, pins, srv = producer
+    toks, kv = prompt(3)
+    eng.store(toks, kv)
+    keys = eng.keys.keys_for_array(toks.astype(np.uint32))
+    pins.hold("a", keys)
+    pins.hold("b", keys[:1])  # two holds share chunk 0
+    assert srv.prepare(keys) == 3 and srv.prepare(keys[:1]) == 1
+    assert pull(consumer, "127.0.0.1", srv.port, "a", keys, toks).reason is None
+    assert len(srv._heads) == 1  # a's confirm dropped its headers; b still holds chunk 0
+    pins.release("b")
+    assert srv._heads == {}
+
+
+def test_loopback_measure_runs() -> None:
+    from kvmesh.transport.loopback import transfer_vs_raw
+
+    r = transfer_vs_raw(tokens=64, dims=(2, 2, 8), chunk_size=16, repeats=2)
+    assert r["chunks"] == 4 and r["pull_gbps"] > 0 and r["raw_gbps"] > 0 and r["ratio"] > 0
