@@ -249,9 +249,18 @@ def measure_transfer(nbytes: int, repeats: int = 5) -> dict[str, Any]:
     return {**rounded, "target_ge": TRANSFER_TARGET, "met": ratio >= TRANSFER_TARGET}
 
 
-def _start(setup: str, owner: contextlib.ExitStack, model_dir: str, workdir: str, log: Log) -> Front:
-    """The setup's replicas and router, stopped when ``owner`` closes; warmed up."""
+def _start(
+    setup: str,
+    owner: contextlib.ExitStack,
+    model_dir: str,
+    workdir: str,
+    log: Log,
+    urls: dict[str, list[str]],
+) -> Front:
+    """The setup's replicas (their URLs into ``urls``) and router, stopped when ``owner``
+    closes; warmed up."""
     reps = owner.enter_context(setup_replicas(setup, model_dir, workdir, log))
+    urls[setup] = [r.url for r in reps]
     svc = front(setup, [r.url for r in reps], model_dir, os.path.join(workdir, f"{setup}-router.log"))
     owner.callback(svc.stop)
     svc.start(timeout=180)
@@ -264,10 +273,12 @@ def _start(setup: str, owner: contextlib.ExitStack, model_dir: str, workdir: str
 def run_phases(p: Params, model_dir: str, workdir: str, setups: Sequence[str], log: Log) -> dict[str, Any]:
     trials: list[dict[str, Any]] = []
     failures: dict[str, str] = {}
+    threshold: dict[str, Any] | None = None
     phases = [tuple(s for s in ph if s in setups) for ph in PHASES]
     phases = [ph for ph in phases if ph]
     with contextlib.ExitStack() as keep:  # setups used by a later phase too
         live: dict[str, Front] = {}
+        urls: dict[str, list[str]] = {}
         for pi, phase in enumerate(phases):
             later = {s for ph in phases[pi + 1 :] for s in ph}
             with contextlib.ExitStack() as stack:  # setups of this phase only
@@ -277,7 +288,7 @@ def run_phases(p: Params, model_dir: str, workdir: str, setups: Sequence[str], l
                     owner = keep if s in later else stack
                     log(f"phase {pi + 1}: starting {s}")
                     try:
-                        live[s] = _start(s, owner, model_dir, workdir, log)
+                        live[s] = _start(s, owner, model_dir, workdir, log, urls)
                     except (OSError, ProcessError, TimeoutError) as exc:
                         failures[s] = f"{type(exc).__name__}: {exc}"
                         log(f"  {s} cannot run: {failures[s]}")
@@ -298,10 +309,32 @@ def run_phases(p: Params, model_dir: str, workdir: str, setups: Sequence[str], l
                         log(f"  phase {pi + 1} trial {t} {s}: ttft p50 {row.get('ttft_p50_s')} s, itl p90 "
                             f"{row.get('itl_p90_s')} s, {row.get('requests_per_s')} req/s, "
                             f"{row['errors']} errors, load {row['load_avg_after']}")  # fmt: skip
+                if "kvmesh-pd" in live and "kvmesh-pd" in phase and "kvmesh-pd" not in later:
+                    threshold = _probe_threshold(urls["kvmesh-pd"], model_dir, workdir, log)
                 for s in phase:
                     if s not in later:
                         live.pop(s, None)
-    return {"trials": trials, "failures": failures}
+    return {"trials": trials, "failures": failures, "threshold_probe": threshold}
+
+
+def _probe_threshold(urls: Sequence[str], model_dir: str, workdir: str, log: Log) -> dict[str, Any]:
+    """:func:`kvmesh.bench.pd_threshold.probe` over the kvmesh PD pair, through a second
+    router whose threshold is 0."""
+    from kvmesh.bench.pd_threshold import probe
+    from kvmesh.router.config import ReplicaConfig, RouterConfig
+
+    replicas = (ReplicaConfig(url=urls[0], role="prefill"), ReplicaConfig(url=urls[1], role="decode"))
+    cfg = RouterConfig(
+        model=model_dir, replicas=replicas, port=0, pd={"enabled": True, "pd_threshold_tokens": 0}
+    )
+    try:
+        with RouterProcess(cfg, os.path.join(workdir, "threshold-router.log")) as router:
+            router.start(timeout=60)
+            got = probe(router.url, urls[1], model_dir, MODEL_NAME)
+    except (OSError, ProcessError, TimeoutError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    log(f"  threshold probe: {got}")
+    return got
 
 
 def run(quick: bool, json_path: str, plot_path: str, model_dir: str | None = None,
@@ -336,6 +369,7 @@ def run(quick: bool, json_path: str, plot_path: str, model_dir: str | None = Non
         "results": rows,
         "targets": targets(done["trials"]),
         "transfer": transfer,
+        "threshold_probe": done["threshold_probe"],
         "trials": done["trials"],
     }
     print_table(rows, ("setup", *METRICS, "errors"))

@@ -105,3 +105,17 @@ def test_transfer_measure_small() -> None:
     assert "error" not in got, got
     assert got["bytes"] >= 4 << 20 and got["raw_gbps"] > 0 and got["pull_gbps"] > 0
     assert got["met"] == (got["ratio"] >= 0.8)
+
+
+def test_threshold_probe_against_fakes(tiny_tokenizer_dir: Path) -> None:
+    from kvmesh.bench.pd_threshold import probe
+
+    slow, fast = FakeVLLM("pd").start(), FakeVLLM("local").start()
+    try:
+        slow.delay_s = 0.08  # the hop's cost, in this fake
+        got = probe(slow.url, fast.url, str(tiny_tokenizer_dir), "tiny", repeats=1, lengths=(20, 40))
+    finally:
+        slow.stop()
+        fast.stop()
+    assert [r["tokens"] for r in got["lengths"]] == [20, 40]
+    assert all(r["hop_cost_s"] >= 0.05 for r in got["lengths"]) and got["local_faster_up_to"] == 40
