@@ -164,7 +164,9 @@ def test_mixed_workload_streams_and_equals_colocated(pd: PD) -> None:
     # The consumer pulled every whole chunk of the long prompts, and fell back for none. (Its
     # usage's cached_tokens is not the measure: with PD, vLLM reports the producer's own
     # prefix hits there, remote_prefill_cached_tokens, which are 0 for a new prompt.)
-    stats = httpx.get(f"http://127.0.0.1:{pd.consumer_admin}/kvmesh/admin/v1/stats", timeout=10).json()
+    stats = httpx.get(f"http://127.0.0.1:{pd.consumer_admin}/kvmesh/admin/v1/stats", timeout=10).json()[
+        "connector"
+    ]
     chunks = sum((a.prompt_tokens - 1) // CHUNK_SIZE for a in got[2:])
     assert stats["pd_pull_chunks"] >= chunks > 0 and not stats["pd_fallbacks_total"], (stats, logs)
     # The colocated reference: the producer computes prompt and output itself.
