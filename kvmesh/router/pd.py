@@ -136,10 +136,13 @@ class PDRouter:
             return s._unavailable(path, "no healthy decode replica (role=decode or both); retry later")
         ranked = s.picker.pick(req, decode).ranked
         uncached = len(req.tokens) - matched_tokens(req, ranked[0])
+        # The router owns kv_transfer_params in pd mode: a client's own would point the
+        # consumer's pull at a host of the client's choosing.
+        own = raw if "kv_transfer_params" not in body else self._encoder.encode(decode_body(body, None))
         if not len(req.tokens) or uncached <= self.config.pd_threshold_tokens:
             # Unknown length (no tokenizer) counts as short: never a second hop on a guess.
             s._child(s.metrics.pd_requests, "decode_only").inc()
-            return await s._forward(request, path, raw, stream, ranked, req, t0)
+            return await s._forward(request, path, own, stream, ranked, req, t0)
         prefill = self._candidates(ranked[0], "prefill", "both")
         params: dict[str, Any] | None = None
         if prefill:
@@ -159,8 +162,7 @@ class PDRouter:
             log.info(
                 "prefill of %d uncached tokens failed (%s): %s decodes alone", uncached, outcome, ranked[0]
             )
-            # The client's bytes as sent, unless it put kv_transfer_params there itself.
-            out = raw if "kv_transfer_params" not in body else self._encoder.encode(decode_body(body, None))
+            out = own
         else:
             s._child(s.metrics.pd_requests, "pd").inc()
             log.debug("prefilled %d uncached tokens on %s; decode on %s", uncached, outcome, ranked[0])

@@ -174,6 +174,10 @@ def test_short_prompt_and_cached_prefix_decode_alone(
     short = {"model": "tiny", "prompt": words(10), "max_tokens": 3}
     assert httpx.post(router.url + "/v1/completions", json=short, timeout=10).status_code == 200
     assert bodies(fakes["p"]) == [] and bodies(fakes["d"]) == [short]
+    # A client's own transfer parameters do not reach the consumer (the router owns them).
+    forged = {**short, "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.9.9.9"}}
+    assert httpx.post(router.url + "/v1/completions", json=forged, timeout=10).status_code == 200
+    assert bodies(fakes["d"])[-1] == short
     # A long prompt goes the pd way; the same prompt plus a few words then finds its prefix
     # on the decode replica (the router's speculative entry) and stays there.
     first = long_body(stream=False, seed=3)
@@ -182,7 +186,7 @@ def test_short_prompt_and_cached_prefix_decode_alone(
     assert httpx.post(router.url + "/v1/completions", json=follow, timeout=10).status_code == 200
     assert len(bodies(fakes["p"])) == 1
     assert bodies(fakes["d"])[-1] == follow
-    assert metric(router, "kvmesh_router_pd_requests_total", path="decode_only") == 2
+    assert metric(router, "kvmesh_router_pd_requests_total", path="decode_only") == 3
     assert metric(router, "kvmesh_router_pd_requests_total", path="pd") == 1
 
 
