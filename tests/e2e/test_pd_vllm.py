@@ -13,8 +13,10 @@ test_vllm_connector.py holds loads against a cold run to.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 CS = 256
 PIN_TIMEOUT_S = 4.0
+FETCH_TIMEOUT_S = 3.0
 LOOSE = 1e-4
 GEN = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "logprobs": 5}
 
@@ -94,7 +97,9 @@ def pd_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     )
     consumer = Replica(
         str(tiny_model),
-        kv_transfer=consumer_config(**{**common, "admin_port": c_admin, "pd_fetch_timeout_s": 3.0}),
+        kv_transfer=consumer_config(
+            **{**common, "admin_port": c_admin, "pd_fetch_timeout_s": FETCH_TIMEOUT_S}
+        ),
         log_path=str(work / "consumer.log"),
     )
     res: dict[str, Any] = {}
@@ -132,6 +137,27 @@ def pd_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             consumer.url, words, **CHAT, kv_transfer_params=res["chat_prefill"]["kv_transfer_params"]
         )
         res["c_after_chat"] = admin_stats(c_admin)
+        # 1d. a hung producer (a listener here that never answers; fault injection) holds
+        # only its own request: a plain request sent meanwhile finishes first.
+        hung = socket.socket()
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(4)
+        p5 = tokens(5)
+        pre5 = complete(producer.url, p5, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        bad = {**pre5["kv_transfer_params"], "remote_port": hung.getsockname()[1]}
+        bad["kvmesh"] = {**bad["kvmesh"], "ports": [hung.getsockname()[1]]}
+        with ThreadPoolExecutor(2) as pool:
+            t0 = time.monotonic()
+            stuck = pool.submit(complete, consumer.url, p5, **GEN, kv_transfer_params=bad)
+            time.sleep(0.3)  # the stuck pull has started
+            plain = pool.submit(complete, consumer.url, tokens(6, 300), max_tokens=4, temperature=0.0)
+            plain.result()
+            res["plain_during_hang_s"] = time.monotonic() - t0
+            res["decode5"] = stuck.result()
+            res["decode5_s"] = time.monotonic() - t0
+        hung.close()
+        res["ref5"] = complete(producer.url, p5, **GEN)
+        res["c_after_hang"] = admin_stats(c_admin)
         # 2. a decode that never comes: the pins go after the timeout.
         complete(producer.url, p2, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         res["p_orphan_pinned"] = admin_stats(p_admin)
@@ -186,6 +212,15 @@ def test_chat_completions_carry_the_handshake_too(pd_run: dict[str, Any]) -> Non
     assert ids == ref_ids and top5_diff(lp, ref_lp) <= LOOSE
     before, after = pd_run["c_after_decode"], pd_run["c_after_chat"]
     assert after["pd_pull_chunks"] > before["pd_pull_chunks"] and not after["pd_fallbacks_total"]
+
+
+def test_hung_producer_stalls_only_its_own_request(pd_run: dict[str, Any]) -> None:
+    ref_ids, ref_lp, _ = output(pd_run["ref5"])
+    ids, lp, _ = output(pd_run["decode5"])
+    assert ids == ref_ids and top5_diff(lp, ref_lp) <= LOOSE
+    assert pd_run["c_after_hang"]["pd_fallbacks_total"].get("timeout", 0) >= 1
+    assert pd_run["decode5_s"] >= FETCH_TIMEOUT_S  # it waited for its pull ...
+    assert pd_run["plain_during_hang_s"] < pd_run["decode5_s"]  # ... the other request did not
 
 
 def test_consumer_confirm_releases_the_producers_pins(pd_run: dict[str, Any]) -> None:

@@ -136,6 +136,8 @@ class KVMeshConnector(KVConnectorBase_V1):
                 delay_free=delay_free,
                 pd_ranks=pd_clients,
                 engine_id=self.engine_id,
+                pd_async=self.options.pd_async_pull,
+                pd_wait_s=self.options.pd_fetch_timeout_s + 1.0,
             )
 
     @classmethod

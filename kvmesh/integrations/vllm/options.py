@@ -37,6 +37,8 @@ CONNECTOR_KEYS = {
     "a decode that has not confirmed (default 60)",
     "pd_fetch_timeout_s": "prefill/decode: a consumer's budget for pulling one request's chunks "
     "from the producer (default 5); past it the rest comes from a shared tier or is recomputed",
+    "pd_async_pull": "prefill/decode: pull on a worker thread while vLLM schedules other requests "
+    "(default true); false: the scheduler waits for the pull",
 }
 
 
@@ -51,6 +53,7 @@ class ConnectorOptions:
     pd_advertise_host: str | None = None
     pd_pin_timeout_s: float = 60.0
     pd_fetch_timeout_s: float = 5.0
+    pd_async_pull: bool = True
 
     @classmethod
     def from_extra_config(
@@ -71,9 +74,7 @@ class ConnectorOptions:
         base.update(extra)
         cache = CacheConfig.from_env(environ, base=base)
         timeout = _positive(own, "rpc_timeout_s", 2.0)
-        layerwise = own.get("layerwise_load", True)
-        if not isinstance(layerwise, bool):
-            raise ConfigError(f"layerwise_load must be true or false, got {layerwise!r}")
+        layerwise = _flag(own, "layerwise_load", True)
         return cls(
             cache=cache,
             model_fingerprint=_fingerprint_option(own),
@@ -84,7 +85,15 @@ class ConnectorOptions:
             pd_advertise_host=str(own["pd_advertise_host"]) if own.get("pd_advertise_host") else None,
             pd_pin_timeout_s=_positive(own, "pd_pin_timeout_s", 60.0),
             pd_fetch_timeout_s=_positive(own, "pd_fetch_timeout_s", 5.0),
+            pd_async_pull=_flag(own, "pd_async_pull", True),
         )
+
+
+def _flag(own: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = own.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    return value
 
 
 def _positive(own: Mapping[str, Any], key: str, default: float) -> float:

@@ -25,8 +25,11 @@ model) is counted in the worker's ``pd_fallbacks_total[reason]``; the lookup the
 whatever the shared tier holds (``pd_fallback_outcomes[shared]``), and vLLM computes the
 rest (``[recompute]``). Output is never wrong: only verified chunks of the same key enter.
 
-The pull runs inside the scheduler's lookup (synchronous, bounded by
-``pd_fetch_timeout_s``): ~10 ms for a 2,000-token prompt of the test model over loopback.
+The pull runs on a worker thread while vLLM goes on scheduling: the scheduler's lookup
+starts it and answers vLLM "not known yet" (``None``: the request waits, the others run)
+until it has ended or ``pd_fetch_timeout_s`` (+1 s) has passed; the load into vLLM's pages
+is then the connector's usual synchronous load. With ``pd_async_pull: false`` the lookup
+pulls inline instead (the scheduler waits, bounded by the same timeout).
 """
 
 from __future__ import annotations
@@ -123,6 +126,7 @@ class PdWorker:
         self.fallbacks: Counter[str] = Counter()
         self.outcomes: Counter[str] = Counter()
         self._lock = threading.Lock()
+        self._pulls: dict[str, tuple[threading.Event, float]] = {}  # background pulls
         self.pins: PinLedger | None = None
         self.server: TransferServer | None = None
         if produce:
@@ -133,7 +137,13 @@ class PdWorker:
             log.info("kvmesh: PD transfer server of rank %d on %s:%d", rank, options.kv_ip, self.server.port)
 
     def handlers(self) -> dict[str, Callable[..., Any]]:
-        return {"pd_export": self.export, "pd_pull": self.pull, "pd_confirm": self.confirm_params}
+        return {
+            "pd_export": self.export,
+            "pd_pull": self.pull,
+            "pd_pull_start": self.pull_start,
+            "pd_pull_done": self.pull_done,
+            "pd_confirm": self.confirm_params,
+        }
 
     # -- producer ----------------------------------------------------------------------
     def export(self, req: str, tokens: list[int]) -> dict[str, Any] | None:
@@ -207,6 +217,42 @@ class PdWorker:
         if res.reason is not None:
             self._fallback(req, res.reason, arr, res.tokens, res.detail)
         return {"tokens": res.tokens, "reason": res.reason, "seconds": res.seconds}
+
+    def pull_start(self, req: str, tokens: list[int], params: dict[str, Any]) -> bool:
+        """:meth:`pull` on a thread of its own: the scheduler goes on scheduling other
+        requests and asks :meth:`pull_done` at its next steps."""
+        now = time.monotonic()
+        with self._lock:
+            # Entries whose scheduler never asked again (request aborted) go after a while.
+            stale = 2 * self.options.pd_fetch_timeout_s + 60
+            for r in [r for r, (ev, t0) in self._pulls.items() if ev.is_set() and now - t0 > stale]:
+                del self._pulls[r]
+            if req in self._pulls:
+                return True
+            done = threading.Event()
+            self._pulls[req] = (done, now)
+
+        def run() -> None:
+            try:
+                self.pull(req, tokens, params)
+            except Exception:  # a malformed parameter set: a miss, never a dead thread
+                log.exception("kvmesh: PD pull for %s failed", req)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="kvmesh-pd-pull", daemon=True).start()
+        return True
+
+    def pull_done(self, req: str) -> bool:
+        """Whether the background pull of ``req`` has ended (or none is known)."""
+        with self._lock:
+            entry = self._pulls.get(req)
+            if entry is None:
+                return True
+            if entry[0].is_set():
+                del self._pulls[req]
+                return True
+            return False
 
     def confirm(self, host: str, port: int, remote_req: str) -> bool:
         """Release the producer's pins without pulling (nothing to fetch, or vLLM's own

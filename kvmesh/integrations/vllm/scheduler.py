@@ -19,6 +19,7 @@ Life of a request:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -68,6 +69,8 @@ class SchedulerSide:
         delay_free: bool = False,
         pd_ranks: Sequence[Lookup] = (),
         engine_id: str = "",
+        pd_async: bool = True,
+        pd_wait_s: float = 6.0,
     ) -> None:
         self.chunk_size = chunk_size
         # save_unfull_chunk: the prompt's partial last chunk is cached too, so a repeated
@@ -94,10 +97,14 @@ class SchedulerSide:
         self.pd_ranks = list(pd_ranks)
         self.engine_id = engine_id
         self._pulled: set[str] = set()
+        self._pulling: dict[str, float] = {}  # req -> when to stop waiting for its pull
+        self.pd_async = pd_async
+        self.pd_wait_s = pd_wait_s
 
     # -- vLLM: get_num_new_matched_tokens ------------------------------------------------
-    def lookup(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens kvmesh can supply beyond vLLM's own (block-aligned) hit. Never raises."""
+    def lookup(self, request: Any, num_computed_tokens: int) -> int | None:
+        """Tokens kvmesh can supply beyond vLLM's own (block-aligned) hit; ``None`` while a
+        decode half's pull is running (vLLM then skips the request this step). Never raises."""
         req_id = request.request_id
         ok = cacheable(request)
         if ok and self.save_enabled and req_id not in self._active:
@@ -112,18 +119,8 @@ class SchedulerSide:
         cap = len(prompt) if self.tail else last // self.chunk_size * self.chunk_size
         tokens = list(prompt[:cap])
         pd = remote_prefill(request) if self.pd_ranks and req_id not in self._pulled else None
-        if pd is not None:
-            self._pulled.add(req_id)
-            # vLLM's own prefix cache has it: only release the producer's pins.
-            op = "pd_confirm" if min(cap, last) <= num_computed_tokens else "pd_pull"
-            for rank in self.pd_ranks:
-                args = (
-                    {"params": dict(pd)}
-                    if op == "pd_confirm"
-                    else {"req": req_id, "tokens": tokens, "params": dict(pd)}
-                )
-                rank.call(op, **args)
-            self.stats["pd_pulls"] = self.stats.get("pd_pulls", 0) + (op == "pd_pull")
+        if pd is not None and not self._pd_ready(req_id, pd, tokens, min(cap, last) <= num_computed_tokens):
+            return None  # the pull is still running: vLLM asks again at a later step
         if min(cap, last) <= num_computed_tokens:
             return 0
         self._seq += 1
@@ -142,6 +139,40 @@ class SchedulerSide:
         self._lookups[req_id] = (seq, hit, num_computed_tokens)
         self.stats["lookup_hit_tokens"] += hit
         return max(0, hit - num_computed_tokens)
+
+    def _pd_ready(self, req_id: str, pd: Any, tokens: list[int], local: bool) -> bool:
+        """A decode half's pull (pd.py): start it, or see whether it has ended. ``True``:
+        look the prompt up now (pulled, failed, timed out, or nothing to pull)."""
+        started = self._pulling.get(req_id)
+        if started is None:
+            if local:  # vLLM's own prefix cache has the prompt: only release the pins
+                for rank in self.pd_ranks:
+                    rank.call("pd_confirm", params=dict(pd))
+                self._pulled.add(req_id)
+                return True
+            self.stats["pd_pulls"] = self.stats.get("pd_pulls", 0) + 1
+            args = {"req": req_id, "tokens": tokens, "params": dict(pd)}
+            if not self.pd_async:
+                for rank in self.pd_ranks:
+                    rank.call("pd_pull", **args)
+                self._pulled.add(req_id)
+                return True
+            # A rank whose start failed (None) has nothing running: it counts as done.
+            if not any(rank.call("pd_pull_start", **args) for rank in self.pd_ranks):
+                self._pulled.add(req_id)
+                return True
+            self._pulling[req_id] = time.monotonic() + self.pd_wait_s
+            return False
+        done = all(rank.call("pd_pull_done", req=req_id) is not False for rank in self.pd_ranks)
+        if not done and time.monotonic() < started:
+            return False
+        if not done:
+            log.warning(
+                "kvmesh: PD pull for %s still running after %.1f s; looking up", req_id, self.pd_wait_s
+            )
+        del self._pulling[req_id]
+        self._pulled.add(req_id)
+        return True
 
     def _track(self, request: Any) -> _Tracked:
         prompt = request.prompt_token_ids
@@ -257,8 +288,8 @@ class SchedulerSide:
         req_id = request.request_id
         self._new.pop(req_id, None)
         self._active.pop(req_id, None)
-        if req_id in self._pulled:
-            self._pulled.discard(req_id)
+        if req_id in self._pulled or self._pulling.pop(req_id, None) is not None:
+            self._pulled.discard(req_id)  # a running pull confirms by itself
         elif self.pd_ranks and self.load_enabled and (pd := remote_prefill(request)) is not None:
             # A decode half that ended before its lookup (rejected, aborted while waiting):
             # the producer unpins now rather than after pd_pin_timeout_s.

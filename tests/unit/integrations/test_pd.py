@@ -4,6 +4,7 @@ scheduler side's handshake over fake ranks (they record calls; no RPC socket).""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -196,7 +197,7 @@ def test_prefill_half_exports_vllm_style_params() -> None:
 
 def test_decode_half_pulls_once_then_looks_up() -> None:
     rank = PdRank()
-    s = SchedulerSide(CS, BS, [rank], pd_ranks=[rank])
+    s = SchedulerSide(CS, BS, [rank], pd_ranks=[rank], pd_async=False)
     params = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "kvmesh": {"keys": []}}
     r = req("d", 300, params)
     assert remote_prefill(r) is not None and remote_prefill(req("n", 1, {"do_remote_prefill": True})) is None
@@ -211,9 +212,62 @@ def test_decode_half_pulls_once_then_looks_up() -> None:
     assert [op for op, _ in rank.calls] == ["pd_confirm"]
 
 
+class SlowRank(PdRank):
+    """A pull that runs for ``steps`` status calls."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps = steps
+
+    def call(self, op: str, **args: Any) -> Any:
+        if op == "pd_pull_start":
+            self.calls.append((op, args))
+            return True
+        if op == "pd_pull_done":
+            self.calls.append((op, args))
+            self.steps -= 1
+            return self.steps <= 0
+        return super().call(op, **args)
+
+
+def test_async_pull_answers_not_yet_until_done() -> None:
+    rank = SlowRank(steps=2)
+    s = SchedulerSide(CS, BS, [rank], pd_ranks=[rank])
+    params = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "kvmesh": {"keys": ["k"]}}
+    r = req("d", 300, params)
+    assert s.lookup(r, 0) is None  # started: vLLM skips the request this step
+    assert s.lookup(r, 0) is None  # still running
+    assert s.lookup(r, 0) == 256  # done: the usual lookup
+    assert [op for op, _ in rank.calls] == ["pd_pull_start", "pd_pull_done", "pd_pull_done", "lookup"]
+    assert s.lookup(r, 0) == 256 and [op for op, _ in rank.calls].count("pd_pull_start") == 1
+
+
+def test_async_pull_stops_waiting_after_its_budget() -> None:
+    rank = SlowRank(steps=10**6)
+    s = SchedulerSide(CS, BS, [rank], pd_ranks=[rank], pd_wait_s=0.05)
+    params = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "kvmesh": {"keys": ["k"]}}
+    r = req("d", 300, params)
+    assert s.lookup(r, 0) is None
+    time.sleep(0.1)
+    assert s.lookup(r, 0) == 256
+
+
+def test_worker_background_pull(pair: tuple[PdWorker, PdWorker]) -> None:
+    prod, cons = pair
+    toks, kv = prompt(2 * CS, seed=5)
+    prod.engine.store(toks, kv)
+    params = handshake(prod, "p-5", toks)
+    assert cons.pull_start("d-5", toks, params) and cons.pull_start("d-5", toks, params)  # once
+    deadline = time.monotonic() + 5
+    while not cons.pull_done("d-5") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cons.engine.lookup(toks) == 2 * CS and cons.stats()["pd_pulls"] == 1
+    assert cons.pull_done("unknown")
+
+
 def test_decode_half_finished_before_its_lookup_releases_the_producer() -> None:
     rank = PdRank()
-    s = SchedulerSide(CS, BS, [rank], pd_ranks=[rank])
+    s = SchedulerSide(CS, BS, [rank], pd_ranks=[rank], pd_async=False)
     params = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "kvmesh": {"keys": []}}
     s.finished(req("gone", 300, params))  # e.g. vLLM's notify_kv_transfer_request_rejected
     assert [op for op, _ in rank.calls] == ["pd_confirm"]
