@@ -182,9 +182,10 @@ class PDConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = Field(default=False, description="route by role: prefill|decode|both replicas")
-    # 512: below it a prompt's prefill on the decode replica is short (~0.15 s for the tiny
-    # model on one core) against the PD hop's fixed cost (a second HTTP round trip, the
-    # transfer handshake, the consumer's load); follow-up turns with a cached prefix stay local.
+    # 512, measured (kvmesh bench pd's threshold probe): the PD hop costs a fixed ~10 ms of
+    # TTFT (a second HTTP call, the producer's one-token step, the handshake, the pull); below
+    # 512 tokens a local prefill is cheaper than that, from 512 on it is not. Follow-up turns
+    # with a cached prefix stay local.
     pd_threshold_tokens: int = Field(
         default=512, ge=0, description="uncached prompt tokens above which a request is prefilled remotely"
     )
