@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvmesh.bench.codecs_cli import add_parser as add_bench_codecs
 
     add_bench_codecs(bsub)
+    from kvmesh.bench.pd import register as add_bench_pd
+
+    add_bench_pd(bsub)
 
     model = sub.add_parser("model", help="build local test models")
     msub = model.add_subparsers(dest="model", required=True)

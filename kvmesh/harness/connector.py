@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvmesh.errors import ConfigError
+
 KVMESH_CONNECTOR = "KVMeshConnector"
 KVMESH_MODULE = "kvmesh.integrations.vllm"
 CHUNK_SIZE = 256
@@ -32,3 +34,28 @@ def connector_config(remote_url: str | None = None, **keys: Any) -> dict[str, An
         **TRANSFER_ARGS,
         "kv_connector_extra_config": extra,
     }
+
+
+def pd_config(role: str, remote_url: str | None = None, kv_port: int = 0, **keys: Any) -> dict[str, Any]:
+    """A prefill/decode replica's ``--kv-transfer-config``: :func:`connector_config` with
+    ``kv_role`` ``role`` (``kv_producer``, ``kv_consumer`` or ``kv_both``) and the producer's
+    transfer server on ``kv_port`` (vLLM's field; 0 = a free port, which consumers learn from
+    ``kv_transfer_params``). ``kv_ip`` (the host it binds and advertises, default 127.0.0.1),
+    ``pd_pin_timeout_s`` and ``pd_fetch_timeout_s`` go in ``keys``: vLLM 0.32's
+    ``KVTransferConfig`` has no ``kv_ip`` field, so it lives in ``kv_connector_extra_config``."""
+    if role not in ("kv_producer", "kv_consumer", "kv_both"):
+        raise ConfigError(f"kv_role must be kv_producer, kv_consumer or kv_both, got {role!r}")
+    cfg = connector_config(remote_url, **keys)
+    cfg["kv_role"] = role
+    cfg["kv_port"] = kv_port
+    return cfg
+
+
+def producer_config(remote_url: str | None = None, kv_port: int = 0, **keys: Any) -> dict[str, Any]:
+    """A prefill replica's ``--kv-transfer-config`` (see :func:`pd_config`)."""
+    return pd_config("kv_producer", remote_url, kv_port, **keys)
+
+
+def consumer_config(remote_url: str | None = None, **keys: Any) -> dict[str, Any]:
+    """A decode replica's ``--kv-transfer-config`` (see :func:`pd_config`)."""
+    return pd_config("kv_consumer", remote_url, 0, **keys)

@@ -31,6 +31,7 @@ from kvmesh.index import BlockIndex, PromptKeys
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.controller import Controller
 from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.pd import PDRouter
 from kvmesh.router.picker import build_picker
 from kvmesh.router.pool import Pool, Replica
 from kvmesh.router.prompts import Prompts
@@ -99,6 +100,7 @@ class RouterService:
             on_register=self._engine_registered,
         )
         self.rebuilder = Rebuilder(self.index.apply, self.controller.config)
+        self.pd = PDRouter(self) if config.pd.enabled else None  # kvmesh.router.pd
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes)
@@ -217,6 +219,8 @@ class RouterService:
             key, prompt = xxhash.xxh3_64_intdigest(raw), None
         session = request.headers.get(self.config.session_header)
         req = RoutingRequest(tokens, session_id=session, key=key, prompt=prompt)
+        if self.pd is not None:
+            return await self.pd.route(request, path, raw, body, req, t0)
         candidates = self.pool.candidates()
         if not candidates:
             return self._unavailable(path)

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvmesh.admin.schema import TOKEN_ENV
 from kvmesh.errors import ConfigError
-from kvmesh.router.config import POLICIES, ReplicaConfig, RouterConfig
+from kvmesh.router.config import POLICIES, ROLES, ReplicaConfig, RouterConfig
 
 
 def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -28,9 +28,10 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--replica",
         action="append",
         default=[],
-        metavar="URL[,events=EP][,replay=EP][,admin=URL][,name=NAME]",
+        metavar="URL[,events=EP][,replay=EP][,admin=URL][,name=NAME][,role=ROLE]",
         help="a vLLM replica (repeat the flag); events/replay: its ZMQ KV-event endpoints; "
-        "admin: its kvmesh admin API (replay and admin refill the index when the router starts)",
+        "admin: its kvmesh admin API (replay and admin refill the index when the router starts); "
+        f"role ({'|'.join(ROLES)}, default both): its half with --pd",
     )
     p.add_argument("--policy", choices=POLICIES, help="routing policy (default: kvmesh)")
     p.add_argument("--config", help="YAML file with RouterConfig keys")
@@ -51,6 +52,25 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="an engine admin endpoint the controller manages (repeat; engines may also register)",
     )
     p.add_argument("--admin-token", help=f"bearer token of the controller API (default: ${TOKEN_ENV})")
+    p.add_argument(
+        "--pd",
+        action="store_true",
+        default=None,
+        help="prefill/decode disaggregation: long uncached prompts are prefilled on a role=prefill "
+        "replica, then decoded on a role=decode one with the KV it hands over",
+    )
+    p.add_argument(
+        "--pd-threshold-tokens",
+        type=int,
+        metavar="N",
+        help="with --pd: uncached prompt tokens above which a request is prefilled remotely (default 512)",
+    )
+    p.add_argument(
+        "--prefill-timeout-s",
+        type=float,
+        metavar="S",
+        help="with --pd: a prefill not answered within S seconds is decoded alone (default 30)",
+    )
     p.set_defaults(func=run_router)
     return p
 
@@ -65,8 +85,13 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     ctl["admins"] = (*base.controller.admins, *(a for a in args.admin if a not in base.controller.admins))
     if args.admin_token:
         ctl["token"] = args.admin_token
+    pd = base.pd.model_dump()
+    flags = {"enabled": args.pd, "pd_threshold_tokens": args.pd_threshold_tokens,
+             "prefill_timeout_s": args.prefill_timeout_s}  # fmt: skip
+    pd.update({k: v for k, v in flags.items() if v is not None})
     cfg = base.merged(
         controller=ctl,
+        pd=pd,
         model=args.model,
         replicas=replicas,
         policy=args.policy,
@@ -95,8 +120,14 @@ def run_router(args: argparse.Namespace) -> int:
     except (OSError, ValueError, ConfigError) as exc:
         print(f"kvmesh router: {exc}", file=sys.stderr)
         return 2
+    pd = ""
+    if cfg.pd.enabled:
+        roles = [r.role for r in cfg.replicas]
+        counts = ", ".join(f"{roles.count(r)} {r}" for r in ROLES if r in roles)
+        pd = f" (pd: {counts}; prefill above {cfg.pd.pd_threshold_tokens} uncached tokens)"
     print(
-        f"kvmesh router: {cfg.policy} policy over {len(cfg.replicas)} replicas on http://{cfg.host}:{cfg.port}"
+        f"kvmesh router: {cfg.policy} policy over {len(cfg.replicas)} replicas{pd} "
+        f"on http://{cfg.host}:{cfg.port}"
     )
     run_forever(service)
     return 0

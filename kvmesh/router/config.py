@@ -21,6 +21,8 @@ from kvmesh.errors import ConfigError
 URLS_ENV = "KVMESH_ADMIN_URLS"  # engine admin endpoints the controller knows up front
 POLICIES = ("kvmesh", "prefix", "least-loaded", "round-robin", "random")
 Policy = Literal["kvmesh", "prefix", "least-loaded", "round-robin", "random"]
+ROLES = ("prefill", "decode", "both")
+Role = Literal["prefill", "decode", "both"]
 
 
 class ReplicaConfig(BaseModel):
@@ -38,6 +40,10 @@ class ReplicaConfig(BaseModel):
     )
     admin: str | None = Field(
         default=None, description="its kvmesh admin API, e.g. http://10.0.0.5:8200 (index rebuild on start)"
+    )
+    role: Role = Field(
+        default="both",
+        description="with pd enabled: prefill (a kv_producer), decode (a kv_consumer) or both (kv_both)",
     )
 
     @field_validator("admin")
@@ -64,16 +70,16 @@ class ReplicaConfig(BaseModel):
 
     @classmethod
     def parse(cls, spec: str) -> ReplicaConfig:
-        """Parse the CLI form ``URL[,events=EP][,replay=EP][,admin=URL][,name=NAME]``."""
+        """Parse the CLI form ``URL[,events=EP][,replay=EP][,admin=URL][,name=NAME][,role=ROLE]``."""
         url, *opts = spec.split(",")
         fields: dict[str, str] = {"url": url.strip()}
         for opt in opts:
             key, sep, value = opt.partition("=")
             key = key.strip()
-            if not sep or key not in ("events", "replay", "admin", "name") or key in fields:
+            if not sep or key not in ("events", "replay", "admin", "name", "role") or key in fields:
                 raise ConfigError(
                     f"bad replica option {opt!r} in {spec!r}; "
-                    "use URL[,events=EP][,replay=EP][,admin=URL][,name=NAME]"
+                    "use URL[,events=EP][,replay=EP][,admin=URL][,name=NAME][,role=prefill|decode|both]"
                 )
             fields[key] = value.strip()
         try:
@@ -165,6 +171,29 @@ class ControllerConfig(BaseModel):
             raise ConfigError(_explain(exc, f"controller config (with ${URLS_ENV})")) from exc
 
 
+class PDConfig(BaseModel):
+    """Prefill/decode disaggregation (``pd:`` in YAML, ``--pd`` on the command line).
+
+    A request whose prompt tokens not cached on its decode replica exceed
+    ``pd_threshold_tokens`` (llm-d's non-cached-tokens rule, its name) is prefilled on a
+    prefill replica first; the decode replica then loads that KV instead of computing it.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(default=False, description="route by role: prefill|decode|both replicas")
+    # 512, measured (kvmesh bench pd's threshold probe): the PD hop costs a fixed ~10 ms of
+    # TTFT (a second HTTP call, the producer's one-token step, the handshake, the pull); below
+    # 512 tokens a local prefill is cheaper than that, from 512 on it is not. Follow-up turns
+    # with a cached prefix stay local.
+    pd_threshold_tokens: int = Field(
+        default=512, ge=0, description="uncached prompt tokens above which a request is prefilled remotely"
+    )
+    prefill_timeout_s: float = Field(
+        default=30.0, gt=0, description="longest a prefill may take before the decode replica computes it"
+    )
+
+
 class RouterConfig(BaseModel):
     """Everything ``kvmesh router`` needs; see ``kvmesh router --help`` for the CLI names."""
 
@@ -221,6 +250,7 @@ class RouterConfig(BaseModel):
     controller: ControllerConfig = Field(
         default_factory=ControllerConfig, description="the cache controller under /kvmesh/v1/"
     )
+    pd: PDConfig = Field(default_factory=PDConfig, description="prefill/decode disaggregation")
 
     @model_validator(mode="after")
     def _unique_replicas(self) -> RouterConfig:
@@ -228,6 +258,10 @@ class RouterConfig(BaseModel):
         dup = sorted({k for k in keys if keys.count(k) > 1})
         if dup:
             raise ValueError(f"replicas must be unique; repeated: {', '.join(dup)}")
+        if self.pd.enabled and self.replicas:
+            roles = {r.role for r in self.replicas}
+            if not roles & {"decode", "both"}:
+                raise ValueError("pd is enabled but no replica has role=decode or role=both")
         return self
 
     @classmethod

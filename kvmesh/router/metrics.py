@@ -54,6 +54,23 @@ class RouterMetrics:
             registry=r,
         )
         self.in_flight = Gauge("kvmesh_router_in_flight", "requests in flight", ("replica",), registry=r)
+        # Prefill/decode disaggregation (kvmesh router --pd): which path each request took.
+        self.pd_requests = Counter(
+            "kvmesh_router_pd_requests",
+            "requests routed with pd enabled, by path: pd (prefilled remotely), decode_only "
+            "(uncached tokens under the threshold), fallback (the prefill failed: decoded alone)",
+            ("path",),
+            registry=r,
+        )
+        self.pd_fallbacks = Counter(
+            "kvmesh_router_pd_fallbacks", "prefills that failed, by reason", ("reason",), registry=r
+        )
+        self.pd_prefill_latency = Histogram(
+            "kvmesh_router_pd_prefill_seconds",
+            "time of a successful prefill request (sent to its answer read)",
+            buckets=_UPSTREAM_BUCKETS,
+            registry=r,
+        )
         self.healthy = Gauge(
             "kvmesh_router_replica_healthy", "1 if the replica takes traffic", ("replica",), registry=r
         )

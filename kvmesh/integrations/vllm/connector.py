@@ -39,6 +39,7 @@ from kvmesh.integrations.vllm.layouts import Choice, CpuPackedPages, choose_page
 from kvmesh.integrations.vllm.metadata import KVMeshConnectorMetadata, KVMeshKVEvents
 from kvmesh.integrations.vllm.options import ConnectorOptions, check_chunk_size
 from kvmesh.integrations.vllm.paged import VERIFIED_ISAS, ordered_names
+from kvmesh.integrations.vllm.pd import SAVER_WAIT_S, PdWorker
 from kvmesh.integrations.vllm.rpc import RpcClient, RpcServer, socket_path
 from kvmesh.integrations.vllm.scheduler import SchedulerSide
 from kvmesh.integrations.vllm.worker import WorkerSide
@@ -95,6 +96,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._clients: list[RpcClient] = []
         self._events: list[KVCacheEvent] = []
         self._worker: WorkerSide | None = None
+        self._pd: PdWorker | None = None
         self._server: RpcServer | None = None
         if role == KVConnectorRole.SCHEDULER:
             if tc.kv_load_failure_policy != "recompute":
@@ -116,6 +118,13 @@ class KVMeshConnector(KVConnectorBase_V1):
             # KV off the CPU takes the host-device path, whose saves read the blocks after
             # the step: vLLM must hold a request's blocks until its saves are done.
             delay_free = str(getattr(vllm_config.device_config, "device_type", "cpu")) != "cpu"
+            # Prefill/decode calls (pd.py) on their own clients: a pull may take up to
+            # pd_fetch_timeout_s and an export waits for the saver, beyond a lookup's timeout.
+            pd_timeout = self.options.pd_fetch_timeout_s + SAVER_WAIT_S + 1.0
+            pd_clients = [
+                RpcClient(client.path, timeout_s=pd_timeout, retry_after_s=0.0) for client in self._clients
+            ]
+            self._clients += pd_clients
             self._sched = SchedulerSide(
                 self.options.cache.chunk_size,
                 self.block_size,
@@ -125,6 +134,10 @@ class KVMeshConnector(KVConnectorBase_V1):
                 save=tc.is_kv_producer,
                 tail=self.options.cache.save_unfull_chunk,
                 delay_free=delay_free,
+                pd_ranks=pd_clients,
+                engine_id=self.engine_id,
+                pd_async=self.options.pd_async_pull,
+                pd_wait_s=self.options.pd_fetch_timeout_s + 1.0,
             )
 
     @classmethod
@@ -180,8 +193,18 @@ class KVMeshConnector(KVConnectorBase_V1):
             layer_names=names,
             layerwise=self.options.layerwise_load,
         )
+        tc = self._kv_transfer_config
+        self._pd = PdWorker(
+            engine,
+            self.options,
+            produce=bool(tc.is_kv_producer),
+            port=int(tc.kv_port),
+            rank=rank,
+            drain_saves=self._worker.drain_saves,
+        )
+        self._worker.stats_hooks.append(self._pd.stats)
         path = socket_path(self.engine_id, rank, self.dp_rank, self.options.socket_dir)
-        self._server = RpcServer(path, self._worker.handlers()).start()
+        self._server = RpcServer(path, {**self._worker.handlers(), **self._pd.handlers()}).start()
         log.info(
             "kvmesh: worker rank %d serving %s; layout %s; pages %s on %s; shard %d; chunk %d",
             rank,
@@ -291,6 +314,9 @@ class KVMeshConnector(KVConnectorBase_V1):
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._pd is not None:
+            self._pd.close()
+            self._pd = None
         if self._worker is not None:
             self._worker.close()
             self._worker = None
@@ -327,8 +353,16 @@ class KVMeshConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # vLLM-CPU: saves snapshot their blocks within the step, so vLLM may free them now.
         # Host-device path: a request that had saves keeps its blocks until the worker
-        # reports them done in get_finished.
-        return self._scheduler().finished(request), None
+        # reports them done in get_finished. A prefill half (do_remote_decode) returns where
+        # the decode replica fetches its KV: vLLM sends it back as the response's
+        # kv_transfer_params (pd.py); its chunks are pinned until the consumer confirms.
+        sched = self._scheduler()
+        try:
+            params = sched.export(request)
+        except Exception:  # a cache problem must never fail the request: no hand-over
+            log.exception("kvmesh: PD export failed; the decode replica computes the prompt")
+            params = None
+        return sched.finished(request), params
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         events, self._events = self._events, []

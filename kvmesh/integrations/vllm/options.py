@@ -29,6 +29,16 @@ CONNECTOR_KEYS = {
     "layerwise_load": "GPU: let layer i's attention start once layer i's KV is loaded (default true; "
     "needs vLLM's PIECEWISE CUDA graphs, which the connector then requests); false: the forward "
     "waits for all of a step's loads",
+    "kv_ip": "prefill/decode: the host a producer's KV transfer server binds and advertises to "
+    "consumers (default 127.0.0.1; the port is vLLM's kv_port, 0 = a free one)",
+    "pd_advertise_host": "prefill/decode: the host consumers connect to when kv_ip is a wildcard "
+    "(0.0.0.0 / ::); default: this machine's hostname",
+    "pd_pin_timeout_s": "prefill/decode: how long a producer keeps a prefill's chunks pinned for "
+    "a decode that has not confirmed (default 60)",
+    "pd_fetch_timeout_s": "prefill/decode: a consumer's budget for pulling one request's chunks "
+    "from the producer (default 5); past it the rest comes from a shared tier or is recomputed",
+    "pd_async_pull": "prefill/decode: pull on a worker thread while vLLM schedules other requests "
+    "(default true); false: the scheduler waits for the pull",
 }
 
 
@@ -39,6 +49,11 @@ class ConnectorOptions:
     socket_dir: str | None = None
     rpc_timeout_s: float = 2.0
     layerwise_load: bool = True
+    kv_ip: str = "127.0.0.1"
+    pd_advertise_host: str | None = None
+    pd_pin_timeout_s: float = 60.0
+    pd_fetch_timeout_s: float = 5.0
+    pd_async_pull: bool = True
 
     @classmethod
     def from_extra_config(
@@ -58,22 +73,37 @@ class ConnectorOptions:
             )
         base.update(extra)
         cache = CacheConfig.from_env(environ, base=base)
-        try:
-            timeout = float(own.get("rpc_timeout_s", 2.0))
-        except (TypeError, ValueError):
-            raise ConfigError(f"rpc_timeout_s must be a number, got {own['rpc_timeout_s']!r}") from None
-        if timeout <= 0:
-            raise ConfigError(f"rpc_timeout_s must be positive, got {timeout}")
-        layerwise = own.get("layerwise_load", True)
-        if not isinstance(layerwise, bool):
-            raise ConfigError(f"layerwise_load must be true or false, got {layerwise!r}")
+        timeout = _positive(own, "rpc_timeout_s", 2.0)
+        layerwise = _flag(own, "layerwise_load", True)
         return cls(
             cache=cache,
             model_fingerprint=_fingerprint_option(own),
             layerwise_load=layerwise,
             socket_dir=str(own["socket_dir"]) if own.get("socket_dir") else None,
             rpc_timeout_s=timeout,
+            kv_ip=str(own.get("kv_ip") or "127.0.0.1"),
+            pd_advertise_host=str(own["pd_advertise_host"]) if own.get("pd_advertise_host") else None,
+            pd_pin_timeout_s=_positive(own, "pd_pin_timeout_s", 60.0),
+            pd_fetch_timeout_s=_positive(own, "pd_fetch_timeout_s", 5.0),
+            pd_async_pull=_flag(own, "pd_async_pull", True),
         )
+
+
+def _flag(own: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = own.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _positive(own: Mapping[str, Any], key: str, default: float) -> float:
+    try:
+        value = float(own.get(key, default))
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} must be a number of seconds, got {own[key]!r}") from None
+    if value <= 0:
+        raise ConfigError(f"{key} must be positive, got {value}")
+    return value
 
 
 def _fingerprint_option(own: Mapping[str, Any]) -> str | None:

@@ -19,11 +19,13 @@ Life of a request:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvmesh.integrations.vllm.metadata import BlockHash, KVMeshConnectorMetadata, LoadSpec, SaveSpec
+from kvmesh.integrations.vllm.pd import remote_prefill, response_params, wants_export
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,10 @@ class SchedulerSide:
         save: bool = True,
         tail: bool = False,
         delay_free: bool = False,
+        pd_ranks: Sequence[Lookup] = (),
+        engine_id: str = "",
+        pd_async: bool = True,
+        pd_wait_s: float = 6.0,
     ) -> None:
         self.chunk_size = chunk_size
         # save_unfull_chunk: the prompt's partial last chunk is cached too, so a repeated
@@ -86,10 +92,19 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._releases: list[tuple[str, int]] = []
         self.stats = {"lookups": 0, "lookup_hit_tokens": 0, "rpc_failures": 0, "loads_planned": 0}
+        # Prefill/decode (pd.py): the worker ranks' pd_export / pd_pull, on clients whose
+        # timeout covers a pull; decode halves already pulled (a re-lookup never pulls again).
+        self.pd_ranks = list(pd_ranks)
+        self.engine_id = engine_id
+        self._pulled: set[str] = set()
+        self._pulling: dict[str, float] = {}  # req -> when to stop waiting for its pull
+        self.pd_async = pd_async
+        self.pd_wait_s = pd_wait_s
 
     # -- vLLM: get_num_new_matched_tokens ------------------------------------------------
-    def lookup(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens kvmesh can supply beyond vLLM's own (block-aligned) hit. Never raises."""
+    def lookup(self, request: Any, num_computed_tokens: int) -> int | None:
+        """Tokens kvmesh can supply beyond vLLM's own (block-aligned) hit; ``None`` while a
+        decode half's pull is running (vLLM then skips the request this step). Never raises."""
         req_id = request.request_id
         ok = cacheable(request)
         if ok and self.save_enabled and req_id not in self._active:
@@ -102,11 +117,14 @@ class SchedulerSide:
         # keyed by the whole prompt, which loads up to the prompt's last token.
         last = len(prompt) - 1
         cap = len(prompt) if self.tail else last // self.chunk_size * self.chunk_size
+        tokens = list(prompt[:cap])
+        pd = remote_prefill(request) if self.pd_ranks and req_id not in self._pulled else None
+        if pd is not None and not self._pd_ready(req_id, pd, tokens, min(cap, last) <= num_computed_tokens):
+            return None  # the pull is still running: vLLM asks again at a later step
         if min(cap, last) <= num_computed_tokens:
             return 0
         self._seq += 1
         seq = self._seq
-        tokens = list(prompt[:cap])
         hit = cap
         self.stats["lookups"] += 1
         for rank in self.ranks:
@@ -121,6 +139,40 @@ class SchedulerSide:
         self._lookups[req_id] = (seq, hit, num_computed_tokens)
         self.stats["lookup_hit_tokens"] += hit
         return max(0, hit - num_computed_tokens)
+
+    def _pd_ready(self, req_id: str, pd: Any, tokens: list[int], local: bool) -> bool:
+        """A decode half's pull (pd.py): start it, or see whether it has ended. ``True``:
+        look the prompt up now (pulled, failed, timed out, or nothing to pull)."""
+        started = self._pulling.get(req_id)
+        if started is None:
+            if local:  # vLLM's own prefix cache has the prompt: only release the pins
+                for rank in self.pd_ranks:
+                    rank.call("pd_confirm", params=dict(pd))
+                self._pulled.add(req_id)
+                return True
+            self.stats["pd_pulls"] = self.stats.get("pd_pulls", 0) + 1
+            args = {"req": req_id, "tokens": tokens, "params": dict(pd)}
+            if not self.pd_async:
+                for rank in self.pd_ranks:
+                    rank.call("pd_pull", **args)
+                self._pulled.add(req_id)
+                return True
+            # A rank whose start failed (None) has nothing running: it counts as done.
+            if not any(rank.call("pd_pull_start", **args) for rank in self.pd_ranks):
+                self._pulled.add(req_id)
+                return True
+            self._pulling[req_id] = time.monotonic() + self.pd_wait_s
+            return False
+        done = all(rank.call("pd_pull_done", req=req_id) is not False for rank in self.pd_ranks)
+        if not done and time.monotonic() < started:
+            return False
+        if not done:
+            log.warning(
+                "kvmesh: PD pull for %s still running after %.1f s; looking up", req_id, self.pd_wait_s
+            )
+        del self._pulling[req_id]
+        self._pulled.add(req_id)
+        return True
 
     def _track(self, request: Any) -> _Tracked:
         prompt = request.prompt_token_ids
@@ -212,12 +264,37 @@ class SchedulerSide:
                     break
 
     # -- vLLM: request_finished ----------------------------------------------------------
+    def export(self, request: Any) -> dict[str, Any] | None:
+        """A prefill half's ``kv_transfer_params`` for the decode replica (pd.py), or
+        ``None`` (not a prefill half, or this replica cannot serve its KV)."""
+        if not (self.save_enabled and self.pd_ranks and wants_export(request) and cacheable(request)):
+            return None
+        prompt = request.prompt_token_ids
+        limit = len(prompt) if self.tail else len(prompt) // self.chunk_size * self.chunk_size
+        tokens = list(prompt[:limit])
+        answers = [rank.call("pd_export", req=request.request_id, tokens=tokens) for rank in self.pd_ranks]
+        if not all(isinstance(a, dict) for a in answers):
+            log.warning(
+                "kvmesh: PD export of %s failed on a worker rank; no KV handed over", request.request_id
+            )
+            self.stats["pd_export_failures"] = self.stats.get("pd_export_failures", 0) + 1
+            return None
+        self.stats["pd_exports"] = self.stats.get("pd_exports", 0) + 1
+        return response_params(self.engine_id, answers)
+
     def finished(self, request: Any) -> bool:
         """Forget the request. ``True``: vLLM must keep its blocks until the worker reports
         its saves done (host-device path, and the request had saves)."""
         req_id = request.request_id
         self._new.pop(req_id, None)
         self._active.pop(req_id, None)
+        if req_id in self._pulled or self._pulling.pop(req_id, None) is not None:
+            self._pulled.discard(req_id)  # a running pull confirms by itself
+        elif self.pd_ranks and self.load_enabled and (pd := remote_prefill(request)) is not None:
+            # A decode half that ended before its lookup (rejected, aborted while waiting):
+            # the producer unpins now rather than after pd_pin_timeout_s.
+            for rank in self.pd_ranks:
+                rank.call("pd_confirm", params=dict(pd))
         found = self._lookups.pop(req_id, None)
         if found is not None:
             self._releases.append((req_id, found[0]))

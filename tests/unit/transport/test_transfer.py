@@ -1,0 +1,312 @@
+"""The direct KV transfer over real loopback sockets: a producer engine's TransferServer,
+a consumer engine pulling from it, pins held until confirm or timeout. Faults are injected
+by a forwarding proxy (it flips a byte or cuts the stream), a silent listener, and a
+producer in a child process killed mid-transfer."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from kvmesh.core.engine import CacheEngine
+from kvmesh.core.keys import KVLayout
+from kvmesh.transport import PinLedger, TransferServer, confirm, pull
+from kvmesh.transport.client import CORRUPT, DISCONNECTED, MISSING, TIMEOUT, UNREACHABLE, ping
+
+LAYOUT = KVLayout(2, 2, 8, torch.float32)
+CS = 16
+CFG = {"chunk_size": CS, "max_local_cpu_size": 0.01, "admin_enabled": False}
+
+
+BIG = KVLayout(4, 8, 64, torch.float32)  # 256 KiB chunks: a stream larger than socket buffers
+
+
+def make_engine(layout: KVLayout = LAYOUT, gb: float = 0.01) -> CacheEngine:
+    return CacheEngine({**CFG, "max_local_cpu_size": gb}, layout=layout, model_id="m")
+
+
+def prompt(n_chunks: int, seed: int = 1, layout: KVLayout = LAYOUT) -> tuple[np.ndarray, torch.Tensor]:
+    toks = np.arange(seed * 1000, seed * 1000 + n_chunks * CS, dtype=np.int64)
+    kv = torch.randn(layout.shape(len(toks)), generator=torch.Generator().manual_seed(seed))
+    return toks, kv
+
+
+@pytest.fixture
+def producer() -> Iterator[tuple[CacheEngine, PinLedger, TransferServer]]:
+    eng = make_engine()
+    pins = PinLedger(eng, timeout_s=30.0)
+    srv = TransferServer(eng, pins, "127.0.0.1", 0).start()
+    yield eng, pins, srv
+    srv.close()
+    pins.close()
+    eng.close()
+
+
+@pytest.fixture
+def consumer() -> Iterator[CacheEngine]:
+    eng = make_engine()
+    yield eng
+    eng.close()
+
+
+def test_pull_copies_verified_chunks_and_confirm_unpins(producer, consumer) -> None:  # type: ignore[no-untyped-def]
+    eng, pins, srv = producer
+    toks, kv = prompt(8)
+    eng.store(toks, kv)
+    keys = eng.keys.keys_for_array(toks.astype(np.uint32))
+    pins.hold("r1", keys)
+    assert eng.cpu.pinned_count() == 8
+    res = pull(
+        consumer, "127.0.0.1", srv.port, "r1", consumer.keys.keys_for_array(toks.astype(np.uint32)), toks
+    )
+    assert res.reason is None and res.chunks == 8 and res.tokens == 8 * CS
+    assert res.nbytes == 8 * CS * LAYOUT.bytes_per_token
+    n, got = consumer.retrieve(toks)
+    assert n == 8 * CS and torch.equal(got, kv)
+    assert eng.cpu.pinned_count() == 0  # the pull confirmed
+    assert pins.stats()["pd_pins_confirmed"] == 1 and srv.stats()["pd_served_chunks"] == 8
+
+
+def test_pull_skips_chunks_already_held(producer, consumer) -> None:  # type: ignore[no-untyped-def]
+    eng, _, srv = producer
+    toks, kv = prompt(6)
+    eng.store(toks, kv)
+    consumer.store(toks[: 2 * CS], kv[:, :, : 2 * CS].contiguous())
+    keys = consumer.keys.keys_for_array(toks.astype(np.uint32))
+    res = pull(consumer, "127.0.0.1", srv.port, "r", keys[2:], toks, first=2)
+    assert res.reason is None and res.chunks == 4 and res.tokens == 6 * CS
+    assert torch.equal(consumer.retrieve(toks)[1], kv)
+
+
+def test_missing_chunk_ends_the_prefix(producer, consumer) -> None:  # type: ignore[no-untyped-def]
+    eng, _, srv = producer
+    toks, kv = prompt(6)
+    eng.store(toks, kv)
+    eng.clear("cpu", tokens=toks[: 4 * CS], force=True)  # drops chunks 0..3 of 6
+    eng.store(toks[: 2 * CS], kv[:, :, : 2 * CS].contiguous())  # chunks 0,1 back; 2,3 missing
+    res = pull(
+        consumer, "127.0.0.1", srv.port, "r", consumer.keys.keys_for_array(toks.astype(np.uint32)), toks
+    )
+    assert res.reason == MISSING and res.chunks == 2 and res.tokens == 2 * CS
+    assert consumer.lookup(toks) == 2 * CS
+
+
+def test_producer_gone_is_unreachable_fast(consumer) -> None:  # type: ignore[no-untyped-def]
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    toks, _ = prompt(2)
+    t0 = time.monotonic()
+    res = pull(consumer, "127.0.0.1", port, "r", consumer.keys.keys_for_array(toks.astype(np.uint32)), toks)
+    assert res.reason == UNREACHABLE and res.tokens == 0
+    assert time.monotonic() - t0 < 1.0
+    assert not ping("127.0.0.1", port)
+
+
+def test_hung_producer_costs_at_most_the_timeout(consumer) -> None:  # type: ignore[no-untyped-def]
+    """A listener that accepts and never answers (fault injection)."""
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(1)
+    toks, _ = prompt(2)
+    t0 = time.monotonic()
+    res = pull(
+        consumer,
+        "127.0.0.1",
+        lst.getsockname()[1],
+        "r",
+        consumer.keys.keys_for_array(toks.astype(np.uint32)),
+        toks,
+        timeout_s=0.5,
+    )
+    took = time.monotonic() - t0
+    lst.close()
+    assert res.reason == TIMEOUT and res.tokens == 0
+    assert 0.4 < took < 1.5
+
+
+class Proxy:
+    """Forwards one connection to the producer; from byte ``at`` of the reply stream it
+    either flips one byte (``mode="flip"``) or cuts the connection (``"cut"``)."""
+
+    def __init__(self, port: int, at: int, mode: str) -> None:
+        self.target, self.at, self.mode = port, at, mode
+        self.lst = socket.socket()
+        self.lst.bind(("127.0.0.1", 0))
+        self.lst.listen(4)
+        self.port = self.lst.getsockname()[1]
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                c, _ = self.lst.accept()
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._pipe, args=(c, up, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(up, c, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, reply: bool) -> None:
+        seen = 0
+        try:
+            while data := src.recv(65536):
+                if reply and seen + len(data) > self.at >= seen:
+                    if self.mode == "cut":
+                        dst.sendall(data[: self.at - seen])
+                        raise OSError("cut")
+                    buf = bytearray(data)
+                    buf[self.at - seen] ^= 0xFF
+                    data = bytes(buf)
+                seen += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+
+    def close(self) -> None:
+        self.lst.close()
+
+
+@pytest.mark.parametrize("mode", ["flip", "cut"])
+def test_corrupt_or_cut_stream_keeps_only_verified_chunks(producer, consumer, mode: str) -> None:  # type: ignore[no-untyped-def]
+    eng, pins, srv = producer
+    toks, kv = prompt(4)
+    eng.store(toks, kv)
+    pins.hold("r", eng.keys.keys_for_array(toks.astype(np.uint32)))
+    chunk_bytes = CS * LAYOUT.bytes_per_token
+    proxy = Proxy(srv.port, at=int(2.5 * (chunk_bytes + 600)), mode=mode)  # inside chunk 2's payload-ish
+    try:
+        res = pull(
+            consumer,
+            "127.0.0.1",
+            proxy.port,
+            "r",
+            consumer.keys.keys_for_array(toks.astype(np.uint32)),
+            toks,
+            timeout_s=2.0,
+        )
+    finally:
+        proxy.close()
+    assert res.reason == (CORRUPT if mode == "flip" else DISCONNECTED), res
+    assert 0 <= res.chunks < 4
+    n, got = consumer.retrieve(toks)
+    assert n == res.tokens and torch.equal(got, kv[:, :, :n])  # whatever entered is exact
+    if mode == "flip":  # the producer is alive: the client confirmed on a new connection
+        deadline = time.monotonic() + 2
+        while pins.stats()["pd_pinned_requests"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pins.stats()["pd_pinned_requests"] == 0
+
+
+def test_other_model_keys_are_missing_not_loaded(producer) -> None:  # type: ignore[no-untyped-def]
+    eng, _, srv = producer
+    toks, kv = prompt(2)
+    eng.store(toks, kv)
+    other = CacheEngine(dict(CFG), layout=LAYOUT, model_id="other-weights")
+    try:
+        res = pull(other, "127.0.0.1", srv.port, "r", other.keys.keys_for_array(toks.astype(np.uint32)), toks)
+        assert res.reason == MISSING and res.tokens == 0 and other.lookup(toks) == 0
+    finally:
+        other.close()
+
+
+def test_pins_expire_after_the_timeout() -> None:
+    eng = make_engine()
+    pins = PinLedger(eng, timeout_s=0.3, tick_s=0.05)
+    try:
+        toks, kv = prompt(3)
+        eng.store(toks, kv)
+        pins.hold("r", eng.keys.keys_for_array(toks.astype(np.uint32)))
+        assert eng.cpu.pinned_count() == 3
+        time.sleep(0.6)
+        assert eng.cpu.pinned_count() == 0
+        st = pins.stats()
+        assert st["pd_pins_expired"] == 1 and st["pd_pinned_requests"] == 0
+        assert not pins.release("r")  # a late confirm is harmless
+    finally:
+        pins.close()
+        eng.close()
+
+
+def _serve_forever(port_q: mp.Queue, n_chunks: int) -> None:  # child process
+    eng = make_engine(BIG, 0.05)
+    toks, kv = prompt(n_chunks, layout=BIG)
+    eng.store(toks, kv)
+    srv = TransferServer(eng, PinLedger(eng, 30.0), "127.0.0.1", 0).start()
+    port_q.put(srv.port)
+    time.sleep(60)
+
+
+def test_producer_killed_mid_transfer() -> None:
+    """The producer process is SIGKILLed while the consumer reads its stream (10 MiB)."""
+    consumer = make_engine(BIG, 0.05)
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()
+    n = 40
+    child = ctx.Process(target=_serve_forever, args=(q, n), daemon=True)
+    child.start()
+    try:
+        port = q.get(timeout=60)
+        toks, kv = prompt(n, layout=BIG)
+        keys = consumer.keys.keys_for_array(toks.astype(np.uint32))
+        # Read slowly: kill the producer after the first chunk arrived.
+        orig_put = consumer.cpu.put
+        calls = {"n": 0}
+
+        def slow_put(key, obj):  # type: ignore[no-untyped-def]
+            calls["n"] += 1
+            if calls["n"] == 1:
+                os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+                child.join(5)
+            return orig_put(key, obj)
+
+        consumer.cpu.put = slow_put  # type: ignore[method-assign]
+        res = pull(consumer, "127.0.0.1", port, "r", keys, toks, timeout_s=3.0)
+        consumer.cpu.put = orig_put  # type: ignore[method-assign]
+        assert res.reason in (DISCONNECTED, TIMEOUT), res
+        assert 1 <= res.chunks < n
+        n_got, got = consumer.retrieve(toks)
+        assert n_got == res.tokens and torch.equal(got, kv[:, :, :n_got])
+        assert not confirm("127.0.0.1", port, "r", timeout_s=0.5)
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join(5)
+        consumer.close()
+
+
+def test_prepared_headers_are_used_then_forgotten(producer, consumer) -> None:  # type: ignore[no-untyped-def]
+    eng, pins, srv = producer
+    toks, kv = prompt(3)
+    eng.store(toks, kv)
+    keys = eng.keys.keys_for_array(toks.astype(np.uint32))
+    pins.hold("a", keys)
+    pins.hold("b", keys[:1])  # two holds share chunk 0
+    assert srv.prepare(keys) == 3 and srv.prepare(keys[:1]) == 1
+    assert pull(consumer, "127.0.0.1", srv.port, "a", keys, toks).reason is None
+    assert len(srv._heads) == 1  # a's confirm dropped its headers; b still holds chunk 0
+    pins.release("b")
+    assert srv._heads == {}
+
+
+def test_loopback_measure_runs() -> None:
+    from kvmesh.transport.loopback import transfer_vs_raw
+
+    r = transfer_vs_raw(tokens=64, dims=(2, 2, 8), chunk_size=16, repeats=2)
+    assert r["chunks"] == 4 and r["pull_gbps"] > 0 and r["raw_gbps"] > 0 and r["ratio"] > 0
