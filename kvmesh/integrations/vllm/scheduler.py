@@ -69,7 +69,7 @@ class SchedulerSide:
         delay_free: bool = False,
         pd_ranks: Sequence[Lookup] = (),
         engine_id: str = "",
-        pd_async: bool = True,
+        pd_async: bool = False,
         pd_wait_s: float = 6.0,
     ) -> None:
         self.chunk_size = chunk_size

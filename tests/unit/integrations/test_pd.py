@@ -232,7 +232,7 @@ class SlowRank(PdRank):
 
 def test_async_pull_answers_not_yet_until_done() -> None:
     rank = SlowRank(steps=2)
-    s = SchedulerSide(CS, BS, [rank], pd_ranks=[rank])
+    s = SchedulerSide(CS, BS, [rank], pd_ranks=[rank], pd_async=True)
     params = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "kvmesh": {"keys": ["k"]}}
     r = req("d", 300, params)
     assert s.lookup(r, 0) is None  # started: vLLM skips the request this step
@@ -244,7 +244,7 @@ def test_async_pull_answers_not_yet_until_done() -> None:
 
 def test_async_pull_stops_waiting_after_its_budget() -> None:
     rank = SlowRank(steps=10**6)
-    s = SchedulerSide(CS, BS, [rank], pd_ranks=[rank], pd_wait_s=0.05)
+    s = SchedulerSide(CS, BS, [rank], pd_ranks=[rank], pd_wait_s=0.05, pd_async=True)
     params = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "kvmesh": {"keys": ["k"]}}
     r = req("d", 300, params)
     assert s.lookup(r, 0) is None
