@@ -158,7 +158,13 @@ def pd_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         hung.close()
         res["ref5"] = complete(producer.url, p5, **GEN)
         res["c_after_hang"] = admin_stats(c_admin)
-        # 2. a decode that never comes: the pins go after the timeout.
+        # 2. a decode that never comes: the pins go after the timeout. First let step 1d's
+        # prefill (pinned for a consumer that pulled from the hung port instead) expire, so
+        # the count below is this step's own: 1d lasts about FETCH_TIMEOUT_S, less than
+        # PIN_TIMEOUT_S, and CI failed on that race (2 pinned requests where 1 was expected).
+        settle = time.monotonic() + PIN_TIMEOUT_S + 6
+        while time.monotonic() < settle and admin_stats(p_admin)["pd_pinned_requests"]:
+            time.sleep(0.25)
         complete(producer.url, p2, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         res["p_orphan_pinned"] = admin_stats(p_admin)
         deadline = time.monotonic() + PIN_TIMEOUT_S + 6
