@@ -272,7 +272,6 @@ class DiskTier:
         (recode) only while that write of the key is still the current one. The reservation
         turns into used bytes under the same lock, so no other put slips into the budget."""
         with self._lock:
-            self._reserved -= reserved
             old = self._entries.get(text)
             ok = replace_gen is None or (old is not None and old.gen == replace_gen)
             try:
@@ -281,14 +280,19 @@ class DiskTier:
             except OSError:
                 self.metrics.inc("errors")
                 ok = False
+            if not ok:
+                self._reserved -= reserved
         if not ok:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             return False
         # Outside the index lock: an fsync may take milliseconds, and the new name is
         # already complete (readers of the old index entry read the new, equal, bytes).
+        # The reservation stays counted until the bytes are counted as used below: released
+        # before the fsync, concurrent puts overshot the budget by a chunk (CI caught it).
         self.files.sync_dir(text)
         with self._lock:
+            self._reserved -= reserved
             cur = self._entries.get(text)
             if replace_gen is not None and (cur is None or cur.gen != replace_gen):
                 # Deleted or rewritten while we synced: the index already says what is there.
