@@ -339,7 +339,7 @@ def _probe_threshold(urls: Sequence[str], model_dir: str, workdir: str, log: Log
 
 def run(quick: bool, json_path: str, plot_path: str, model_dir: str | None = None,
         setups: Sequence[str] | None = None) -> dict[str, Any]:  # fmt: skip
-    from kvmesh.bench.ttft import environment
+    from kvmesh.bench.ttft_proc import environment
     from kvmesh.harness.model import DEFAULT_TINY_MODEL, ensure_model
 
     install_signal_handlers()
