@@ -39,25 +39,8 @@ def match_chain(
     registered replica. ``spec``: speculative entries (key → :class:`Held`, expired at
     ``now``), counting as GPU. ``wanted``: the ``low`` bits of the replicas asked about.
     """
-    alive = wanted
-    masks: list[int] = []
-    alives: list[int] = []
-    for key in keys:
-        entry = blocks.get(key)
-        mask = entry[0] << entry[1] if entry is not None else 0
-        if spec:
-            held = spec.get(key)
-            if held is not None:
-                mask |= held.mask  # exact: the table was expired at ``now`` just before
-        # Bit 4*rid is a REMOTE holding: shared, so it makes the block count for everyone.
-        present = low if mask & low else (mask >> 1 | mask >> 2 | mask >> 3) & low
-        alive &= present
-        if not alive:
-            break
-        if entry is not None:
-            blocks.move_to_end(key)
-        masks.append(mask)
-        alives.append(alive)
+    # ``spec`` is exact here: the table was expired at ``now`` just before.
+    masks, alives = walk(blocks, low, spec, keys, wanted)
     out: dict[int, list[tuple[int, int, Medium]]] = {}
     if not masks:
         return out
@@ -119,6 +102,7 @@ def walk(
             held = spec.get(key)
             if held is not None:
                 mask |= held.mask
+        # Bit 4*rid is a REMOTE holding: shared, so it makes the block count for everyone.
         present = low if mask & low else (mask >> 1 | mask >> 2 | mask >> 3) & low
         alive &= present
         if not alive:
