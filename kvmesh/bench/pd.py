@@ -35,11 +35,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.bench.pd_workload import make_workload, replay
+from kvmesh.bench.peers import VllmRouter, vllm_router_binary
 from kvmesh.bench.report import print_table, write_json, write_panels
 from kvmesh.errors import ProcessError
 from kvmesh.harness.connector import pd_config
 from kvmesh.harness.ports import free_port
-from kvmesh.harness.processes import Service, get_json, install_signal_handlers, log_tail
+from kvmesh.harness.processes import Service, install_signal_handlers, log_tail
 from kvmesh.harness.replicas import Replica, start_replicas
 from kvmesh.harness.router import RouterProcess
 
@@ -159,26 +160,18 @@ ROLES = {
 EXTRA_ARGS: dict[str, tuple[str, ...]] = {"vllm-router-pd": ("--max-num-batched-tokens", "4096")}
 
 
-class VllmRouterPD(Service):
+class VllmRouterPD(VllmRouter):
     """vllm-router in its vLLM PD mode over one prefill and one decode worker."""
 
     name = "vllm-router (pd)"
 
     def __init__(self, prefill_url: str, decode_url: str, log_path: str | None = None) -> None:
-        from kvmesh.bench.peers import vllm_router_binary
-
         self.port = free_port()
         args = [vllm_router_binary(), "--host", "127.0.0.1", "--port", str(self.port),
                 "--vllm-pd-disaggregation", "--prefill", prefill_url, "--decode", decode_url,
                 "--policy", "round_robin", "--log-level", "warning"]  # fmt: skip
-        super().__init__(args, dict(os.environ), log_path)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def ready(self) -> bool:
-        return get_json(self.url + "/health", 1.0)[0] == 200
+        # Another command line, the same service (url, readiness) as VllmRouter's.
+        Service.__init__(self, args, dict(os.environ), log_path)
 
 
 Front = VllmRouterPD | RouterProcess
