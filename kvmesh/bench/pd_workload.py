@@ -25,15 +25,7 @@ from typing import Any
 import httpx
 
 from kvmesh.bench.stats import percentile
-
-# Words the tiny models' tokenizer was trained on (kvmesh.router.testing's corpus).
-_WORDS = (
-    "the", "cat", "dog", "sat", "on", "mat", "a", "quick", "brown", "fox", "jumps", "over", "lazy",
-    "river", "stone", "cache", "block", "prefix", "token", "router", "replica", "request", "model",
-    "answer", "question", "system", "user", "assistant", "hello", "world", "one", "two", "three",
-    "four", "five", "six", "seven", "eight", "nine", "ten", "red", "green", "blue", "light", "dark",
-    "fast", "slow",
-)  # fmt: skip
+from kvmesh.router.testing import _WORDS  # the words the tiny models' tokenizer was trained on
 
 
 @dataclass(frozen=True)
