@@ -234,6 +234,7 @@ class CacheEngine:
             objs = self.cpu.get(keys)
             held.extend(o for o in objs if o is not None)
             with self._budget():
+                self._lower.advise([k for k, o in zip(keys, objs, strict=True) if o is None])
                 for i, (key, (s, e)) in enumerate(zip(keys, bounds, strict=True)):
                     obj = objs[i]
                     if obj is not None:

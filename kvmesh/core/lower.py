@@ -24,7 +24,7 @@ from kvmesh.core.memory import MemoryObj, torch_dtype
 from kvmesh.core.offload import WriteBehind
 from kvmesh.errors import TierError
 from kvmesh.metrics import TierMetrics
-from kvmesh.tiers.base import ChunkData, Tier, TierOptions, as_pinnable, open_tier
+from kvmesh.tiers.base import ChunkData, Tier, TierOptions, as_advisable, as_pinnable, open_tier
 from kvmesh.tiers.cpu import CPUTier
 from kvmesh.tiers.deadline import expired
 
@@ -101,6 +101,16 @@ class LowerTiers:
         return self.tiers[name].contains(keys)
 
     # ---- reads into the pool ----------------------------------------------------------
+
+    def advise(self, keys: Sequence[ChunkKey]) -> None:
+        """Tell every tier that can take the hint that reads of ``keys`` follow (the disk
+        starts them all at once; :meth:`read` then takes them one by one)."""
+        if not keys:
+            return
+        for name, tier in self.tiers.items():
+            advisable = as_advisable(tier)
+            if advisable is not None and not self._skip(name):
+                advisable.advise(keys)
 
     def read(
         self, key: ChunkKey, expect_tokens: np.ndarray

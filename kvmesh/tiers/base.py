@@ -19,9 +19,9 @@ A lower tier (disk, Redis, shared filesystem) stores serialized chunks (see
   checks the chunk's own tokens against what it asked for.
 
 Optional features are **declared**, never sniffed: every tier (the cpu tier too) carries a
-``features`` flag set (:class:`Feature`), and :func:`as_pinnable` / :func:`as_recodable`
-narrow a tier to the protocol of a feature it declares (``None`` when it does not). Callers
-never ask ``hasattr`` or compare tier names. Re-encoding stored chunks is written once,
+``features`` flag set (:class:`Feature`), and :func:`as_pinnable` / :func:`as_recodable` /
+:func:`as_advisable` narrow a tier to the protocol of a feature it declares (``None`` when
+it does not). Callers never ask ``hasattr`` or compare tier names. Re-encoding stored chunks is written once,
 in :func:`recode`, over the two primitives a :class:`RecodableTier` provides.
 
 Tiers register a factory under their URL schemes with :func:`register_tier`;
@@ -95,6 +95,7 @@ class Feature(enum.Flag):
     NONE = 0
     PIN = enum.auto()  # PinnableTier: counted pins; delete/clear keep pinned chunks unless forced
     RECODE = enum.auto()  # RecodableTier: read_stored + rewrite, so recode() can re-encode chunks
+    ADVISE = enum.auto()  # AdvisableTier: advise(keys) starts reading chunks a get will want
 
 
 @runtime_checkable
@@ -161,6 +162,19 @@ class RecodableTier(Tier, Protocol):
         """Replace ``key``'s stored bytes as a whole (still the ``version`` read, where the
         tier versions chunks). Returns the new stored size, ``None`` when nothing changed."""
         ...
+
+
+class AdvisableTier(TierBase, Protocol):
+    """``Feature.ADVISE``: ``advise(keys)`` tells the tier that ``get(keys)`` follows, so it
+    can start every read at once (a disk reads them in parallel instead of one by one).
+    Best effort: never raises, and a key it does not hold is ignored."""
+
+    def advise(self, keys: Sequence[ChunkKey]) -> None: ...
+
+
+def as_advisable(tier: TierBase) -> AdvisableTier | None:
+    """``tier`` as an :class:`AdvisableTier` when it declares ``Feature.ADVISE``, else ``None``."""
+    return cast(AdvisableTier, tier) if Feature.ADVISE in tier.features else None
 
 
 def as_pinnable(tier: TierBase) -> PinnableTier | None:

@@ -78,6 +78,20 @@ class ChunkFiles:
 
     # ---- reads ------------------------------------------------------------------------
 
+    def advise(self, text: str) -> None:
+        """``POSIX_FADV_WILLNEED`` on one file: the kernel starts reading it now, in the
+        background (best effort: a file gone meanwhile is left to the read to report)."""
+        try:
+            fd = os.open(self.path(text), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
     def read(self, text: str, stamp: bool, into: Into | None = None) -> StoredChunk:
         """Read and verify one file. Raises ``FileNotFoundError``, :class:`CorruptChunkError`
         or another ``OSError``. With ``stamp`` the file's mtime records this read."""

@@ -21,6 +21,7 @@ from kvmesh.tiers.base import (
     Tier,
     TierBase,
     TierOptions,
+    as_advisable,
     as_pinnable,
     as_recodable,
     open_tier,
@@ -46,12 +47,13 @@ def test_every_tier_declares_its_features(tmp_path: Path) -> None:
         for tier in (disk, fs, mem):
             assert isinstance(tier, Tier)
         assert cpu.features == Feature.PIN
-        assert disk.features == Feature.PIN | Feature.RECODE
+        assert disk.features == Feature.PIN | Feature.RECODE | Feature.ADVISE
         assert fs.features == RedisTier.features == Feature.RECODE
         assert mem.features == Feature.NONE
         assert as_pinnable(cpu) is cpu and as_pinnable(disk) is disk
         assert as_pinnable(fs) is None and as_pinnable(mem) is None
         assert as_recodable(disk) is disk and as_recodable(fs) is fs and as_recodable(mem) is None
+        assert as_advisable(disk) is disk and as_advisable(fs) is None and as_advisable(cpu) is None
     finally:
         disk.close()
         cpu.close()
