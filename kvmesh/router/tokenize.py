@@ -227,9 +227,10 @@ class PromptTokenizer:
         out: list[_Ids] = []
         misses: list[tuple[int, list[_Ids | None], list[str]]] = []
         words, heads = self._words, self._heads
-        for ws in split_words(pieces):
+        for piece in pieces:
             # Word j > 0 is " " + ws[j] (the split consumed the space): cached as words[ws[j]].
             # The head is cached like the others if it starts with a space, else in heads.
+            ws = _WORD_RE.split(piece)
             head = ws[0]
             ids = [words.get(head[1:]) if head[:1] == " " else heads.get(head), *map(words.get, ws[1:])]
             try:
@@ -395,90 +396,6 @@ def _nones(ids: list[_Ids | None]) -> list[int]:
 def _word(ws: list[str], j: int) -> str:
     """Text of word ``j`` of a piece split by ``_WORD_RE`` (the split consumed a space before each)."""
     return ws[j] if j == 0 else " " + ws[j]
-
-
-def split_words(pieces: list[str]) -> list[list[str]]:
-    """``[_WORD_RE.split(p) for p in pieces]``, a few times faster for long texts.
-
-    A regex split costs ~100 ns a space (a match attempt and a string each); ``str.split(" ")``
-    costs a third of that. So: split every piece at every space, find the spaces that are no
-    cut (not after a non-space, or not before a letter) with numpy over the code points, and
-    join the pieces back together there (few in prose: digits, punctuation, double spaces).
-    """
-    total = sum(map(len, pieces))
-    if total < _NP_SPLIT_CHARS:
-        return [_WORD_RE.split(p) for p in pieces]
-    text = "".join(pieces)
-    # surrogatepass: a lone surrogate (JSON allows its escape) is one code point like any other.
-    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-    spaces = np.flatnonzero(codes == 32)
-    lens = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
-    ends = np.cumsum(lens)
-    starts = ends - lens
-    # A space at a piece's first or last character is no cut: the regex sees only its piece.
-    edge = np.zeros(total + 1, dtype=bool)
-    edge[starts] = True
-    edge[ends - 1] = True  # an empty piece marks its own start, where it has no space anyway
-    prev = codes[np.maximum(spaces - 1, 0)]
-    nxt = codes[np.minimum(spaces + 1, total - 1)]
-    cut = (
-        ~edge[spaces]
-        & _char_class(prev, _NONSPACE_ASCII, _NONSPACE_RE)
-        & _char_class(nxt, _LETTER_ASCII, _LETTER_RE)
-    )
-    bad = np.flatnonzero(~cut)
-    # Space s lies in piece piece_of[s], as that piece's space number s - first_space[piece].
-    first_space = np.searchsorted(spaces, starts)
-    piece_of = np.searchsorted(starts, spaces[bad], side="right") - 1
-    local = (bad - first_space[piece_of]).tolist()
-    out = [p.split(" ") for p in pieces]
-    if not len(bad):
-        return out
-    # Group the no-cut spaces by piece (bad, piece_of are sorted), then join each piece's.
-    firsts = [0, *(np.flatnonzero(np.diff(piece_of)) + 1).tolist()]
-    lasts = [*firsts[1:], len(local)]
-    for piece, a, b in zip(piece_of[firsts].tolist(), firsts, lasts, strict=True):
-        out[piece] = _merge(out[piece], local[a:b])
-    return out
-
-
-def _merge(segs: list[str], joins: list[int]) -> list[str]:
-    """``segs`` (a text split at every space) with the spaces ``joins`` (sorted) put back."""
-    out: list[str] = []
-    i = j = 0
-    n = len(joins)
-    while j < n:
-        a = b = joins[j]
-        while j + 1 < n and joins[j + 1] == b + 1:
-            j += 1
-            b += 1
-        out += segs[i:a]
-        out.append(" ".join(segs[a : b + 2]))  # space k joins segs[k] and segs[k + 1]
-        i = b + 2
-        j += 1
-    out += segs[i:]
-    return out
-
-
-def _char_class(codes: np.ndarray, ascii_table: np.ndarray, pattern: re.Pattern[str]) -> np.ndarray:
-    """Whether each code point matches ``pattern`` (a table for ASCII, ``re`` itself otherwise)."""
-    small = codes < 128
-    out = np.zeros(len(codes), dtype=bool)
-    out[small] = ascii_table[codes[small]]
-    if not small.all():
-        uniq, inv = np.unique(codes[~small], return_inverse=True)
-        out[~small] = np.array([pattern.fullmatch(chr(c)) is not None for c in uniq.tolist()], dtype=bool)[
-            inv
-        ]
-    return out
-
-
-# The two character classes of _WORD_RE, for numpy: evaluated by re itself, so they agree.
-_NONSPACE_RE = re.compile(r"\S")
-_LETTER_RE = re.compile(r"[^\W\d_]")
-_NONSPACE_ASCII = np.array([_NONSPACE_RE.fullmatch(chr(c)) is not None for c in range(128)])
-_LETTER_ASCII = np.array([_LETTER_RE.fullmatch(chr(c)) is not None for c in range(128)])
-_NP_SPLIT_CHARS = 4096  # below this, numpy's per-call overhead costs more than it saves
 
 
 def _ids_bytes(ids: Sequence[int]) -> _Ids:
