@@ -326,6 +326,11 @@ class BlockIndex:
             for bs, keys in chains:
                 self._spec.add(rid, bs, keys, now + ttl_s)
 
+    def expire_speculative(self) -> None:
+        """Drop the speculative entries whose time is up (queries do it too; this does it early)."""
+        with self._lock:
+            self._spec.expire(self._clock())
+
     # -- queries --------------------------------------------------------------------------
 
     def match(

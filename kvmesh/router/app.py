@@ -44,6 +44,8 @@ from kvmesh.router.upstream import Upstream
 log = logging.getLogger(__name__)
 
 _NO_REPLICA = "no healthy replica is available; retry later"
+# After a speculative entry's ttl: the loop's timers fire a little late, never early.
+_EXPIRY_SLACK_S = 0.001
 
 
 class RouterService:
@@ -311,6 +313,17 @@ class RouterService:
             self.index.add_speculative(name, tokens, ttl_s=ttl)
         except Exception:  # an index bug must not fail requests; it is logged
             log.exception("speculative index entry for %s failed", name)
+            return
+        # Removing an expired entry costs about as much as adding it (~1 ms at 32k tokens).
+        # The next match would do it, on its request's critical path: do it when it expires.
+        # Matches still expire first, so what they see (and every decision) is unchanged.
+        asyncio.get_running_loop().call_later(ttl + _EXPIRY_SLACK_S, self._expire_speculative)
+
+    def _expire_speculative(self) -> None:
+        try:
+            self.index.expire_speculative()
+        except Exception:  # an index bug must not fail requests; it is logged
+            log.exception("expiring speculative index entries failed")
 
     def _settle_once(self, name: str, cost: list[float]) -> None:
         if cost[0]:
