@@ -135,8 +135,7 @@ class DiskTier:
             return
         with self._lock:
             texts = [k.text for k in keys if k.text in self._entries]
-        for text in texts:
-            self.files.advise(text)
+        self.files.advise(texts)
 
     def put(self, keys: Sequence[ChunkKey], chunks: Sequence[ChunkData]) -> list[bool]:
         self._check_open()

@@ -17,7 +17,8 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, TextIO
 
 import numpy as np
@@ -32,6 +33,7 @@ from kvmesh.tiers.placement import Placement
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
 ALIGN = 4096
+ADVISE_THREADS = 8  # files ChunkFiles.advise opens at once
 
 
 class ChunkFiles:
@@ -54,6 +56,7 @@ class ChunkFiles:
         self._trace: TextIO | None = None
         self._trace_lock = threading.Lock()
         self._inflight = 0
+        self._advisers: ThreadPoolExecutor | None = None
         if io_trace:
             self._trace = open(io_trace, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
 
@@ -78,9 +81,24 @@ class ChunkFiles:
 
     # ---- reads ------------------------------------------------------------------------
 
-    def advise(self, text: str) -> None:
-        """``POSIX_FADV_WILLNEED`` on one file: the kernel starts reading it now, in the
-        background (best effort: a file gone meanwhile is left to the read to report)."""
+    def advise(self, texts: Sequence[str]) -> None:
+        """``POSIX_FADV_WILLNEED`` on the files of ``texts``: the kernel starts reading them
+        now, in the background. The opens go several at once: after the kernel dropped its
+        caches an open waits ~1 ms for its directory block and inode (measured here), and
+        one by one those waits add up to more than the reads. Best effort: a file gone
+        meanwhile is left to the read to report."""
+        if len(texts) <= 1:
+            for text in texts:
+                self._advise_one(text)
+            return
+        with self._stamp_lock:
+            if self._advisers is None:
+                self._advisers = ThreadPoolExecutor(ADVISE_THREADS, thread_name_prefix="kvmesh-disk-advise")
+            pool = self._advisers
+        with contextlib.suppress(RuntimeError):  # closed meanwhile: the reads go without it
+            list(pool.map(self._advise_one, texts))
+
+    def _advise_one(self, text: str) -> None:
         try:
             fd = os.open(self.path(text), os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
@@ -230,6 +248,10 @@ class ChunkFiles:
                     self._trace.write(json.dumps(rec) + "\n")
 
     def close(self) -> None:
+        with self._stamp_lock:
+            if self._advisers is not None:
+                self._advisers.shutdown(wait=False)
+                self._advisers = None
         with self._trace_lock:
             if self._trace is not None:
                 self._trace.close()
