@@ -54,7 +54,10 @@ VLLM_ROUTER_STAMP="$VLLM_ROUTER_VENV/.kvmesh-vllm-router-v1"
 if [[ -f "$VLLM_ROUTER_STAMP" ]] && "$VLLM_ROUTER_VENV/bin/vllm-router" --help >/dev/null 2>&1; then
     echo "vllm-router already installed in $VLLM_ROUTER_VENV"
 else
-    [[ -x "$VLLM_ROUTER_VENV/bin/python" ]] || python3 -m venv "$VLLM_ROUTER_VENV"
+    # A venv there that does not answer is rebuilt, not patched: a moved venv's scripts keep
+    # the old path in their #! line, and pip, finding the package installed, leaves them.
+    rm -rf "$VLLM_ROUTER_VENV"
+    python3 -m venv "$VLLM_ROUTER_VENV"
     "$VLLM_ROUTER_VENV/bin/python" -m pip install -q "$VLLM_ROUTER_PKG"
     "$VLLM_ROUTER_VENV/bin/vllm-router" --help >/dev/null  # the stamp only after it runs
     echo "$VLLM_ROUTER_PKG" >"$VLLM_ROUTER_STAMP"
