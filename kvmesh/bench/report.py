@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # The replay metrics (kvmesh.bench.workload.METRICS) with their panel titles: a rate, seconds
 # and requests/s each need an axis of their own.
@@ -15,6 +19,28 @@ METRIC_PANELS: tuple[tuple[str, str], ...] = (
     ("ttft_p90_s", "TTFT p90 (s)"),
     ("requests_per_s", "requests/s"),
 )
+
+
+def git_commit() -> str | None:
+    """The short commit of the code a run measures (``+dirty`` when ``kvmesh/`` has changes
+    not committed), or ``None`` outside a git checkout. Read it when the run starts: the tree
+    may move on during a long one."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "kvmesh"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0 or not out.stdout.strip():
+        return None
+    return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -28,7 +27,7 @@ from typing import Any
 
 from kvmesh.bench import router_setups as rs
 from kvmesh.bench.groups import Params, Setup
-from kvmesh.bench.report import METRIC_PANELS, print_table, write_json
+from kvmesh.bench.report import METRIC_PANELS, git_commit, print_table, write_json
 from kvmesh.bench.workload import METRICS, Arrival
 from kvmesh.harness.model import DEFAULT_TINY_MODEL, ensure_model
 from kvmesh.harness.processes import install_signal_handlers
@@ -174,19 +173,6 @@ def plot_rows(path: str, rows: Sequence[Mapping[str, Any]], title: str) -> None:
     print(f"wrote {path}")
 
 
-def _commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "kvmesh"], capture_output=True, text=True, timeout=5
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")) if out.returncode == 0 else None
-
-
 def run(
     quick: bool = False,
     json_path: str | None = None,
@@ -219,7 +205,7 @@ def run(
             raise ValueError(f"unknown workload(s) {bad}; valid: {', '.join(s.name for s in specs)}")
         specs = [s for s in specs if s.name in workloads]
     n_repeats = repeats or params(quick).repeats
-    commit = _commit()  # the code this run measures: read now, the tree may move on during it
+    commit = git_commit()  # the code this run measures: read now, the tree may move on during it
     install_signal_handlers()
     model_dir = ensure_model(model_dir or DEFAULT_TINY_MODEL)
     workdir = tempfile.mkdtemp(prefix="kvmesh-bench-router-")

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from kvmesh.bench import fio
-from kvmesh.bench.report import print_table, write_json, write_plot
+from kvmesh.bench.report import git_commit, print_table, write_json, write_plot
 from kvmesh.config import CacheConfig
 from kvmesh.core.engine import CacheEngine
 from kvmesh.core.keys import ChunkKey, KeyBuilder, KVLayout
@@ -336,6 +336,7 @@ def run(
     redis_url: str | None = None,
     tiers: tuple[str, ...] = ("cpu", "disk", "redis"),
 ) -> dict[str, Any]:
+    commit = git_commit()  # the code this run measures
     lay = LAYOUTS[layout]
     n_chunks = (4 if quick else 8) if layout == "llama-8b" else (64 if quick else 256)
     repeats = 3 if quick else 6
@@ -367,7 +368,7 @@ def run(
             else:
                 pairs += bench_redis(w, repeats, url)
     results = [p.row() for p in pairs]
-    out = {"results": results, "config": notes}
+    out = {"commit": commit, "results": results, "config": notes}
     print_table(results, ["tier", "op", "gbps", "limit_gbps", "ratio"])
     if json_path:
         write_json(json_path, out)

@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvmesh.bench.peers import lmcache_pythonpath, with_pythonpath
+from kvmesh.bench.report import REPO_ROOT, git_commit
 from kvmesh.bench.ttft_spec import FAIR_ENV, FAIR_LLM_ARGS
 from kvmesh.bench.ttft_worker import PREFIX
 from kvmesh.errors import ProcessError
 from kvmesh.harness.processes import log_tail, stop_process
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def worker_env(extra_path: str | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -66,18 +65,7 @@ def environment(model_dir: str, quick: bool, trials: int) -> dict[str, Any]:
     with contextlib.suppress(OSError):
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
-    commit = None
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                cwd=REPO_ROOT,
-                capture_output=True,
-                text=True,
-                timeout=5,
-            ).stdout.strip()
-            or None
-        )
+    commit = git_commit()
     model_cfg: dict[str, Any] = {}
     with contextlib.suppress(OSError, ValueError):
         cfg = json.loads(Path(model_dir, "config.json").read_text())

@@ -14,6 +14,7 @@ import statistics
 import time
 from typing import Any
 
+from kvmesh.bench.report import git_commit
 from kvmesh.paths import traces_dir
 from kvmesh.sim import policies
 from kvmesh.sim.cost import PROFILES
@@ -23,7 +24,9 @@ from kvmesh.sim.workload import Workload, generate, load_trace, tile, time_scale
 
 TRACES = {"conversation": "conversation_trace.jsonl", "synthetic": "synthetic_trace.jsonl"}
 TRACE_DIR = traces_dir()
-# measured on this machine by `kvmesh bench router` (docs/bench/router.json), 2 replicas
+# measured on this machine by `kvmesh bench router`, 2 replicas: the run the vllm-cpu-tiny
+# profile was fitted to (docs/bench/sim-calibration-router.json, commit c08cf00). Later
+# runs are not the reference: their TTFTs moved 10-40% run to run (README, kvmesh sim).
 MEASURED_SETUPS = {
     ("kvmesh", "kvmesh"): ("kvmesh", True),
     ("kvmesh", "round-robin"): ("round-robin", True),
@@ -188,24 +191,8 @@ def cmd_speed(args: argparse.Namespace) -> int:
             row["minutes_for_1M_extrapolated"] = round(1e6 / (out["requests"] / wall) / 60, 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    _write(args.json, {"commit": args.commit or _commit(), "target_minutes_for_1M": 10, "rows": rows})
+    _write(args.json, {"commit": args.commit or git_commit(), "target_minutes_for_1M": 10, "rows": rows})
     return 0
-
-
-def _commit() -> str | None:
-    import subprocess
-
-    try:
-        got = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except OSError:
-        return None
-    return got.stdout.strip() or None
 
 
 def _write(path: str | None, data: dict[str, Any]) -> None:
@@ -254,7 +241,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.set_defaults(func=cmd_run)
     v = ssub.add_parser("validate", help="bench router's workload at 2 replicas vs the measured run")
     v.add_argument("--model", default=os.path.join(".cache", "models", "tiny"))
-    v.add_argument("--measured", default=os.path.join("docs", "bench", "router.json"))
+    v.add_argument(
+        "--measured",
+        default=os.path.join("docs", "bench", "sim-calibration-router.json"),
+        help="a bench router JSON (default: the run the vllm-cpu-tiny profile was fitted to)",
+    )
     v.add_argument("--repeats", type=int, default=7, help="seeds of the service-time jitter (medians)")
     v.add_argument("--json")
     v.set_defaults(func=cmd_validate)
