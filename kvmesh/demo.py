@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvmesh.bench.groups import Params, Setup, run_interleaved
-from kvmesh.bench.report import METRIC_PANELS, print_table, write_json, write_panels
+from kvmesh.bench.report import METRIC_PANELS, git_commit, print_table, write_json, write_panels
 from kvmesh.bench.workload import METRICS
 from kvmesh.harness.model import DEFAULT_TINY_MODEL, ensure_model
 from kvmesh.harness.processes import install_signal_handlers
@@ -182,6 +182,7 @@ def run(
         print(msg, flush=True)
 
     p = p or params()
+    commit = git_commit()  # the code this run measures
     install_signal_handlers()
     model_dir = ensure_model(model_dir, "tiny")
     workdir = workdir or tempfile.mkdtemp(prefix="kvmesh-demo-")
@@ -203,7 +204,7 @@ def run(
         "repeats": p.repeats,
         "arrival": p.arrival,
     }
-    return report(rows, workload, round(time.monotonic() - t0, 1), json_path, plot_path)
+    return report(rows, workload, round(time.monotonic() - t0, 1), json_path, plot_path, commit)
 
 
 def report(
@@ -212,9 +213,10 @@ def report(
     wall_s: float,
     json_path: str | None = None,
     plot_path: str | None = None,
+    commit: str | None = None,
 ) -> dict[str, Any]:
     """Print the table and the sentences, write the JSON and the PNG; returns the JSON's
-    content. ``rows``: per setup, the medians and its ``repeats``."""
+    content. ``rows``: per setup, the medians and its ``repeats``; ``commit``: the code measured."""
     lines = sentences(rows)
     split = {}
     if all(s in rows and "error" not in rows[s] for s in SETUPS):
@@ -224,6 +226,7 @@ def report(
             if all(rows[s].get(k) is not None for s in SETUPS)
         }
     out: dict[str, Any] = {
+        "commit": commit,
         "rows": [{"setup": TITLES[s], **rows.get(s, {"error": "no run"})} for s in SETUPS],
         "sentences": lines,
         "split": split,
