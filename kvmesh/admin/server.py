@@ -267,7 +267,10 @@ class _Handler(BoundedHandler):
     def _handle(self, post: bool) -> None:
         admin: AdminServer = self.server.admin  # type: ignore[attr-defined]
         auth = self.headers.get("Authorization")
-        path = urlsplit(self.path).path
+        try:
+            path = urlsplit(self.path).path
+        except ValueError:  # e.g. "http://[x": no path this server serves (a 401 or a 404 below)
+            path = ""
         op = path[len(ENGINE_PREFIX) :] if path.startswith(ENGINE_PREFIX) else None
         spec = OPS.get(op) if op else None
         # Who may ask comes first: nothing of an unauthorized request's body is read.

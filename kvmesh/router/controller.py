@@ -178,7 +178,10 @@ class Controller:
 
     # -- registry ----------------------------------------------------------------------------
     def _register(self, body: Any) -> dict[str, Any]:
-        parts = urlsplit(body.url)
+        try:
+            parts = urlsplit(body.url)
+        except ValueError as exc:  # e.g. an unclosed "[" of an IPv6 host
+            raise BodyError("url", f"must look like http://host:port, got {body.url!r} ({exc})") from None
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise BodyError("url", f"must look like http://host:port, got {body.url!r}")
         ep = self.endpoints.get(body.name)

@@ -378,6 +378,14 @@ def test_engines_register_heartbeat_and_go_down(cluster: Cluster) -> None:
     assert reps["a"]["ok"] and reps["b"]["ok"]
 
 
+@pytest.mark.parametrize("url", ["http://[", "//[::1", "http://a]:1", "ftp://x", "no-scheme"])
+def test_register_with_a_bad_url_is_422_naming_it(cluster: Cluster, url: str) -> None:
+    resp = cluster.call("register", {"name": "x", "url": url})
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["error"]["field"] == "url"
+    assert "x" not in cluster.call("replicas", method="GET").json()["replicas"]
+
+
 def test_registration_needs_the_token(cluster: Cluster) -> None:
     c = AdminServer(
         cluster.engine("c"), token="wrong", controller_url=cluster.router.url, name="c", heartbeat_s=0.1

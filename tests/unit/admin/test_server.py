@@ -327,6 +327,17 @@ def test_unknown_path_is_404_with_the_token_401_without(admin: AdminServer) -> N
     )
 
 
+def test_a_path_urlsplit_refuses_is_404_not_a_dropped_connection(admin: AdminServer) -> None:
+    """An absolute-form target with an unclosed IPv6 bracket makes ``urlsplit`` raise: an
+    answer, not a crash."""
+    host, port = admin.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        head = f"GET http://[x/kvmesh HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {TOKEN}\r\n\r\n"
+        s.sendall(head.encode())
+        status_line = s.makefile("rb").readline()
+    assert status_line.split()[1] == b"404", status_line
+
+
 def test_every_op_needs_the_configured_token_even_on_loopback(
     engine: CacheEngine, admin: AdminServer
 ) -> None:
