@@ -156,7 +156,7 @@ class Controller:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            return web.json_response(error_body("request body is too large"), status=413)
+            return web.json_response(error_body("request body is too large", "body"), status=413)
         try:
             body = parse_body(spec.body, raw)
             if op == "register":
