@@ -31,6 +31,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -298,6 +299,45 @@ class Outcome:
         ]
 
 
+@contextlib.contextmanager
+def phase_up(
+    setups: Sequence[Setup],
+    phase: Sequence[str],
+    start: Callable[[str], AbstractContextManager[list[Replica]]],
+    failed: dict[Setup, str],
+    log: Log,
+    label: Callable[[str], str] = str,
+) -> Iterator[tuple[dict[str, list[Replica]], list[Setup]]]:
+    """Start the replica groups of ``phase`` that ``setups`` use, all up together
+    (``start(cache)`` each); a group that does not start has its setups recorded in
+    ``failed``. Yields the groups that started and their setups in run order; stops them after."""
+    by_group = {cache: g for cache in phase if (g := [s for s in setups if s.cache == cache])}
+    with contextlib.ExitStack() as stack:
+        alive: dict[str, list[Replica]] = {}
+        for cache, group in by_group.items():
+            log(f"[{label(cache)} replicas] {', '.join(s.name for s in group)}")
+            try:
+                alive[cache] = stack.enter_context(start(cache))
+            except Exception as exc:  # the group's replicas or services did not start
+                message = f"{type(exc).__name__}: {exc}"
+                log(f"  {label(cache)} group failed: {message}")
+                for setup in group:
+                    failed.setdefault(setup, message)
+        yield alive, [s for cache in alive for s in by_group[cache]]
+
+
+def idle_floors(alive: Mapping[str, Sequence[Replica]], p: Params, log: Log) -> dict[str, float]:
+    """Each started group's idle-miss TTFT (:func:`measure_idle_miss`); a group whose
+    measurement fails is left out (a reference figure: the setups still run)."""
+    out: dict[str, float] = {}
+    for cache, replicas in alive.items():
+        try:
+            out[cache] = measure_idle_miss(replicas, p, cache, log)
+        except Exception as exc:
+            log(f"  idle-miss TTFT failed: {type(exc).__name__}: {exc}")
+    return out
+
+
 def run_interleaved(
     setups: Sequence[Setup],
     phases: Sequence[Sequence[str]],
@@ -313,30 +353,14 @@ def run_interleaved(
     gives each run's tenant texts. A group that fails to start, or a setup that fails a
     run, is recorded in ``failed``; the others go on."""
     out = Outcome({s: [] for s in setups})
+
+    def start(cache: str) -> AbstractContextManager[list[Replica]]:
+        return replica_group(cache, model_dir, workdir, p.num_blocks, log)
+
     for phase in phases:
-        groups = {cache: g for cache in phase if (g := [s for s in setups if s.cache == cache])}
-        if not groups:
-            continue
-        with contextlib.ExitStack() as stack:
-            alive: dict[str, list[Replica]] = {}
-            for cache, group in groups.items():
-                log(f"[{cache} replicas] {', '.join(s.name for s in group)}")
-                try:
-                    alive[cache] = stack.enter_context(
-                        replica_group(cache, model_dir, workdir, p.num_blocks, log)
-                    )
-                except Exception as exc:  # the group's replicas or services did not start
-                    message = f"{type(exc).__name__}: {exc}"
-                    log(f"  {cache} group failed: {message}")
-                    for setup in group:
-                        out.failed.setdefault(setup, message)
+        with phase_up(setups, phase, start, out.failed, log) as (alive, order):
             if idle_floor:
-                for cache, replicas in alive.items():
-                    try:
-                        out.idle_miss[cache] = measure_idle_miss(replicas, p, cache, log)
-                    except Exception as exc:  # a reference figure: the setups still run
-                        log(f"  idle-miss TTFT failed: {type(exc).__name__}: {exc}")
-            order = [s for cache in alive for s in groups[cache]]
+                out.idle_miss.update(idle_floors(alive, p, log))
             if len(order) > 1:
                 log(f"  interleaving {', '.join(s.name for s in order)}; every other repeat in reverse")
             for repeat in range(p.repeats):

@@ -21,6 +21,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -177,7 +178,9 @@ def lmcache_group(model_dir: str, workdir: str, num_blocks: int, log: Log) -> It
         yield replicas
 
 
-def _group(cache: str, model_dir: str, workdir: str, num_blocks: int, log: Log) -> Any:
+def _group(
+    cache: str, model_dir: str, workdir: str, num_blocks: int, log: Log
+) -> AbstractContextManager[list[Replica]]:
     if cache == "lmcache":
         return lmcache_group(model_dir, workdir, num_blocks, log)
     return groups.replica_group(cache, model_dir, workdir, num_blocks, log)
@@ -226,26 +229,13 @@ def run_all(
     failed: dict[Setup, str] = {}
     idle: dict[str, float] = {}
     floor_params = groups.Params(1, 1, 1, 1, 1, prefix_words=specs[0].prefix_words, num_blocks=num_blocks)
+
+    def start(cache: str) -> AbstractContextManager[list[Replica]]:
+        return _group(cache, model_dir, workdir, num_blocks, log)
+
     for phase in PHASES:
-        by_group = {c: g for c in phase if (g := [s for s in setups if s.cache == c])}
-        if not by_group:
-            continue
-        with contextlib.ExitStack() as stack:
-            alive: dict[str, list[Replica]] = {}
-            for cache, group in by_group.items():
-                log(f"[{REPLICA_KIND[cache]} replicas] {', '.join(s.name for s in group)}")
-                try:
-                    alive[cache] = stack.enter_context(_group(cache, model_dir, workdir, num_blocks, log))
-                except Exception as exc:  # the group did not start: its setups are results
-                    log(f"  group failed: {type(exc).__name__}: {exc}")
-                    for s in group:
-                        failed.setdefault(s, f"{type(exc).__name__}: {exc}")
-            for cache, replicas in alive.items():
-                try:
-                    idle[cache] = groups.measure_idle_miss(replicas, floor_params, cache, log)
-                except Exception as exc:  # a reference figure only
-                    log(f"  idle-miss TTFT failed: {type(exc).__name__}: {exc}")
-            order = [s for c in alive for s in by_group[c]]
+        with groups.phase_up(setups, phase, start, failed, log, REPLICA_KIND.__getitem__) as (alive, order):
+            idle.update(groups.idle_floors(alive, floor_params, log))
             for repeat in range(repeats):
                 for wi, spec in enumerate(specs):
                     for setup in run_order(order, repeat, wi):
