@@ -38,7 +38,7 @@ from typing import Any
 from kvmesh.bench.workload import Arrival, Workload, idle_ttfts, median_summary, replay, words
 from kvmesh.harness.connector import connector_config
 from kvmesh.harness.events import EventForwarder
-from kvmesh.harness.replicas import Replica, start_replicas
+from kvmesh.harness.replicas import Replica, start_replicas_on
 from kvmesh.harness.services import shared_tier
 
 MODEL_NAME = "tiny"
@@ -192,11 +192,8 @@ def replica_group(
             )
             for i in range(REPLICAS)
         ]
-        for r in replicas:
-            stack.callback(r.stop)
-        t0 = time.monotonic()
-        start_replicas(replicas)
-        log(f"  {REPLICAS} replicas ready in {time.monotonic() - t0:.0f} s; warming up")
+        took = start_replicas_on(stack, replicas)
+        log(f"  {REPLICAS} replicas ready in {took:.0f} s; warming up")
         warm_up([r.url for r in replicas], cache)
         yield replicas
 

@@ -29,7 +29,6 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +40,7 @@ from kvmesh.errors import ProcessError
 from kvmesh.harness.connector import pd_config
 from kvmesh.harness.ports import free_port
 from kvmesh.harness.processes import Service, install_signal_handlers, log_tail
-from kvmesh.harness.replicas import Replica, start_replicas
+from kvmesh.harness.replicas import Replica, start_replicas_on
 from kvmesh.harness.router import RouterProcess
 
 MODEL_NAME = "tiny"
@@ -203,11 +202,8 @@ def setup_replicas(setup: str, model_dir: str, workdir: str, log: Log) -> Iterat
                     extra_args=list(EXTRA_ARGS.get(setup, ())))
             for i, role in enumerate(ROLES[setup])
         ]  # fmt: skip
-        for r in reps:
-            stack.callback(r.stop)
-        t0 = time.monotonic()
-        start_replicas(reps)
-        log(f"  {setup}: 2 replicas ready in {time.monotonic() - t0:.0f} s")
+        took = start_replicas_on(stack, reps)
+        log(f"  {setup}: 2 replicas ready in {took:.0f} s")
         yield reps
 
 

@@ -31,7 +31,7 @@ from kvmesh.bench.groups import Setup
 from kvmesh.bench.peers import VLLM_ROUTER_POLICIES  # all of vllm-router 0.1.17's
 from kvmesh.bench.workload import Arrival, RunResult, Workload, replay
 from kvmesh.harness.events import EventForwarder
-from kvmesh.harness.replicas import Replica, start_replicas
+from kvmesh.harness.replicas import Replica, start_replicas_on
 
 Log = Callable[[str], None]
 LMCACHE_POLICIES = ("round_robin", "cache_aware", "kv_aware", "consistent_hash")
@@ -169,11 +169,8 @@ def lmcache_group(model_dir: str, workdir: str, num_blocks: int, log: Log) -> It
                     env_extra=env_extra, extra_args=list(groups.REPLICA_ARGS), pin_process=True)
             for i, s in enumerate(servers)
         ]  # fmt: skip
-        for r in replicas:
-            stack.callback(r.stop)
-        t0 = time.monotonic()
-        start_replicas(replicas)
-        log(f"  {len(replicas)} replicas ready in {time.monotonic() - t0:.0f} s; warming up")
+        took = start_replicas_on(stack, replicas)
+        log(f"  {len(replicas)} replicas ready in {took:.0f} s; warming up")
         groups.warm_up([r.url for r in replicas], "lmcache")
         yield replicas
 

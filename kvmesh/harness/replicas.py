@@ -9,6 +9,7 @@ on exit, on Ctrl-C and on SIGTERM (:mod:`kvmesh.harness.processes`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -144,3 +145,13 @@ def start_replicas(replicas: list[Replica], timeout: float = 600.0) -> None:
         r.start()
     for r in replicas:
         r.wait_ready(timeout)
+
+
+def start_replicas_on(stack: contextlib.ExitStack, replicas: list[Replica], timeout: float = 600.0) -> float:
+    """:func:`start_replicas`, each replica's ``stop`` put on ``stack`` first (so one that
+    fails to start stops them all); returns the seconds they took to be ready."""
+    for r in replicas:
+        stack.callback(r.stop)
+    t0 = time.monotonic()
+    start_replicas(replicas, timeout)
+    return time.monotonic() - t0

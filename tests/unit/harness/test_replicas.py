@@ -3,6 +3,7 @@ the replicas' vLLM command lines."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -10,7 +11,7 @@ import time
 import pytest
 
 from kvmesh.harness.processes import spawn, stop_process
-from kvmesh.harness.replicas import Replica
+from kvmesh.harness.replicas import Replica, start_replicas_on
 
 # Sleep rather than read stdin: the test runner's stdin may be /dev/null (CI, nohup), and a
 # parent that exits at once leaves its child to init before the test can find it.
@@ -94,3 +95,26 @@ def test_replica_events_are_read_from_the_forwarder() -> None:
     assert '"endpoint": "tcp://127.0.0.1:5000"' in cfg  # vLLM connects to the forwarder
     assert Replica("/m", port=1, events_port=5000).events_endpoint == "tcp://127.0.0.1:5000"
     assert Replica("/m", port=1, events_ipc="ipc:///tmp/e").events_endpoint == "ipc:///tmp/e"
+
+
+def test_start_replicas_on_stops_every_replica_when_one_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fakes for the vLLM processes (fault injection: the second replica never becomes ready)."""
+    events: list[str] = []
+    reps = [Replica("m", name=f"r{i}") for i in range(2)]
+    monkeypatch.setattr(Replica, "start", lambda self: events.append(f"start {self.name}") or self)
+    monkeypatch.setattr(Replica, "stop", lambda self: events.append(f"stop {self.name}"))
+
+    def ready(self: Replica, timeout: float) -> None:
+        if self.name == "r1":
+            raise TimeoutError("r1 not ready")
+
+    monkeypatch.setattr(Replica, "wait_ready", ready)
+    with pytest.raises(TimeoutError), contextlib.ExitStack() as stack:
+        start_replicas_on(stack, reps)
+    assert events == ["start r0", "start r1", "stop r1", "stop r0"]
+    events.clear()
+    monkeypatch.setattr(Replica, "wait_ready", lambda self, timeout: None)
+    with contextlib.ExitStack() as stack:
+        assert start_replicas_on(stack, reps) >= 0.0
+        assert events == ["start r0", "start r1"]
+    assert events[2:] == ["stop r1", "stop r0"]
