@@ -56,7 +56,8 @@ class ChunkFiles:
         self._trace: TextIO | None = None
         self._trace_lock = threading.Lock()
         self._inflight = 0
-        self._advisers: ThreadPoolExecutor | None = None
+        # Its threads start on the first advise, not here.
+        self._advisers = ThreadPoolExecutor(ADVISE_THREADS, thread_name_prefix="kvmesh-disk-advise")
         if io_trace:
             self._trace = open(io_trace, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
 
@@ -91,12 +92,8 @@ class ChunkFiles:
             for text in texts:
                 self._advise_one(text)
             return
-        with self._stamp_lock:
-            if self._advisers is None:
-                self._advisers = ThreadPoolExecutor(ADVISE_THREADS, thread_name_prefix="kvmesh-disk-advise")
-            pool = self._advisers
         with contextlib.suppress(RuntimeError):  # closed meanwhile: the reads go without it
-            list(pool.map(self._advise_one, texts))
+            list(self._advisers.map(self._advise_one, texts))
 
     def _advise_one(self, text: str) -> None:
         try:
@@ -248,10 +245,7 @@ class ChunkFiles:
                     self._trace.write(json.dumps(rec) + "\n")
 
     def close(self) -> None:
-        with self._stamp_lock:
-            if self._advisers is not None:
-                self._advisers.shutdown(wait=False)
-                self._advisers = None
+        self._advisers.shutdown(wait=False)
         with self._trace_lock:
             if self._trace is not None:
                 self._trace.close()
