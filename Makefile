@@ -9,7 +9,7 @@ MODELS := .cache/models
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-fast lint format bench bench-ttft peers demo models clean redis system-deps soak
+.PHONY: setup test test-fast lint format bench bench-ttft peers demo models clean redis system-deps soak docs
 
 setup: $(STAMP)
 
@@ -39,9 +39,10 @@ system-deps:
 models: setup
 	$(BIN)/kvmesh model make-tiny --preset tiny --out $(MODELS)/tiny --if-missing
 
-# -rs: every skipped test is listed with its reason, so a silently skipped group cannot hide.
+# -rs: every skipped test is listed with its reason, so a silently skipped group cannot hide;
+# --durations: the slowest tests, so a CI log says where its time went.
 test: setup redis
-	$(BIN)/pytest -q -rs -p no:cacheprovider
+	$(BIN)/pytest -q -rs -p no:cacheprovider --durations=25
 
 test-fast: setup redis
 	$(BIN)/pytest -q -rs -p no:cacheprovider -m "not vllm"
@@ -69,9 +70,15 @@ bench-ttft: setup redis peers
 demo: setup redis models
 	$(BIN)/kvmesh demo --model $(MODELS)/tiny --json bench-out/demo.json --plot bench-out/demo.png
 
-clean:
-	rm -rf $(VENV) .cache bench-out .mypy_cache .ruff_cache .pytest_cache
+# The docs site: regenerate the reference pages and benchmark tables from the code and
+# docs/bench/*.json, then build with --strict (a broken link or anchor fails) into site/.
+docs: setup
+	$(BIN)/python -m kvmesh.docsgen
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
-# The 10-minute soak with faults (a 1.5-minute version runs in `make test`).
+clean:
+	rm -rf $(VENV) .cache bench-out site .mypy_cache .ruff_cache .pytest_cache
+
+# The 10-minute soak with faults (a 1-minute version runs in `make test`).
 soak: setup system-deps models
 	$(BIN)/kvmesh soak --model $(MODELS)/tiny --json bench-out/soak.json --plot bench-out/soak.png

@@ -6,8 +6,10 @@ LMCache configurations load unchanged: LMCache's key names that are kvmesh's too
 other key of LMCache's v1 and v0 configs, its aliases, ``lmcache.``-prefixed keys,
 ``extra_config``, ``LMCACHE_<KEY>`` variables and ``LMCACHE_CONFIG_FILE`` are read by
 :mod:`kvmesh.config_lmcache` (mapped, ignored, or warned about by key; an error with
-``strict: true``). A key nobody knows, a bad value, or a ``remote_url`` scheme kvmesh does
-not serve is a :class:`~kvmesh.errors.ConfigError` that names the key and the valid values.
+``strict: true``). In a configuration read as LMCache's a key nobody knows is warned about
+(LMCache ignores it too); in kvmesh's own it is a :class:`~kvmesh.errors.ConfigError`, as are
+a bad value and a ``remote_url`` scheme kvmesh does not serve, naming the key and the valid
+values.
 """
 
 from __future__ import annotations
@@ -20,9 +22,19 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvmesh import config_lmcache as lmc
+from kvmesh import config_lmcache_env as lmc_env
+from kvmesh import config_lmcache_pd as lmc_pd
 from kvmesh.core.policy import POLICIES
 from kvmesh.core.serde import check_codec_name
 from kvmesh.errors import ConfigError
@@ -35,8 +47,6 @@ LMCACHE_ENV_PREFIX = "LMCACHE_"
 _UNSERVED = {
     "lm": "LMCache's own lm:// server protocol",
     "infinistore": "InfiniStore needs RDMA",
-    "resp": "LMCache's fixed-size RESP connector; use redis://",
-    "redis-sentinel": "Redis Sentinel",
 }
 
 
@@ -45,11 +55,13 @@ class CacheConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # 128 = vLLM's KV block on CPU: measured in ``kvmesh bench ttft`` (docs/readme-parts/ttft.md),
+    # 128 = vLLM's KV block on CPU: measured in ``kvmesh bench ttft`` (docs/bench/ttft.md),
     # 256-token chunks leave up to 255 tokens to recompute and were ~2x slower at 2,000 tokens.
     chunk_size: int = Field(128, gt=0, description="tokens per chunk (the unit of storage and I/O)")
     local_cpu: bool = Field(True, description="keep hot chunks in the CPU DRAM pool")
-    max_local_cpu_size: float = Field(2.0, gt=0, description="CPU pool size in GB (allocated up front)")
+    max_local_cpu_size: float = Field(
+        2.0, ge=0, description="CPU pool size in GB (allocated up front; 0 only with local_cpu: false)"
+    )
     local_disk: str | None = Field(None, description="disk tier: file:///path or a path; None = off")
     max_local_disk_size: float = Field(20.0, ge=0, description="disk tier byte budget in GB (0 = unbounded)")
     remote_url: str | None = Field(
@@ -103,6 +115,28 @@ class CacheConfig(BaseModel):
         0.0, ge=0, description="how long store may wait for pool space or queue room before skipping"
     )
     promote_on_hit: bool = Field(True, description="copy lower-tier hits up into the cpu tier")
+    # -- loads against recompute (see kvmesh.core.loadcost and docs/cost-model.md) --
+    skip_slow_loads: bool = Field(
+        True,
+        description="a lookup reports chunks whose measured load time exceeds recomputing them as "
+        "not loadable (vLLM computes them)",
+    )
+    prefill_tokens_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="this engine's prefill rate for skip_slow_loads; None = learned from vLLM's steps",
+    )
+    # -- trust (see kvmesh.core.fleetkey and docs/security.md) --
+    fleet_key_file: str | None = Field(
+        None,
+        description="file of the fleet's shared secret (or KVMESH_FLEET_KEY_FILE): chunks below the cpu "
+        "tier carry a keyed MAC and PD transfers are signed; None = any writer of a shared tier can plant KV",
+    )
+    encrypt_at_rest: bool = Field(
+        False,
+        description="with a fleet key: encrypt token ids and KV below the cpu tier (AES-256-GCM), so a "
+        "reader of the disk or shared tier learns neither prompts nor KV",
+    )
     # -- admin endpoint (see kvmesh.admin and docs/controller.md) --
     admin_enabled: bool | None = Field(
         None,
@@ -123,10 +157,23 @@ class CacheConfig(BaseModel):
         None, description="name this engine registers under with the controller (default: host:port)"
     )
     controller_url: str | None = Field(
-        None, description="router base URL to register with and heartbeat to, e.g. http://router:8080"
+        None,
+        description="router base URL to register with and heartbeat to, e.g. http://router:8080 "
+        "(LMCache's controller_url, a ZMQ address of its own controller, is not this)",
     )
 
     _readings: list[lmc.KeyReading] = PrivateAttr(default_factory=list)
+    _pd_role: str | None = PrivateAttr(default=None)
+    _lmcache: bool = PrivateAttr(default=False)
+
+    @model_validator(mode="after")
+    def _cpu_tier_has_room(self) -> CacheConfig:
+        if self.local_cpu and self.max_local_cpu_size == 0:
+            raise ValueError(
+                "max_local_cpu_size: 0 leaves the CPU tier no room; for no CPU tier set local_cpu: "
+                "false (LMCache's PD decoders and production-stack's chart write both)"
+            )
+        return self
 
     @field_validator("remote_serde", "disk_serde")
     @classmethod
@@ -150,6 +197,13 @@ class CacheConfig(BaseModel):
             raise ValueError(
                 f"kvmesh does not serve URL scheme {scheme!r}{why}; served schemes: {', '.join(served)}"
             )
+        if scheme == "fs":
+            from kvmesh.tiers.fs import fs_root
+
+            try:
+                fs_root(v)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
         return v
 
     @field_validator("eviction_policy")
@@ -169,8 +223,9 @@ class CacheConfig(BaseModel):
         """One config from ``(source, keys)`` layers (later ones win), kvmesh's or LMCache's
         keys. LMCache keys with no kvmesh equivalent are logged as warnings, or with
         ``strict: true`` raise :class:`ConfigError`."""
-        values, readings = lmc.translate(layers, cls.model_fields)
-        unsupported = [r for r in readings if r.action == "unsupported"]
+        tr = lmc.translate(layers, cls.model_fields)
+        values, readings = tr.values, tr.readings
+        unsupported = [r for r in readings if r.action in lmc.WARNED]
         if unsupported and values.get("strict") is True:
             raise ConfigError(
                 "strict: true and these keys have no kvmesh equivalent: "
@@ -180,6 +235,8 @@ class CacheConfig(BaseModel):
         for r in unsupported:
             log.warning("kvmesh config: %s [%s] not applied: %s", r.key, r.source, r.note)
         cfg._readings = readings
+        cfg._pd_role = tr.pd_role
+        cfg._lmcache = tr.lmcache
         return cfg
 
     @classmethod
@@ -212,9 +269,11 @@ class CacheConfig(BaseModel):
     ) -> list[tuple[str, Mapping[str, Any]]]:
         env = os.environ if environ is None else environ
         layers: list[tuple[str, Mapping[str, Any]]] = []
-        cfg_file = env.get(ENV_PREFIX + "CONFIG_FILE") or env.get(LMCACHE_ENV_PREFIX + "CONFIG_FILE")
-        if cfg_file:
-            layers.append(read_file_layer(cfg_file))
+        if env.get(ENV_PREFIX + "CONFIG_FILE"):
+            layers.append(read_file_layer(env[ENV_PREFIX + "CONFIG_FILE"]))
+        elif env.get(LMCACHE_ENV_PREFIX + "CONFIG_FILE"):
+            name, data = read_file_layer(env[LMCACHE_ENV_PREFIX + "CONFIG_FILE"])
+            layers.append((f"{name} (LMCACHE_CONFIG_FILE)", data))
         if base:
             layers.append(("config", base))
         for prefix in (LMCACHE_ENV_PREFIX, ENV_PREFIX):
@@ -222,8 +281,10 @@ class CacheConfig(BaseModel):
                 if not name.startswith(prefix) or name == prefix + "CONFIG_FILE":
                     continue
                 key = name[len(prefix) :].lower()
-                if not cls.accepts(key) or (prefix == ENV_PREFIX and key not in cls.model_fields):
-                    continue  # other KVMESH_* / LMCACHE_* variables belong elsewhere
+                if prefix == ENV_PREFIX and key not in cls.model_fields:
+                    continue  # other KVMESH_* variables belong elsewhere
+                if prefix == LMCACHE_ENV_PREFIX and lmc_env.not_config(key):
+                    continue  # LMCache's runtime switches, not configuration keys
                 parsed = yaml.safe_load(value) if value != "" else None
                 if parsed is not None and not isinstance(parsed, str) and cls._is_text_field(key):
                     parsed = value  # KVMESH_CACHE_SALT=123 is the salt "123", not the int 123
@@ -233,13 +294,24 @@ class CacheConfig(BaseModel):
     @classmethod
     def accepts(cls, key: str) -> bool:
         """Whether ``key`` is a kvmesh or LMCache configuration key (``lmcache.`` prefix allowed)."""
-        bare = key.removeprefix(lmc.LMCACHE_PREFIX)
-        return bare in cls.model_fields or lmc.is_lmcache_key(bare) or bare.startswith("mp.")
+        if key.startswith(lmc.LMCACHE_PREFIX):
+            return True  # LMCache's by name: one it would ignore is warned about, as LMCache does
+        return key in cls.model_fields or lmc.is_lmcache_key(key) or key.startswith("mp.")
 
     @property
     def readings(self) -> list[lmc.KeyReading]:
         """How each key given was read (``kvmesh config check`` prints these)."""
         return list(self._readings)
+
+    @property
+    def read_as_lmcache(self) -> bool:
+        """Whether some layer of this configuration was read as LMCache's."""
+        return self._lmcache
+
+    def check_kv_role(self, kv_role: str | None) -> None:
+        """Warn (error with ``strict``) when LMCache's ``pd_role`` asks for another vLLM
+        ``kv_role`` than the one vLLM was given (see :mod:`kvmesh.config_lmcache_pd`)."""
+        lmc_pd.check_role(self._pd_role, kv_role, self.strict)
 
     @classmethod
     def _is_text_field(cls, key: str) -> bool:

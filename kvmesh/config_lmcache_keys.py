@@ -27,35 +27,14 @@ _GROUPS: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     (
-        "no P2P / disaggregated-prefill transfer in kvmesh: replicas share KV through the remote "
-        "tier and `kvmesh router` sends a request to the replica holding its prefix",
+        "no P2P sharing in kvmesh: replicas share KV through the remote tier and `kvmesh router` "
+        "sends a request to the replica holding its prefix (LMCache's PD keys are read by "
+        "kvmesh.config_lmcache_pd)",
         {
             "enable_p2p": False,
             "p2p_host": None,
             "p2p_init_ports": None,
             "p2p_lookup_ports": None,
-            "enable_pd": False,
-            "pd_role": None,
-            "pd_buffer_size": None,
-            "pd_buffer_device": None,
-            "pd_peer_host": None,
-            "pd_peer_init_port": None,
-            "pd_peer_alloc_port": None,
-            "pd_peer_query_port": None,
-            "pd_proxy_host": None,
-            "pd_proxy_port": None,
-            "pd_allocation_timeout_sec": float("inf"),
-            "pd_shutdown_timeout_sec": 5.0,
-            "pd_condition_poll_interval_sec": 0.005,
-            "pd_max_prefill_len": 0,
-            "pd_backend_mode": "async",
-            "pd_skip_proxy_notification": False,
-            "pd_bidirectional": False,
-            "transfer_channel": None,
-            "nixl_backends": None,
-            "nixl_buffer_size": None,
-            "nixl_buffer_device": None,
-            "nixl_peer_port": None,
         },
     ),
     (
@@ -63,7 +42,6 @@ _GROUPS: list[tuple[str, dict[str, Any]]] = [
         "(admin_enabled, controller_url = the router's http URL)",
         {
             "enable_controller": False,
-            "lmcache_instance_id": None,
             "controller_pull_url": None,
             "controller_reply_url": None,
             "lmcache_worker_ports": None,
@@ -176,8 +154,9 @@ _GROUPS: list[tuple[str, dict[str, Any]]] = [
 ]
 NO_EQUIVALENT: dict[str, tuple[Any, str]] = {k: (d, why) for why, keys in _GROUPS for k, d in keys.items()}
 
-# LMCache's own renames (v1 ``_CONFIG_ALIASES``; its ``controller_url`` alias is not here:
-# ``controller_url`` is a kvmesh key, the router's URL).
+# LMCache's own renames (v1 ``_CONFIG_ALIASES``; its ``controller_url`` alias of
+# ``controller_pull_url`` is read by kvmesh.config_lmcache: ``controller_url`` is also kvmesh's
+# key, the router's http URL).
 ALIASES = {
     "enable_xpyd": "enable_pd",
     "nixl_peer_host": "pd_peer_host",
@@ -191,3 +170,48 @@ ALIASES = {
     "plugin_locations": "runtime_plugin_locations",
     "external_backends": "storage_plugins",
 }
+
+# --- keys of older LMCache releases that 0.5.6 no longer knows (0.5.6 warns "Unknown
+# configuration key" and ignores them); PD/NIXL ones are in kvmesh.config_lmcache_pd.
+_RETIRED_GROUPS: list[tuple[str, dict[str, Any]]] = [
+    (
+        "an older LMCache release's P2P key (lookup / distributed server); no P2P sharing in kvmesh: "
+        "replicas share KV through the remote tier and `kvmesh router` routes by prefix",
+        {"lookup_url": None, "distributed_url": None},
+    ),
+    (
+        "an older LMCache release's error-handling switch; kvmesh always treats a failing tier as a miss",
+        {"error_handling": False},
+    ),
+    (
+        "an older LMCache release's WekaFS / cuFile (GPU-direct storage) key; kvmesh has no GDS path: "
+        "mount the filesystem and use local_disk or remote_url fs:///path",
+        {"weka_path": None, "cufile_buffer_size": None, "gds_io_threads": None},
+    ),
+]
+RETIRED: dict[str, tuple[Any, str]] = {k: (d, why) for why, keys in _RETIRED_GROUPS for k, d in keys.items()}
+
+# LMCACHE_* environment variables that are not configuration keys (runtime switches of
+# LMCache's code, other LMCache config classes): read by nobody in kvmesh, never warned about.
+RUNTIME_ENV = frozenset(
+    {
+        "track_usage", "usage_track_interval", "usage_track_url", "log_level", "use_experimental",
+        "disable_banner", "server_url", "server_service_port", "mq_timeout", "offload_rpc_port",
+        "request_telemetry_type", "request_telemetry_endpoint", "gpu_staging_buffer_bytes",
+        "force_skip_save", "device_backend", "mp_transfer_mode", "controller_config_file",
+        "runtime_plugin_config", "plugin_config", "plugin_role", "plugin_worker_id",
+        "plugin_worker_count",
+    }
+)  # fmt: skip
+RUNTIME_ENV_PREFIXES = ("ec_", "controller_", "coordinator_", "aerospike_", "runtime_plugin_", "musa_")
+
+# Where kvmesh's defaults differ from LMCache 0.5.6's: (LMCache key, its default, kvmesh key,
+# why). ``kvmesh config check`` lists the rows whose keys a configuration does not set.
+DEFAULT_DIFFS: list[tuple[str, Any, str, str]] = [
+    ("chunk_size", 256, "chunk_size", "vLLM's CPU block; a shorter tail to recompute (kvmesh bench ttft)"),
+    ("max_local_cpu_size", 5.0, "max_local_cpu_size", "GB of CPU pool, allocated up front"),
+    ("max_local_disk_size", 0.0, "max_local_disk_size", "GB; kvmesh's 0 means unbounded"),
+    ("blocking_timeout_secs", 10, "remote_timeout_s", "one budget for a whole remote operation"),
+    ("internal_api_server_enabled", False, "admin_enabled", "None = on inside the vLLM connector"),
+    ("internal_api_server_port_start", 6999, "admin_port", "0 = a free port"),
+]

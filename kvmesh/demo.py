@@ -2,7 +2,11 @@
 
 Three setups on the same multi-tenant chat workload (tenants with a long shared system
 prompt, users in multi-turn conversations, four in flight), each over two vLLM replicas of
-the tiny model with one core each and their own KV cache capped below the workload's:
+the tiny model with one core each and their own KV cache capped below the workload's. By
+default that is the workload the kvmesh router's weights were tuned on (``kvmesh bench
+router``'s default one), and the output says so; ``--workload held-out`` runs bench router's
+held-out shape instead (other tenant counts, prompt lengths, word distribution, arrival),
+one the weights never saw:
 
 1. **plain vLLM + round-robin**: what users run today (the kvmesh router, round-robin
    policy, over replicas without a connector);
@@ -13,7 +17,7 @@ the tiny model with one core each and their own KV cache capped below the worklo
    work, load) over the same kvmesh replicas: *the router's share*.
 
 The plain and the kvmesh replica groups are up together and the setups take turns, repeat
-by repeat, every other repeat in reverse (:mod:`kvmesh.bench.groups`, the machinery of
+by repeat, every other repeat in reverse (:mod:`kvmesh.bench.common.groups`, the machinery of
 ``kvmesh bench router``); every run gets its own tenant texts and starts from reset prefix
 caches. It prints a table of the medians, one sentence per row, and writes a PNG with one
 panel per metric. Every process it started is stopped on exit or Ctrl-C.
@@ -27,9 +31,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvmesh.bench.groups import Params, Setup, run_interleaved
-from kvmesh.bench.report import METRIC_PANELS, git_commit, print_table, write_json, write_panels
-from kvmesh.bench.workload import METRICS
+from kvmesh.bench.common.groups import Params, Setup, run_interleaved
+from kvmesh.bench.common.workload import METRICS
+from kvmesh.bench.runner import METRIC_PANELS, Provenance, print_table, provenance, write_json, write_panels
 from kvmesh.harness.model import DEFAULT_TINY_MODEL, ensure_model
 from kvmesh.harness.processes import install_signal_handlers
 
@@ -45,6 +49,12 @@ TITLES = {
 }
 PHASES = (("none", "kvmesh"),)  # both groups up together, all three setups interleaved
 LOWER_IS_BETTER = {"hit_rate": False, "ttft_p50_s": True, "ttft_p90_s": True, "requests_per_s": False}
+# What each workload is to the router: the one its weights were tuned on, or one they never saw.
+WORKLOADS = {
+    "default": "the workload the kvmesh router's weights were tuned on (bench router's default)",
+    "held-out": "bench router's held-out workload: the router's weights were never tuned on it",
+}
+HELD_OUT_SEED = 7000  # the held-out texts: no seed of the default workload's runs
 
 
 def params(
@@ -56,16 +66,33 @@ def params(
     num_blocks: int = 40,
     prefix_words: int = 250,
 ) -> Params:
-    """The demo's workload. The defaults are ``kvmesh bench router``'s: 12 tenants x ~1,000
-    prefix tokens against 2 replicas x 40 blocks x 128 tokens, so plain replicas must
-    recompute what the other one holds."""
+    """The demo's workload. The defaults are ``kvmesh bench router``'s default workload (the
+    one the router's weights were tuned on): 12 tenants x ~1,000 prefix tokens against 2
+    replicas x 40 blocks x 128 tokens, so plain replicas must recompute what the other one
+    holds."""
     return Params(tenants, users, turns, concurrency, repeats, arrival="sessions",
                   prefix_words=prefix_words, num_blocks=num_blocks)  # fmt: skip
+
+
+def held_out_params(concurrency: int = 4, repeats: int = 3, num_blocks: int = 40) -> Params:
+    """``kvmesh bench router``'s held-out workload (:func:`kvmesh.bench.router.setups.workloads`),
+    which the router's weights were never tuned on."""
+    from kvmesh.bench.router.setups import workloads
+
+    w = next(spec for spec in workloads(quick=False) if spec.name == "held-out")
+    return Params(w.tenants, w.users, w.turns, concurrency, repeats, arrival=w.arrival,
+                  prefix_words=w.prefix_words, num_blocks=num_blocks, prefix_words_max=w.prefix_words_max,
+                  question_words=w.question_words, zipf=w.zipf)  # fmt: skip
 
 
 def seed_of(setup: Setup, repeat: int) -> int:
     """Tenant texts of one run: different for every setup and repeat."""
     return 1 + SETUPS.index(setup) + len(SETUPS) * repeat
+
+
+def held_out_seed_of(setup: Setup, repeat: int) -> int:
+    """:func:`seed_of` for the held-out workload: texts no default run uses."""
+    return HELD_OUT_SEED + seed_of(setup, repeat)
 
 
 # -- the summary (pure, unit-tested) ---------------------------------------------------------
@@ -174,27 +201,34 @@ def run(
     plot_path: str | None = None,
     p: Params | None = None,
     workdir: str | None = None,
+    workload_name: str = "default",
 ) -> dict[str, Any]:
     """Run the demo; returns (and optionally writes) :func:`report`'s ``{"rows", "sentences",
-    "split", "workload", "wall_s"}``."""
+    "split", "workload", "wall_s"}``. ``workload_name``: a key of :data:`WORKLOADS` (``p``
+    is its shape: :func:`params` or :func:`held_out_params`)."""
 
     def log(msg: str) -> None:
         print(msg, flush=True)
 
     p = p or params()
-    commit = git_commit()  # the code this run measures
+    prov = provenance("demo")  # the code this run measures: read now, the tree may move on
     install_signal_handlers()
     model_dir = ensure_model(model_dir, "tiny")
     workdir = workdir or tempfile.mkdtemp(prefix="kvmesh-demo-")
     t0 = time.monotonic()
     log(
-        f"kvmesh demo: {' | '.join(TITLES[s] for s in SETUPS)}; {p.tenants} tenants x {p.users} users x "
+        f"kvmesh demo on {WORKLOADS[workload_name]}: {' | '.join(TITLES[s] for s in SETUPS)}; "
+        f"{p.tenants} tenants x {p.users} users x "
         f"{p.turns} turns, {p.concurrency} in flight, {p.repeats} repeats interleaved; 2 + 2 replicas x "
         f"{p.num_blocks} KV blocks; logs in {workdir}"
     )
-    outcome = run_interleaved(SETUPS, PHASES, p, model_dir, workdir, seed_of, log, idle_floor=False)
+    seeds = held_out_seed_of if workload_name == "held-out" else seed_of
+    outcome = run_interleaved(SETUPS, PHASES, p, model_dir, workdir, seeds, log, idle_floor=False)
     rows = {s: {**row, "repeats": outcome.runs[s]} for s, row in zip(SETUPS, outcome.rows(), strict=True)}
     workload = {
+        "name": workload_name,
+        "tuned_on": workload_name == "default",
+        "what": WORKLOADS[workload_name],
         "tenants": p.tenants,
         "users": p.users,
         "turns": p.turns,
@@ -203,8 +237,11 @@ def run(
         "replica_kv_blocks": p.num_blocks,
         "repeats": p.repeats,
         "arrival": p.arrival,
+        "prefix_words_max": p.prefix_words_max,
+        "question_words": p.question_words,
+        "zipf": p.zipf,
     }
-    return report(rows, workload, round(time.monotonic() - t0, 1), json_path, plot_path, commit)
+    return report(rows, workload, round(time.monotonic() - t0, 1), json_path, plot_path, prov)
 
 
 def report(
@@ -213,10 +250,11 @@ def report(
     wall_s: float,
     json_path: str | None = None,
     plot_path: str | None = None,
-    commit: str | None = None,
+    prov: Provenance | None = None,
 ) -> dict[str, Any]:
     """Print the table and the sentences, write the JSON and the PNG; returns the JSON's
-    content. ``rows``: per setup, the medians and its ``repeats``; ``commit``: the code measured."""
+    content. ``rows``: per setup, the medians and its ``repeats``; ``prov``: the run's
+    provenance (the code measured; read now when None)."""
     lines = sentences(rows)
     split = {}
     if all(s in rows and "error" not in rows[s] for s in SETUPS):
@@ -226,7 +264,6 @@ def report(
             if all(rows[s].get(k) is not None for s in SETUPS)
         }
     out: dict[str, Any] = {
-        "commit": commit,
         "rows": [{"setup": TITLES[s], **rows.get(s, {"error": "no run"})} for s in SETUPS],
         "sentences": lines,
         "split": split,
@@ -238,11 +275,13 @@ def report(
     print()
     print_table(table(rows), ["setup", *METRICS, "p90_vs_plain", "errors", "note"])
     print()
+    if "what" in workload:
+        print(f"Workload: {workload['what']}.")
     for line in lines:
         print("- " + line)
     print(f"\ntotal {wall_s:.0f} s", flush=True)
     if json_path:
-        write_json(json_path, out)
+        write_json(json_path, out, prov or provenance("demo"))
     if plot_path:
         w = workload
         write_panels(

@@ -9,11 +9,15 @@
     ├── TierError              a tier failed; the engine turns it into a miss and a metric
     │   └── TierUnavailableError   the backing service is down, unreachable or too slow
     ├── CorruptChunkError      a stored chunk failed its header, token or checksum check
+    │   └── UnauthenticatedChunkError  its fleet-key MAC/AEAD tag fails (or cannot be checked)
     ├── EventDecodeError       (also ValueError) a KV-event payload is not vLLM's wire shape
     ├── TokenizeError          (also ValueError) a request cannot be tokenized (client's fault)
     ├── BodyError              (also ValueError) a request body is wrong: carries field + status
     ├── UpstreamError          a replica's answer could not be had or read to its end
     │   └── UpstreamConnectError   nothing came back; the request may go to another replica
+    ├── WireError              (also ConnectionError) a peer of a kvmesh socket protocol closed,
+    │   │                      broke a limit or sent something that is not the protocol
+    │   └── PeerAuthError          the peer did not prove it holds the fleet key
     └── ProcessError           a child process (vLLM, redis-server, a peer) failed to start or died
 
 Input validation errors of the Python API are the built-in ``TypeError`` / ``ValueError``
@@ -58,6 +62,17 @@ class CorruptChunkError(KVMeshError):
     """A stored chunk failed verification: it must be treated as a miss."""
 
 
+class UnauthenticatedChunkError(CorruptChunkError):
+    """A stored chunk's fleet-key tag does not verify, or a keyed reader found an unkeyed
+    chunk: a miss, counted as ``unauthenticated``. ``discard``: the reader holds a fleet key,
+    so the chunk is not the fleet's and may be deleted; a reader without a key cannot judge a
+    keyed chunk and leaves it to the fleet."""
+
+    def __init__(self, message: str, discard: bool = True) -> None:
+        super().__init__(message)
+        self.discard = discard
+
+
 class EventDecodeError(KVMeshError, ValueError):
     """A KV-event payload does not have the vLLM wire shape; the batch is dropped."""
 
@@ -89,3 +104,12 @@ class UpstreamConnectError(UpstreamError):
 
 class ProcessError(KVMeshError):
     """A child process kvmesh started (vLLM, redis-server, a peer) failed to start or exited."""
+
+
+class WireError(KVMeshError, ConnectionError):
+    """A peer of a kvmesh socket protocol (PD transfer, TP lookup RPC) closed the connection,
+    broke a limit (frame size, deadline) or sent something that is not the protocol."""
+
+
+class PeerAuthError(WireError):
+    """The peer did not prove it holds the fleet key (or asked for a key this side lacks)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,6 +22,7 @@ COUNTERS = (
     "stores",
     "evictions",
     "corrupt",
+    "unauthenticated",  # chunks refused by the fleet key (forged, altered, or unkeyed): misses
     "errors",
     "skipped_stores",  # stores dropped: full, everything pinned, queue full, tier down
     "deletes",
@@ -56,6 +57,13 @@ class TierMetrics:
             "objects": 0.0,
         }
         self.latency: dict[str, Histogram] = {}
+        self.skip_reasons: dict[str, int] = {}
+
+    def skip(self, reason: str, n: int = 1) -> None:
+        """Count ``n`` stores dropped, and why (``skipped_stores`` is their total)."""
+        with self._lock:
+            self.counters["skipped_stores"] = self.counters.get("skipped_stores", 0) + n
+            self.skip_reasons[reason] = self.skip_reasons.get(reason, 0) + n
 
     def inc(self, name: str, value: int = 1) -> None:
         with self._lock:
@@ -84,6 +92,7 @@ class TierMetrics:
         with self._lock:
             out: dict[str, Any] = dict(self.counters)
             out.update(self.gauges)
+            out["skipped_by_reason"] = dict(self.skip_reasons)
             out["latency"] = {
                 op: {"count": h.n, "sum_s": h.total, "mean_s": h.total / h.n if h.n else 0.0}
                 for op, h in self.latency.items()
@@ -91,12 +100,19 @@ class TierMetrics:
             return out
 
 
-def prometheus_collector(metrics: dict[str, TierMetrics], prefix: str = "kvmesh") -> Any:
-    """A ``prometheus_client`` collector exporting ``metrics`` (imported lazily)."""
+def prometheus_collector(
+    metrics: dict[str, TierMetrics],
+    prefix: str = "kvmesh",
+    costs: Callable[[], dict[str, Any]] | None = None,
+) -> Any:
+    """A ``prometheus_client`` collector exporting ``metrics`` (imported lazily), and the
+    engine's measured load costs when ``costs`` (``CacheEngine.cost_figures``) is given."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
     class _Collector:
         def collect(self) -> Iterator[Any]:
+            if costs is not None:
+                yield from cost_families(costs(), prefix)
             snaps = {name: m for name, m in metrics.items()}
             for counter in COUNTERS:
                 fam = CounterMetricFamily(f"{prefix}_{counter}", f"kvmesh tier {counter}", labels=["tier"])
@@ -108,6 +124,16 @@ def prometheus_collector(metrics: dict[str, TierMetrics], prefix: str = "kvmesh"
                 for name, m in snaps.items():
                     gfam.add_metric([name], m.gauges.get(gauge, 0.0))
                 yield gfam
+            sfam = CounterMetricFamily(
+                f"{prefix}_skipped_stores_by_reason",
+                "kvmesh stores dropped, by reason",
+                labels=["tier", "reason"],
+            )
+            for name, m in snaps.items():
+                with m._lock:
+                    for reason, n in m.skip_reasons.items():
+                        sfam.add_metric([name, reason], n)
+            yield sfam
             hfam = HistogramMetricFamily(
                 f"{prefix}_op_latency_seconds", "kvmesh tier operation latency", labels=["tier", "op"]
             )
@@ -123,3 +149,51 @@ def prometheus_collector(metrics: dict[str, TierMetrics], prefix: str = "kvmesh"
             yield hfam
 
     return _Collector()
+
+
+# The measured load costs (kvmesh.core.loadcost) as Prometheus series: name, help, key.
+COST_TIER_GAUGES = (
+    (
+        "tier_load_bytes_per_second",
+        "observed load throughput of a tier (fitted per load)",
+        "load_bytes_per_s",
+    ),
+    ("tier_load_latency_seconds", "observed per-load latency of a tier (fitted per load)", "load_latency_s"),
+)
+
+
+def cost_families(fig: dict[str, Any], prefix: str = "kvmesh") -> Iterator[Any]:
+    """Metric families of one engine's :meth:`CacheEngine.cost_figures`."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for name, doc, key in COST_TIER_GAUGES:
+        fam = GaugeMetricFamily(f"{prefix}_{name}", f"kvmesh {doc}", labels=["tier"])
+        for tier, t in fig.get("tiers", {}).items():
+            fam.add_metric([tier], float(t[key]))
+        yield fam
+    cap = GaugeMetricFamily(
+        f"{prefix}_tier_capacity_bytes",
+        "kvmesh tier byte budget (absent: unbounded or unknown)",
+        labels=["tier"],
+    )
+    for tier, u in fig.get("use", {}).items():
+        if u.get("capacity_bytes"):
+            cap.add_metric([tier], float(u["capacity_bytes"]))
+    yield cap
+    rate = fig.get("prefill_tokens_per_s")
+    g = GaugeMetricFamily(
+        f"{prefix}_prefill_tokens_per_second", "kvmesh engine prefill rate (learned or configured)"
+    )
+    if rate:
+        g.add_metric([], float(rate))
+    yield g
+    yield GaugeMetricFamily(
+        f"{prefix}_kv_bytes_per_token",
+        "kvmesh KV bytes per token (this shard)",
+        value=float(fig["bytes_per_token"]),
+    )
+    yield CounterMetricFamily(
+        f"{prefix}_skipped_load_tokens",
+        "kvmesh tokens a lookup found but left to recompute (loading them was predicted slower)",
+        value=float(fig.get("skipped_load_tokens", 0)),
+    )

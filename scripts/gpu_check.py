@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's kvmesh
 
-from kvmesh.bench.gpu import run
-from kvmesh.bench.gpu_cli import add_arguments
+from kvmesh.bench.gpu.bench import run
+from kvmesh.bench.gpu.cli import add_arguments
 
 
 def main() -> int:

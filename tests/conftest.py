@@ -11,9 +11,11 @@
 * ``redis_url`` — that server emptied (``FLUSHALL``) for this test; its URL.
 * ``redis_restartable`` — the session server for a test that kills/restarts it (``kill()``,
   ``start()``, ``restart()``); it is running again and empty afterwards.
-* ``redis_server_factory`` — ``factory(unix_socket=False)`` returns a *not yet started*
-  server on a fresh port (for "Redis not there yet" tests; with ``unix_socket=True`` it
-  also listens on ``server.unix_socket``); every one it made is killed at teardown.
+* ``moto`` (module) — a running :class:`~kvmesh.harness.stores.MotoServer` (S3 on loopback).
+* ``redis_server_factory`` — ``factory(unix_socket=False, password=None, extra_args=())``
+  returns a *not yet started* server on a fresh port (for "Redis not there yet" tests; with
+  ``unix_socket=True`` it also listens on ``server.unix_socket``; ``password`` is its
+  ``requirepass``; ``extra_args`` more server options); every one it made is killed at teardown.
 
 A missing ``redis-server`` binary fails the Redis tests loudly; it never skips them.
 """
@@ -27,6 +29,7 @@ import pytest
 
 from kvmesh.harness import ports
 from kvmesh.harness.services import RedisServer
+from kvmesh.harness.stores import MotoServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,8 +98,15 @@ def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]
     _require_redis()
     made: list[RedisServer] = []
 
-    def factory(unix_socket: bool = False) -> RedisServer:
-        server = RedisServer(unix_socket=unix_socket, workdir=tmp_path / f"redis-{len(made)}")
+    def factory(
+        unix_socket: bool = False, password: str | None = None, extra_args: tuple[str, ...] = ()
+    ) -> RedisServer:
+        server = RedisServer(
+            unix_socket=unix_socket,
+            workdir=tmp_path / f"redis-{len(made)}",
+            password=password,
+            extra_args=extra_args,
+        )
         made.append(server)
         return server
 
@@ -105,3 +115,11 @@ def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]
     finally:
         for server in made:
             server.kill()
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    server = MotoServer(tmp_path_factory.mktemp("moto"))
+    server.start()
+    yield server
+    server.kill()

@@ -73,7 +73,7 @@ def add_cache_parser(subparsers: Any) -> argparse.ArgumentParser:
     w = op("wait", "block until every async write queued so far has landed (check_finish)")
     w.add_argument("--timeout", type=float, default=60.0, help="longest wait in seconds")
     w.add_argument("--no-wait", action="store_true", help="only check, do not wait")
-    op("stats", "per replica and tier: hits, misses, bytes, evictions, corrupt objects")
+    op("stats", "per replica and tier: hits, misses, bytes, evictions, corrupt and unauthenticated objects")
     return p
 
 

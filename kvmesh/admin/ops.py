@@ -147,6 +147,7 @@ def health(engine: CacheEngine) -> dict[str, Any]:
         "tiers": tiers,
         "pool": {"used_bytes": used, "capacity_bytes": capacity, "used_fraction": used / capacity},
         "write_queue": {name: w.pending for name, w in engine.writers.items()},
+        "warnings": engine.security_warnings(),
     }
 
 
@@ -168,4 +169,5 @@ def check_finish(engine: CacheEngine, wait: bool = False, timeout_s: float = 60.
 
 
 def stats(engine: CacheEngine) -> dict[str, Any]:
-    return {"tiers": engine.stats()}
+    # costs: the measured load/compute figures a router's cost model reads (docs/cost-model.md)
+    return {"tiers": engine.stats(), "costs": engine.cost_figures()}

@@ -13,6 +13,7 @@ run under one deadline of ``remote_timeout_s`` for the remote tier (see
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ import torch
 
 from kvmesh.config import CacheConfig
 from kvmesh.core.keys import ChunkKey, KeyBuilder, KVLayout, as_token_array
-from kvmesh.core.lower import LowerTiers
+from kvmesh.core.loadcost import LoadCosts
+from kvmesh.core.lower import LowerTiers, chunk_format_for
 from kvmesh.core.memory import MemoryObj, MemoryPool, copy_kv, torch_dtype
 from kvmesh.core.offload import Prefetcher, WriteBehind
 from kvmesh.errors import ConfigError, TierError
@@ -34,6 +36,9 @@ from kvmesh.tiers.deadline import deadline
 
 log = logging.getLogger(__name__)
 TIER_NAMES = ("cpu", "disk", "remote")
+# local_cpu: false keeps a staging pool only, for chunks on their way to the lower tiers.
+STAGING_BYTES = 256 << 20  # at most this much staging (or the cpu budget, if smaller), >= 4 chunks
+STAGING_WAIT_S = 5.0  # how long a store waits for staging room (writes landing) before a counted skip
 
 
 @dataclass
@@ -68,9 +73,13 @@ class CacheEngine:
             model_id, layout, config.chunk_size, shard, config.cache_salt, config.save_unfull_chunk
         )
         self.chunk_bytes = config.chunk_size * layout.bytes_per_token
+        # The fleet key first: a bad key file fails here, before any memory is taken.
+        chunk_format = chunk_format_for(config, layout)
         self.metrics: dict[str, TierMetrics] = {"engine": TierMetrics("engine")}
+        # Measured load and compute costs: a lookup never offers what is computed sooner.
+        self.costs = LoadCosts(layout.bytes_per_token, config.prefill_tokens_per_s, config.skip_slow_loads)
         self.cpu = self._open_cpu()
-        self._lower = LowerTiers(config, layout, shard, self.cpu)
+        self._lower = LowerTiers(config, layout, shard, self.cpu, chunk_format)
         # The lower tiers in lookup order, and their write-behind queues (shared dicts).
         self.lower: dict[str, Tier] = self._lower.tiers
         self.writers: dict[str, WriteBehind] = self._lower.writers
@@ -94,12 +103,35 @@ class CacheEngine:
         self.metrics.update(self._lower.metrics)
         self.prefetcher = Prefetcher()
         self._closed = False
+        self._adapter_views: dict[str, CacheEngine] = {}
+        self._base = self
+
+    def for_adapter(self, adapter: str | None) -> CacheEngine:
+        """This engine as seen by requests with LoRA adapter ``adapter`` (its weights
+        fingerprint; ``None``: the base model, the engine itself): the same tiers, pool, pins,
+        writers and metrics, only the chunk keys differ (their namespace holds the adapter,
+        :meth:`KeyBuilder.for_adapter`), so one adapter's chunks never answer another's
+        lookups. Built once per adapter; close the engine, never a view."""
+        if adapter == self.keys.adapter:
+            return self
+        if adapter is None:
+            return self._base
+        view = self._adapter_views.get(adapter)
+        if view is None:
+            view = object.__new__(CacheEngine)
+            view.__dict__.update(self.__dict__)  # shares every tier object, not a copy of them
+            view.keys = self._base.keys.for_adapter(adapter)
+            self._adapter_views[adapter] = view
+        return view
 
     # -- construction --------------------------------------------------------------------
     def _open_cpu(self) -> CPUTier:
         self.metrics["cpu"] = TierMetrics("cpu")
-        # With local_cpu off the pool still stages chunks, but keeps only a few.
-        capacity = self.config.cpu_bytes if self.config.local_cpu else 4 * self.chunk_bytes
+        # With local_cpu off the pool only stages chunks until their writes land: big enough
+        # for a burst of stores (a store waits for room there, see _store), never a cache.
+        capacity = self.config.cpu_bytes
+        if not self.config.local_cpu:
+            capacity = max(4 * self.chunk_bytes, min(capacity, STAGING_BYTES))
         try:
             pool = MemoryPool(capacity, self.chunk_bytes)
         except ValueError as exc:
@@ -143,6 +175,12 @@ class CacheEngine:
         bounds = self.keys.chunk_bounds(len(arr))
         present = self.cpu.contains(keys)
         stored_to = 0
+        # Staging only (local_cpu off): the pool is not a cache, so every store is written
+        # through (write-back would leave chunks in staging that wait_for_writes never sees)
+        # and a full pool means writes still landing: wait for them rather than drop.
+        staging = not self.config.local_cpu and bool(self.writers)
+        through = self.config.write_mode == "through" or staging
+        wait_s = max(self.config.store_wait_s, STAGING_WAIT_S) if staging else self.config.store_wait_s
         for key, (s, e), here in zip(keys, bounds, present, strict=True):
             if here or e <= skip_tokens:
                 stored_to = e
@@ -151,11 +189,13 @@ class CacheEngine:
                 self.chunk_bytes
                 if e - s == self.config.chunk_size
                 else (e - s) * self.layout.bytes_per_token,
-                self.config.store_wait_s,
+                wait_s,
             )
             if obj is None:
-                self.metrics["engine"].inc("skipped_stores")
-                break  # a later chunk without this one can never be a prefix hit
+                # A later chunk without this one can never be a prefix hit: all of them go.
+                left = len(keys) - keys.index(key)
+                self.metrics["engine"].skip("staging_full" if staging else "pool_full", left)
+                break
             obj.layout = self.layout
             obj.tokens = arr[s:e].copy()
             try:
@@ -165,7 +205,7 @@ class CacheEngine:
                 raise
             # Lifetime class (kvmesh.tiers.placement): a partial tail is superseded soonest.
             lifetime = "tail" if e - s < self.config.chunk_size else "store"
-            if self.config.write_mode == "through":
+            if through:
                 for writer in self.writers.values():
                     writer.submit(key, obj, lifetime)
             elif "remote" in self.writers:
@@ -185,11 +225,19 @@ class CacheEngine:
             self.writers["disk"].submit(key, obj, "tail" if tail else "evict")
 
     # -- lookup --------------------------------------------------------------------------
-    def _locate(self, keys: Sequence[ChunkKey]) -> list[str | None]:
-        """Highest tier holding each key, for the leading run of keys held anywhere."""
+    def where(self, keys: Sequence[ChunkKey], skip: frozenset[str] = frozenset()) -> list[str | None]:
+        """Highest tier holding each key, ``None`` where none does (tiers in ``skip`` not
+        asked). Unlike :meth:`lookup`, not only the leading run: a sliding-window group of a
+        hybrid model needs the chunks of its window, not the prefix's."""
         where: list[str | None] = ["cpu" if h else None for h in self.cpu.contains(keys)]
         with self._budget():
-            self._lower.fill_locations(keys, where)
+            self._lower.fill_locations(keys, where, skip)
+        return where
+
+    def _locate(self, keys: Sequence[ChunkKey], skip: frozenset[str] = frozenset()) -> list[str | None]:
+        """Highest tier holding each key, for the leading run of keys held anywhere (tiers
+        in ``skip`` not asked)."""
+        where = self.where(keys, skip)
         leading: list[str | None] = []
         for w in where:
             if w is None:
@@ -198,15 +246,18 @@ class CacheEngine:
         return leading
 
     def lookup(self, tokens: object, pin: bool = False) -> int:
-        """How many leading tokens can be retrieved (a chunk multiple unless
-        ``save_unfull_chunk``). With ``pin``, the chunks found are pinned until
-        :meth:`unpin` so eviction cannot take back what was promised."""
+        """How many leading tokens are worth retrieving (a chunk multiple unless
+        ``save_unfull_chunk``): the chunks held, cut where loading the rest is predicted
+        slower than computing it (:meth:`LoadCosts.cut`). With ``pin``, the chunks offered
+        are pinned until :meth:`unpin` so eviction cannot take back what was promised."""
         arr = as_token_array(tokens)
         keys = self.keys.keys_for_array(arr)
-        where = self._locate(keys)
-        if pin and where:
-            self.pin_keys(keys[: len(where)])
-        return self.keys.chunk_bounds(len(arr))[len(where) - 1][1] if where else 0
+        where = self._locate(keys, self.costs.hopeless(list(self.lower), self.config.chunk_size))
+        bounds = self.keys.chunk_bounds(len(arr))
+        n = self.costs.cut([w for w in where if w is not None], bounds) if where else 0
+        if pin and n:
+            self.pin_keys(keys[:n])
+        return bounds[n - 1][1] if n else 0
 
     def locate(self, tokens: object) -> list[tuple[int, int, str]]:
         """``(start, end, tier)`` of each leading chunk held somewhere."""
@@ -218,16 +269,20 @@ class CacheEngine:
     # -- retrieve ------------------------------------------------------------------------
     @contextmanager
     def retrieve_chunks(
-        self, tokens: object, max_tokens: int | None = None
+        self, tokens: object, max_tokens: int | None = None, from_token: int = 0
     ) -> Iterator[list[RetrievedChunk]]:
         """Views of the leading chunks that can be read, valid inside the ``with`` block
-        (they hold pool references, released on exit)."""
+        (they hold pool references, released on exit). ``from_token``: start at the chunk
+        holding that token (a sliding window's first), not at the prompt's first."""
         arr = as_token_array(tokens)
         keys = self.keys.keys_for_array(arr)
         bounds = self.keys.chunk_bounds(len(arr))
         if max_tokens is not None:
             n = sum(1 for _, e in bounds if e <= max_tokens)
             keys, bounds = keys[:n], bounds[:n]
+        if from_token > 0:
+            first = sum(1 for _, e in bounds if e <= from_token)
+            keys, bounds = keys[first:], bounds[first:]
         held: list[MemoryObj] = []
         chunks: list[RetrievedChunk] = []
         try:
@@ -235,18 +290,25 @@ class CacheEngine:
             held.extend(o for o in objs if o is not None)
             with self._budget():
                 self._lower.advise([k for k, o in zip(keys, objs, strict=True) if o is None])
+                timed: dict[str, list[float]] = {}  # tier -> [bytes, seconds] of this load
                 for i, (key, (s, e)) in enumerate(zip(keys, bounds, strict=True)):
                     obj = objs[i]
                     if obj is not None:
                         chunks.append(RetrievedChunk(s, e, obj.tensor(), "cpu"))
                         continue
+                    t0 = time.perf_counter()
                     found = self._lower.read(key, arr[s:e])
                     if found is None:
                         break  # a miss, or the remote's budget is spent: vLLM recomputes the rest
                     tier, tensor, promoted = found
+                    spent = timed.setdefault(tier, [0.0, 0.0])
+                    spent[0] += (e - s) * self.layout.bytes_per_token
+                    spent[1] += time.perf_counter() - t0
                     if promoted is not None:
                         held.append(promoted)
                     chunks.append(RetrievedChunk(s, e, tensor, tier))
+                for tier, (nbytes, seconds) in timed.items():
+                    self.costs.observe_load(tier, int(nbytes), seconds)
             yield chunks
         finally:
             for o in held:
@@ -374,13 +436,39 @@ class CacheEngine:
         out: dict[str, Any] = {name: m.snapshot() for name, m in self.metrics.items()}
         out["cpu"]["pinned"] = self.cpu.pinned_count()
         out["cpu"]["capacity_bytes"] = self.cpu.pool.num_slots * self.cpu.pool.slot_bytes
+        warnings = self._lower.warnings()
         for name, tier in self.lower.items():
             out[name]["health"] = tier.health()
             out[name]["write_queue_depth"] = self.writers[name].pending
+            if name in warnings:
+                out[name]["warning"] = warnings[name]
         return out
 
+    def security_warnings(self) -> list[str]:
+        """What an operator must know about this engine's trust (``/health`` shows them):
+        a shared tier without a fleet key takes KV from anyone who can write to it."""
+        return sorted(set(self._lower.warnings().values()))
+
     def prometheus_collector(self) -> Any:
-        return prometheus_collector(self.metrics)
+        return prometheus_collector(self.metrics, costs=self.cost_figures)
+
+    def cost_figures(self) -> dict[str, Any]:
+        """The measured costs (:meth:`LoadCosts.figures`) and every tier's use: what a router's
+        cost model starts from, and what autoscalers read (KV use across every tier)."""
+        out = self.costs.figures()
+        out["chunk_size"] = self.config.chunk_size
+        use: dict[str, dict[str, float | None]] = {}
+        cpu = self.metrics["cpu"].gauges
+        use["cpu"] = {
+            "bytes_used": cpu.get("bytes_used", 0.0),
+            "capacity_bytes": float(self.cpu.pool.num_slots * self.cpu.pool.slot_bytes),
+        }
+        for name in self.lower:
+            cap = self.config.disk_bytes if name == "disk" and self.config.disk_bytes else None
+            used = self.metrics[name].gauges.get("bytes_used", 0.0)
+            use[name] = {"bytes_used": used, "capacity_bytes": cap}
+        out["use"] = use
+        return out
 
     def close(self, timeout: float = 30.0) -> None:
         if self._closed:

@@ -172,3 +172,66 @@ def model_fingerprint(
         )
     identity["kv"] = dict(sorted((kv_settings or {}).items()))
     return f"{FINGERPRINT_VERSION}:{xxhash.xxh3_128(_canonical(identity)).hexdigest()}"
+
+
+# -- LoRA adapters -----------------------------------------------------------------------
+# An adapter changes every layer's K and V for the same token ids, so its chunks must never
+# be served to another adapter or to the base model (LMCache did, vllm#44250). Its identity is
+# its content, like the model's: the same weights loaded under two names (two replicas, two
+# operators) share chunks; a retrained adapter behind the same name or path does not.
+ADAPTER_CONFIG = "adapter_config.json"
+# Keys of adapter_config.json that name a path, a revision or a tool version, not the weights.
+_VOLATILE_ADAPTER_KEYS = frozenset({"base_model_name_or_path", "revision", "peft_version", "auto_mapping"})
+_adapter_cache: dict[tuple[str, str], str] = {}
+
+
+def adapter_identity(adapter_dir: str | os.PathLike[str], mode: Mode = "sample") -> dict[str, Any]:
+    """What defines a (peft-format) LoRA adapter in ``adapter_dir``: its ``adapter_config.json``
+    (rank, alpha, target modules, ...) and its weight files' content."""
+    root = Path(adapter_dir)
+    if not root.is_dir():
+        raise ConfigError(f"cannot fingerprint the LoRA adapter: {root} is not a directory")
+    config = root / ADAPTER_CONFIG
+    if not config.is_file():
+        raise ConfigError(f"cannot fingerprint the LoRA adapter: {root} has no {ADAPTER_CONFIG}")
+    try:
+        parsed = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"cannot fingerprint the LoRA adapter: {config} is not readable JSON ({exc})"
+        ) from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"cannot fingerprint the LoRA adapter: {config} is not a JSON object")
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
+    if not files:
+        raise ConfigError(
+            "cannot fingerprint the LoRA adapter: no weight files "
+            f"({', '.join(_WEIGHT_SUFFIXES)}) under {root}"
+        )
+    try:
+        weights = {str(p.relative_to(root)): _file_digest(p, mode) for p in files}
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("the model", "the LoRA adapter")) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot fingerprint the LoRA adapter: {root} is not readable ({exc})") from None
+    return {
+        "config": {k: v for k, v in parsed.items() if k not in _VOLATILE_ADAPTER_KEYS},
+        "weights": weights,
+    }
+
+
+def adapter_fingerprint(adapter_dir: str | os.PathLike[str], mode: Mode = "sample") -> str:
+    """A stable id for the LoRA adapter in ``adapter_dir``: the same for the same bytes under
+    any path or name, different when its weights or config differ. Computed once per
+    (resolved) path in this process: vLLM loads an adapter's files once and never reloads
+    them under the same path while it runs. Raises ``ConfigError`` for a missing or corrupt
+    adapter (keying it by its name instead could serve another adapter's KV)."""
+    if mode not in ("sample", "full"):
+        raise ConfigError(f"fingerprint mode must be 'sample' or 'full', got {mode!r}")
+    key = (os.path.realpath(os.fspath(adapter_dir)), mode)
+    found = _adapter_cache.get(key)
+    if found is None:
+        identity = adapter_identity(key[0], mode)
+        found = f"lora-{FINGERPRINT_VERSION}:{xxhash.xxh3_128(_canonical(identity)).hexdigest()}"
+        _adapter_cache[key] = found
+    return found

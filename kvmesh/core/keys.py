@@ -4,31 +4,43 @@ Pure functions, no torch: the router imports this module to hash prompts exactly
 engine does.
 
 A chunk key names ``chunk_size`` tokens *and everything before them*: the prefix hash of
-chunk ``i`` is ``xxh3_128(hash[i-1] || le_u32(tokens of chunk i))``, and the chain starts
-from a namespace hash over the model id, the KV layout, the chunk size and the cache salt.
+chunk ``i`` is ``sha256(hash[i-1] || le_u32(tokens of chunk i))``, and the chain starts
+from a namespace hash (``sha256`` of canonical JSON) over the model id, the KV layout, the
+chunk size, the cache salt and, for a LoRA request, the adapter's weights fingerprint.
 Two replicas compute the same keys for the same model and tokens on any machine, in any
-process, whatever ``PYTHONHASHSEED`` is; two different salts never produce a shared key.
+process, whatever ``PYTHONHASHSEED`` is; two different salts (or adapters, or an adapter
+and the base model) never produce a shared key.
+
+The chain is a cryptographic hash, so a key names its whole prefix: finding two prefixes
+with one key is a SHA-256 collision. (Version ``kvm1`` chained xxh3-128, which is not
+collision-resistant: one could craft two prompts that end in the same tokens under the same
+key and be served the other's KV; chunks named ``kvm1-...`` are never read now.) SHA-256
+because it is the cheapest cryptographic hash for one 128-256-token block here (SHA-NI):
+~1.0 us a 128-token block against 1.2 for BLAKE3 and 1.3 for BLAKE2b through their Python
+bindings, 0.27 for xxh3 (the router's block index keeps xxh3: see
+:mod:`kvmesh.index.prefix`).
 
 String form (used as file name and Redis key), documented and stable::
 
-    kvm1-<namespace:16 hex>-r<shard>-<prefix hash:32 hex>[-p<tokens>]
+    kvm2-<namespace:16 hex>-r<shard>-<prefix hash:64 hex>[-p<tokens>]
 
 The ``-p<tokens>`` suffix appears only on a partial (unfull) final chunk.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 import numpy as np
-import xxhash
 
-KEY_VERSION = "kvm1"
+KEY_VERSION = "kvm2"
+HASH_BYTES = 32  # sha256: the prefix hash is its whole digest (64 hex in a key)
 _DTYPE_SIZES = {
     "float32": 4,
     "float16": 2,
@@ -39,7 +51,7 @@ _DTYPE_SIZES = {
     "int8": 1,
 }
 _KEY_RE = re.compile(
-    r"kvm1-(?P<ns>[0-9a-f]{16})-r(?P<shard>0|[1-9][0-9]*)-(?P<h>[0-9a-f]{32})(?:-p(?P<p>[1-9][0-9]*))?"
+    r"kvm2-(?P<ns>[0-9a-f]{16})-r(?P<shard>0|[1-9][0-9]*)-(?P<h>[0-9a-f]{64})(?:-p(?P<p>[1-9][0-9]*))?"
 )
 _EMPTY_TOKENS = np.zeros(0, dtype=np.uint32)
 
@@ -128,7 +140,7 @@ class ChunkKey:
 
     namespace: str  # 16 hex: model id, layout, chunk size, salt
     shard: int
-    prefix_hash: str  # 32 hex
+    prefix_hash: str  # 64 hex
     num_tokens: int  # tokens in this chunk (== chunk_size unless it is the final partial one)
     chunk_size: int
 
@@ -198,14 +210,26 @@ def as_token_array(tokens: object) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype="<u4")
 
 
-def chain_hashes(tokens: np.ndarray, block_size: int, root: bytes, partial: bool = False) -> list[bytes]:
-    """Chained 128-bit hashes, one per ``block_size`` tokens (plus the tail if ``partial``)."""
+def sha256(data: bytes) -> bytes:
+    """The chain's hash (see the module docstring)."""
+    return hashlib.sha256(data).digest()
+
+
+def chain_hashes(
+    tokens: np.ndarray,
+    block_size: int,
+    root: bytes,
+    partial: bool = False,
+    digest: Callable[[bytes], bytes] = sha256,
+) -> list[bytes]:
+    """Chained hashes ``digest(parent || le_u32 block)``, one per ``block_size`` tokens (plus
+    the tail if ``partial``). Chunk keys use :func:`sha256`; the router's block index passes
+    its own (xxh3) ``digest``."""
     # One bytes copy of the whole array, then one-shot digests of (parent || block bytes):
     # the same value as updating a hasher with both, at a third of the cost per block.
     data = tokens.tobytes()
     step = block_size * tokens.itemsize
     full = len(tokens) // block_size * step
-    digest = xxhash.xxh3_128_digest
     out: list[bytes] = []
     prev = root
     for start in range(0, full, step):
@@ -216,20 +240,26 @@ def chain_hashes(tokens: np.ndarray, block_size: int, root: bytes, partial: bool
     return out
 
 
-def namespace_hash(model_id: str, layout: KVLayout | None, chunk_size: int, salt: str | None) -> bytes:
-    """Root of the hash chain; differs for every model, layout, chunk size and salt."""
-    canon = json.dumps(
-        {
-            "v": KEY_VERSION,
-            "model": model_id,
-            "layout": layout.to_dict() if layout is not None else None,
-            "chunk_size": chunk_size,
-            "salt": salt,
-        },
-        sort_keys=True,
-        separators=(",", ":"),
-    ).encode()
-    return xxhash.xxh3_128(canon).digest()
+def namespace_hash(
+    model_id: str,
+    layout: KVLayout | None,
+    chunk_size: int,
+    salt: str | None,
+    adapter: str | None = None,
+) -> bytes:
+    """Root of the hash chain; differs for every model, layout, chunk size, salt and LoRA
+    adapter (``adapter``: its weights' fingerprint, :func:`kvmesh.core.fingerprint.adapter_fingerprint`;
+    ``None`` for the base model, whose namespaces stay what they were before adapters)."""
+    fields: dict[str, Any] = {
+        "v": KEY_VERSION,
+        "model": model_id,
+        "layout": layout.to_dict() if layout is not None else None,
+        "chunk_size": chunk_size,
+        "salt": salt,
+    }
+    if adapter is not None:
+        fields["adapter"] = adapter
+    return sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
 
 
 class KeyBuilder:
@@ -243,6 +273,7 @@ class KeyBuilder:
         shard: int = 0,
         salt: str | None = None,
         save_unfull_chunk: bool = False,
+        adapter: str | None = None,
     ) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
@@ -254,8 +285,29 @@ class KeyBuilder:
         self.shard = shard
         self.salt = salt
         self.save_unfull_chunk = save_unfull_chunk
-        self._root = namespace_hash(model_id, layout, chunk_size, salt)
+        self.adapter = adapter
+        self._root = namespace_hash(model_id, layout, chunk_size, salt, adapter)
         self.namespace = self._root.hex()[:16]
+        self._adapters: dict[str | None, KeyBuilder] = {}
+
+    def for_adapter(self, adapter: str | None) -> KeyBuilder:
+        """This builder's keys for requests with LoRA adapter ``adapter`` (its fingerprint;
+        ``None``: the base model). Built once per adapter."""
+        if adapter == self.adapter:
+            return self
+        found = self._adapters.get(adapter)
+        if found is None:
+            found = KeyBuilder(
+                self.model_id,
+                self.layout,
+                self.chunk_size,
+                self.shard,
+                self.salt,
+                self.save_unfull_chunk,
+                adapter,
+            )
+            self._adapters[adapter] = found
+        return found
 
     def chunk_bounds(self, num_tokens: int) -> list[tuple[int, int]]:
         """``(start, end)`` of every cacheable chunk of a ``num_tokens`` prompt."""
@@ -278,7 +330,8 @@ class KeyBuilder:
         ]
 
     def owns(self, key: ChunkKey) -> bool:
-        """Whether ``key`` belongs to this builder's model, layout, chunk size, salt and shard."""
+        """Whether ``key`` belongs to this builder's model, layout, chunk size, salt, adapter
+        and shard."""
         return key.namespace == self.namespace and key.shard == self.shard
 
     def parse(self, text: str) -> ChunkKey:

@@ -8,10 +8,16 @@ slot is bounded by the current operation's deadline (:mod:`kvmesh.tiers.deadline
 it is spent the remote tier is not asked again and its chunks are misses.
 Optional features are found through the tier's declared ``features`` (``as_pinnable``),
 never by name or ``hasattr``.
+
+Every lower tier reads and writes one :class:`~kvmesh.core.serde.ChunkFormat`
+(:func:`chunk_format_for`): the fleet key of ``fleet_key_file`` / ``KVMESH_FLEET_KEY_FILE``
+(chunks carry a keyed MAC, or with ``encrypt_at_rest`` an AEAD), and the engine's layout, so
+a stored header can never make a read allocate more than one of this engine's chunks.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from functools import partial
 
@@ -19,24 +25,50 @@ import numpy as np
 import torch
 
 from kvmesh.config import CacheConfig
+from kvmesh.core.fleetkey import FleetKey
 from kvmesh.core.keys import ChunkKey, KVLayout
 from kvmesh.core.memory import MemoryObj, torch_dtype
 from kvmesh.core.offload import WriteBehind
+from kvmesh.core.serde import ChunkFormat
 from kvmesh.errors import TierError
 from kvmesh.metrics import TierMetrics
-from kvmesh.tiers.base import ChunkData, Tier, TierOptions, as_advisable, as_pinnable, open_tier
+from kvmesh.tiers.base import (
+    ChunkData,
+    Tier,
+    TierOptions,
+    as_advisable,
+    as_pinnable,
+    open_tier,
+    shared_tier_warning,
+)
 from kvmesh.tiers.cpu import CPUTier
 from kvmesh.tiers.deadline import expired
 
+log = logging.getLogger(__name__)
 BOUNDED = frozenset({"remote"})  # slots a spent operation deadline stops asking
+SHARED = frozenset({"remote"})  # slots other processes write to: unauthenticated without a key
+
+
+def chunk_format_for(config: CacheConfig, layout: KVLayout) -> ChunkFormat:
+    """The chunk format of an engine: its fleet key (``ConfigError`` when the file cannot be
+    read, or ``encrypt_at_rest`` has no key) and its layout."""
+    return ChunkFormat(FleetKey.from_config(config.fleet_key_file), config.encrypt_at_rest, layout)
 
 
 class LowerTiers:
     """The lower tiers of one engine, in lookup order, with one writer each."""
 
-    def __init__(self, config: CacheConfig, layout: KVLayout, shard: int, cpu: CPUTier) -> None:
+    def __init__(
+        self,
+        config: CacheConfig,
+        layout: KVLayout,
+        shard: int,
+        cpu: CPUTier,
+        chunk_format: ChunkFormat | None = None,
+    ) -> None:
         self.config = config
         self.layout = layout
+        self.chunk_format = chunk_format or chunk_format_for(config, layout)
         self.shard = shard
         self.cpu = cpu
         self.chunk_bytes = config.chunk_size * layout.bytes_per_token
@@ -66,25 +98,37 @@ class LowerTiers:
             shard=self.shard,
             subdir=cfg.disk_subdir,
             metrics=metrics,
+            chunk_format=self.chunk_format,
         )
         tier = open_tier(url, opts)
+        if warning := self.warnings().get(name):
+            log.warning("kvmesh: %s", warning)
         self.metrics[name] = metrics
         self.tiers[name] = tier
         self.writers[name] = WriteBehind(tier, cfg.max_pending_writes, cfg.store_wait_s)
+
+    def warnings(self) -> dict[str, str]:
+        """Per tier, what an operator must know about its trust: a shared tier without a
+        fleet key takes KV from anyone who can write to it."""
+        w = shared_tier_warning(self.config.remote_url, self.chunk_format.fleet_key is not None)
+        return {name: w for name in SHARED} if w else {}
 
     def _skip(self, name: str) -> bool:
         return name in BOUNDED and expired()
 
     # ---- queries ----------------------------------------------------------------------
 
-    def fill_locations(self, keys: Sequence[ChunkKey], where: list[str | None]) -> None:
+    def fill_locations(
+        self, keys: Sequence[ChunkKey], where: list[str | None], skip: frozenset[str] = frozenset()
+    ) -> None:
         """Set ``where[i]`` to the first lower tier holding ``keys[i]``, for keys not found
-        yet (``None``); only keys from the first miss on are asked about."""
+        yet (``None``); only keys from the first miss on are asked about. Tiers in ``skip``
+        are not asked (:meth:`kvmesh.core.loadcost.LoadCosts.hopeless`)."""
         for name, tier in self.tiers.items():
             first = next((i for i, w in enumerate(where) if w is None), None)
             if first is None:
                 return
-            if self._skip(name):
+            if self._skip(name) or name in skip:
                 continue
             todo = [i for i in range(first, len(where)) if where[i] is None]
             try:

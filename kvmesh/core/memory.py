@@ -13,8 +13,10 @@ buffer handed to a reader or to a pending disk write is never reused underneath 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -110,6 +112,36 @@ class MemoryObj:
         return self.byte_view().view(torch_dtype(self.layout.dtype)).view(shape)
 
 
+REGISTER_PIECE = 64 << 30  # cudaHostRegister fails on larger ranges on some drivers (vLLM splits too)
+
+
+def _cuda_ok(err: Any) -> bool:
+    code = err[0] if isinstance(err, tuple) else err
+    return int(code) == 0
+
+
+def register_host(cudart: Any, ptr: int, nbytes: int, slot_bytes: int, piece: int = REGISTER_PIECE) -> bool:
+    """Page-lock ``nbytes`` at ``ptr`` with ``cudaHostRegister`` in pieces of at most
+    ``piece`` bytes, each a whole number of slots (a slot never straddles two
+    registrations). On a failure the pieces done are unregistered and CUDA's sticky
+    last error is cleared, so the caller's fallback and later CUDA calls see no stale error."""
+    step = max(slot_bytes, piece // slot_bytes * slot_bytes)
+    done: list[int] = []
+    try:
+        for off in range(0, nbytes, step):
+            if not _cuda_ok(cudart.cudaHostRegister(ptr + off, min(step, nbytes - off), 0)):
+                raise RuntimeError("cudaHostRegister failed")
+            done.append(off)
+        return True
+    except (AttributeError, RuntimeError, TypeError):
+        for off in done:
+            with contextlib.suppress(Exception):
+                cudart.cudaHostUnregister(ptr + off)
+        with contextlib.suppress(Exception):
+            cudart.cudaGetLastError()  # clears the error the failed call left
+        return False
+
+
 class MemoryPool:
     """``capacity_bytes`` of host memory cut into slots of ``slot_bytes``.
 
@@ -154,10 +186,9 @@ class MemoryPool:
             nbytes = self.buffer.numel()
             try:
                 cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-                err = cudart.cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
-                ok = int(err) == 0 if not isinstance(err, tuple) else int(err[0]) == 0
-            except (AttributeError, RuntimeError, TypeError):
-                ok = False
+            except (AttributeError, RuntimeError):
+                cudart = None
+            ok = cudart is not None and register_host(cudart, self.buffer.data_ptr(), nbytes, self.slot_bytes)
             if not ok:
                 log.warning("kvmesh: cudaHostRegister failed; allocating the %d-byte pool pinned", nbytes)
                 self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

@@ -66,7 +66,7 @@ class WriteBehind:
         except queue.Full:
             obj.release()
             self._done([key.text], landed=False)
-            self.tier.metrics.inc("skipped_stores")
+            self.tier.metrics.skip("queue_full")
             return False
         self.tier.metrics.set("write_queue_depth", self._q.qsize())
         return True
@@ -118,12 +118,14 @@ class WriteBehind:
             assert obj.layout is not None and obj.tokens is not None  # set before submit
             chunks.append(ChunkData(k, obj.layout, obj.tokens, obj.raw(), lifetime=lifetime))
         try:
-            self.tier.put(keys, chunks)
+            self.tier.put(keys, chunks)  # a chunk it cannot keep it counts itself, with the reason
         except TierError as exc:
             self.tier.metrics.inc("errors")
+            self.tier.metrics.skip("tier_error", len(keys))
             log.debug("write-behind to %s failed: %s", self.tier.name, exc)
         except Exception:  # a tier bug must not kill the writer thread
             self.tier.metrics.inc("errors")
+            self.tier.metrics.skip("tier_error", len(keys))
             log.exception("write-behind to %s crashed", self.tier.name)
         finally:
             for _, obj, _ in batch:

@@ -1,7 +1,7 @@
 """``kvmesh epp``: the endpoint picker for a Gateway API Inference Extension gateway.
 
 Flags override ``--config`` (an :class:`~kvmesh.epp.config.EppConfig` YAML; its ``routing:``
-takes every ``kvmesh router`` key), which overrides the defaults. Heavy imports (grpc,
+takes the routing keys of ``kvmesh router``), which overrides the defaults. Heavy imports (grpc,
 tokenizers) wait until the command runs, so ``kvmesh --help`` stays fast.
 """
 
@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from kvmesh.errors import ConfigError, ProcessError
-from kvmesh.router.config import POLICIES
+from kvmesh.routing.config import POLICIES
 
 
 def register(sub: Any) -> argparse.ArgumentParser:
@@ -23,9 +23,11 @@ def register(sub: Any) -> argparse.ArgumentParser:
         "epp",
         help="Envoy ext_proc endpoint picker (Gateway API Inference Extension) with kvmesh's scoring",
         description="Pick the model server for each request a gateway asks about, by prefix-cache hit, "
-        "load and session: the kvmesh router's scoring behind Envoy's ext_proc protocol.",
+        "load and session: the kvmesh routing core behind Envoy's ext_proc protocol.",
     )
-    p.add_argument("--config", help="YAML file with EppConfig keys (routing: takes kvmesh router keys)")
+    p.add_argument(
+        "--config", help="YAML file with EppConfig keys (routing: takes the routing keys of kvmesh router)"
+    )
     p.add_argument("--model", help="model directory; its tokenizer is used to tokenize like the engine")
     p.add_argument(
         "--endpoint",
@@ -38,11 +40,20 @@ def register(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--pool-namespace", help="namespace of the InferencePool (default: default)")
     p.add_argument("--policy", choices=POLICIES, help="routing policy (default: kvmesh)")
     p.add_argument("--served-model-name", action="append", dest="served_model_names", help="accepted model")
-    p.add_argument("--host", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1; in a pod: its IP)")
     p.add_argument("--grpc-port", type=int, help="ext_proc port (default 9002)")
     p.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (default 9090)")
     p.add_argument("--fallbacks", type=int, help="fallback endpoints after the primary (default 0)")
+    p.add_argument(
+        "--cert-path", help="directory with tls.crt and tls.key for ext_proc's TLS (default: self-signed)"
+    )
+    p.add_argument(
+        "--secure-serving",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve ext_proc over TLS (default: on)",
+    )
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.set_defaults(func=run_epp)
     return p
@@ -67,7 +78,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
     data = base.model_dump()
     data["routing"] = routing
     data["kube"] = kube
-    for key in ("host", "grpc_port", "health_port", "metrics_port", "fallbacks"):
+    flags = ("host", "grpc_port", "health_port", "metrics_port", "fallbacks", "cert_path", "secure_serving")
+    for key in flags:
         if getattr(args, key) is not None:
             data[key] = getattr(args, key)
     cfg = EppConfig.from_dict(data)
@@ -88,6 +100,7 @@ def run_epp(args: argparse.Namespace) -> int:
     from kvmesh.epp.discovery import KubeDiscovery
     from kvmesh.epp.scoring import EndpointPicker
     from kvmesh.epp.server import EppServer, serve_forever
+    from kvmesh.routing.loop import loop_factory
 
     try:
         picker = EndpointPicker(cfg)
@@ -100,11 +113,13 @@ def run_epp(args: argparse.Namespace) -> int:
         f"pool {cfg.kube.namespace}/{cfg.kube.pool}" if cfg.kube else f"{len(cfg.routing.replicas)} endpoints"
     )
     print(
-        f"kvmesh epp: {cfg.routing.policy} policy over {where}; ext_proc :{cfg.grpc_port}, "
+        f"kvmesh epp: {cfg.routing.policy} policy over {where}; ext_proc {cfg.host}:{cfg.grpc_port} "
+        f"({'TLS' if cfg.secure_serving else 'plaintext'}), "
         f"health :{cfg.health_port}, metrics :{cfg.metrics_port}"
     )
     try:
-        asyncio.run(serve_forever(server))
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:  # uvloop: less per message
+            runner.run(serve_forever(server))
     except ProcessError as exc:
         print(f"kvmesh epp: {exc}", file=sys.stderr)
         return 1

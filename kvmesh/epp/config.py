@@ -1,9 +1,9 @@
-"""EPP settings: the ports and protocol knobs of ``kvmesh epp``, plus the router's scoring config.
+"""EPP settings: the ports and protocol knobs of ``kvmesh epp``, plus the routing core's config.
 
-The scoring half is a :class:`kvmesh.router.config.RouterConfig` (same YAML keys as
-``kvmesh router``: weights, medium weights, tokenizer, speculative entries, ...), so the two
-front ends score alike. Its ``replicas`` are the static endpoints; Kubernetes discovery
-adds and removes endpoints at run time instead.
+The routing half is a :class:`kvmesh.routing.config.RoutingConfig` (the routing keys of
+``kvmesh router``: policy, weights, medium weights, tokenizer, speculative entries, ...), so
+the two front ends route alike. Its ``replicas`` are the static endpoints; Kubernetes
+discovery adds and removes endpoints at run time instead.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvmesh.errors import ConfigError
-from kvmesh.router.config import RouterConfig, _explain
+from kvmesh.routing.config import RoutingConfig, explain
 
 # The endpoint-picker protocol's names (GIE docs/proposals/004-endpoint-picker-protocol).
 DEST_HEADER = "x-gateway-destination-endpoint"
@@ -25,6 +25,9 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 PICKED_HEADER = "x-kvmesh-endpoint"  # on the response: the primary the EPP picked
+# Dynamic metadata the routing reply sets: the request's ticket, for the first-byte observer
+# (a second ext_proc filter in observability mode: see kvmesh.epp.protocol).
+TICKET_NAMESPACE = "kvmesh.ticket"
 
 
 class KubeConfig(BaseModel):
@@ -47,8 +50,10 @@ class EppConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    routing: RouterConfig = Field(default_factory=RouterConfig, description="scoring, as kvmesh router")
-    host: str = "0.0.0.0"
+    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="routing, as kvmesh router")
+    host: str = Field(
+        default="127.0.0.1", description="address of all three listeners; in a pod, its own IP (POD_IP)"
+    )
     grpc_port: int = Field(default=9002, ge=0, le=65535, description="ext_proc gRPC port (0: a free one)")
     health_port: int = Field(default=9003, ge=0, le=65535, description="gRPC health port (0: a free one)")
     metrics_port: int = Field(default=9090, ge=0, le=65535, description="Prometheus /metrics (0: free)")
@@ -70,6 +75,29 @@ class EppConfig(BaseModel):
         default="x-gateway-inference-priority", description="a negative value makes a request sheddable"
     )
     kube: KubeConfig | None = None
+    # -- exposure: TLS, caps and deadlines (docs/security.md) --------------------------------------
+    secure_serving: bool = Field(
+        default=True,
+        description="serve ext_proc over TLS, as the Gateway API reference EPP does (health and metrics "
+        "stay plain: kubelet probes and Prometheus)",
+    )
+    cert_path: str | None = Field(
+        default=None,
+        description="directory with tls.crt and tls.key (a kubernetes.io/tls Secret mounted); unset: a "
+        "self-signed certificate made at start, which no gateway can verify",
+    )
+    max_streams: int = Field(
+        default=1024, gt=0, description="concurrent ext_proc streams; more are refused (RESOURCE_EXHAUSTED)"
+    )
+    request_timeout_s: float = Field(
+        default=30.0, gt=0, description="a stream must deliver its request headers and body within this"
+    )
+    stream_idle_timeout_s: float = Field(
+        default=300.0, gt=0, description="a stream silent this long is closed (DEADLINE_EXCEEDED)"
+    )
+    fleet_key_file: str | None = Field(
+        default=None, description="the fleet's shared secret (or KVMESH_FLEET_KEY_FILE); see docs/security.md"
+    )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EppConfig:
@@ -78,13 +106,13 @@ class EppConfig(BaseModel):
         data = dict(data)
         if isinstance(data.get("routing"), Mapping):
             try:
-                data["routing"] = RouterConfig.from_dict(data["routing"])
+                data["routing"] = RoutingConfig.from_dict(data["routing"])
             except ConfigError as exc:
                 raise ConfigError(f"invalid epp config, key 'routing': {exc}") from exc
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise ConfigError(_explain(exc, "epp config", sorted(cls.model_fields))) from exc
+            raise ConfigError(explain(exc, "epp config", sorted(cls.model_fields))) from exc
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> EppConfig:

@@ -10,7 +10,7 @@ is resumed from the last version seen, a ``410 Gone`` lists again, and every ``r
 the pool itself is read again (its selector or port may have changed).
 
 A pod is ready when it has an IP, is not being deleted, is ``Running`` and its ``Ready``
-condition is ``True``. Its KV-event endpoints come from annotations (convention, README):
+condition is ``True``. Its KV-event endpoints come from annotations (docs/getting-started/kubernetes.md):
 
 * ``kvmesh.io/kv-events-port: "5557"``  -> ``tcp://podIP:5557`` (vLLM's ``--kv-events-config``
   endpoint ``tcp://*:5557``); ``kvmesh.io/kv-events: tcp://...`` gives the whole endpoint;
@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from kvmesh.errors import ConfigError, UpstreamError
-from kvmesh.router.config import ReplicaConfig
+from kvmesh.routing.config import ReplicaConfig
 
 from .config import KubeConfig
 

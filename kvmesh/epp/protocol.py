@@ -20,10 +20,21 @@ The contract (GIE ``docs/proposals/004-endpoint-picker-protocol``, v1.0.0; Envoy
   the response ends or the stream closes (Envoy closes it when the HTTP request is done).
 * Refusals are immediate responses with OpenAI-shaped JSON bodies: 400 unparseable body,
   404 unknown model, 413 oversized body, 429 shedding, 503 nothing eligible.
+
+Response bodies through the EPP cost one gRPC round trip per streamed chunk (the first one
+on the time to first token) and ~0.2 ms of the EPP's CPU per chunk, so the recommended
+gateway configuration does not send them (``response_body_mode: NONE``; docs/epp.md). The
+first byte then comes from a second ext_proc filter in ``observability_mode`` (the
+*first-byte observer*): Envoy sends it the response headers and body without waiting for
+any answer; the routing reply left the request's ticket id in the ``kvmesh.ticket`` dynamic
+metadata, which the observer forwards, so its first body chunk settles that ticket's
+prefill, and the EPP then closes the observer stream (no more chunks). Without the observer
+a stream's prefill work stays counted until the stream ends.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -35,8 +46,18 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from .config import DEST_HEADER, LB_NAMESPACE, PICKED_HEADER, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
-from .scoring import EndpointPicker, Refusal, Ticket
+from kvmesh.routing.dispatcher import Refusal, Ticket
+
+from .config import (
+    DEST_HEADER,
+    LB_NAMESPACE,
+    PICKED_HEADER,
+    SERVED_KEY,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
+    TICKET_NAMESPACE,
+)
+from .scoring import EndpointPicker
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +97,39 @@ def served_endpoint(request: pb.ProcessingRequest, headers: Mapping[str, str]) -
     return str(got) if got else None
 
 
-def route_mutation(endpoints: Sequence[str]) -> tuple[pb.CommonResponse, struct_pb2.Struct]:
-    """The header mutation and dynamic metadata that send a request to ``endpoints``."""
+def route_mutation(
+    endpoints: Sequence[str], content_length: int | None = None, ticket_id: str | None = None
+) -> tuple[pb.CommonResponse, struct_pb2.Struct]:
+    """The header mutation and dynamic metadata that send a request to ``endpoints`` (and
+    set its ``content-length``, as the reference EPP does, when the body is sent on); the
+    ticket id goes into the ``kvmesh.ticket`` metadata, for the first-byte observer."""
     value = ",".join(endpoints)
-    option = base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=DEST_HEADER, raw_value=value.encode()), append_action=_OVERWRITE
-    )
-    common = pb.CommonResponse(
-        header_mutation=pb.HeaderMutation(set_headers=[option]), clear_route_cache=True
-    )
+    options = [
+        base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=DEST_HEADER, raw_value=value.encode()), append_action=_OVERWRITE
+        )
+    ]
+    if content_length is not None:
+        options.append(
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key="content-length", raw_value=str(content_length).encode()),
+                append_action=_OVERWRITE,
+            )
+        )
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=options), clear_route_cache=True)
     meta = struct_pb2.Struct()
     meta.update({LB_NAMESPACE: {DEST_HEADER: value}})
+    if ticket_id is not None:
+        meta.update({TICKET_NAMESPACE: {"id": ticket_id}})
     return common, meta
+
+
+def ticket_id(request: pb.ProcessingRequest) -> str | None:
+    """The ticket id the routing reply left in the dynamic metadata (the observer's messages)."""
+    ns = request.metadata_context.filter_metadata
+    if TICKET_NAMESPACE in ns and "id" in ns[TICKET_NAMESPACE].fields:
+        return str(ns[TICKET_NAMESPACE].fields["id"].string_value) or None
+    return None
 
 
 def immediate(refusal: Refusal, retry_after_s: int = 1) -> pb.ProcessingResponse:
@@ -118,6 +160,37 @@ def _streamed(body: bytes, end: bool) -> pb.CommonResponse:
     )
 
 
+class StreamTimeout(Exception):
+    """A stream missed its deadline (``request_timeout_s`` / ``stream_idle_timeout_s``)."""
+
+
+async def _deadlined(
+    requests: AsyncIterator[pb.ProcessingRequest], handler: StreamHandler
+) -> AsyncIterator[pb.ProcessingRequest]:
+    """``requests`` with deadlines: until the request is routed, one for the whole request
+    (headers and body: dripping chunks does not extend it); then one per message."""
+    cfg = handler.picker.config
+    loop = asyncio.get_running_loop()
+    request_deadline = loop.time() + cfg.request_timeout_s
+    it = aiter(requests)
+    while True:
+        routed = handler.ticket is not None or handler.finished
+        when = loop.time() + cfg.stream_idle_timeout_s if routed else request_deadline
+        try:
+            async with asyncio.timeout_at(when):
+                request = await anext(it)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            what = (
+                f"idle for {cfg.stream_idle_timeout_s} s"
+                if routed
+                else (f"request not complete within {cfg.request_timeout_s} s")
+            )
+            raise StreamTimeout(f"kvmesh epp closed the stream: {what}") from None
+        yield request
+
+
 class StreamHandler:
     """The state of one ext_proc stream (one HTTP request); see the module docstring."""
 
@@ -129,6 +202,8 @@ class StreamHandler:
         self.subset: list[str] | None = None
         self.body = bytearray()
         self.ticket: Ticket | None = None
+        self.ticket_id: str | None = None
+        self.observing = False  # a first-byte observer's stream (observability mode)
         self.finished = False  # an immediate response was sent: nothing more to say
 
     async def run(
@@ -137,18 +212,21 @@ class StreamHandler:
         metrics = self.picker.metrics
         metrics.streams.inc()
         try:
-            async for request in requests:
+            async for request in _deadlined(requests, self):
                 for response in await self.handle(request):
                     yield response
                 if self.finished:
                     return
         finally:
             metrics.streams.dec()
-            if self.ticket is not None:
-                self.picker.finish(self.ticket)
+            if self.ticket is not None and not self.observing:
+                self.picker.tickets.pop(self.ticket_id or "", None)
+                self.ticket.finished()
 
     async def handle(self, request: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = request.WhichOneof("request")
+        if request.observability_mode:
+            return self._observe(request, kind)
         if request.HasField("protocol_config"):
             self.request_mode = request.protocol_config.request_body_mode or _FULL_DUPLEX
             self.response_mode = request.protocol_config.response_body_mode or _FULL_DUPLEX
@@ -202,7 +280,12 @@ class StreamHandler:
         if isinstance(got, Refusal):
             return self._immediate(got)
         self.ticket = got
-        common, meta = route_mutation(got.endpoints)
+        self.ticket_id = self.picker.register(got)
+        length = None
+        if got.body is not None:  # the picker changed the body (a client's kv_transfer_params dropped)
+            # and its length: Envoy leaves content-length to the processor that mutates a body.
+            raw, length = got.body, len(got.body)
+        common, meta = route_mutation(got.ranked, length, self.ticket_id)
         if not with_body:
             out = [
                 pb.ProcessingResponse(
@@ -217,11 +300,13 @@ class StreamHandler:
                 pb.ProcessingResponse(request_body=pb.BodyResponse(response=_streamed(raw, end))),
             ]
         else:  # BUFFERED: the headers were acknowledged; the mutation comes with the body
+            if got.body is not None:
+                common.body_mutation.CopyFrom(pb.BodyMutation(body=raw))
             out = [
                 pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=meta)
             ]
         self.picker.metrics.decision_latency.observe(time.perf_counter() - t0)
-        self.picker.begin(got)
+        got.sent()
         self.body = bytearray()  # sent on; not kept for the response's lifetime
         return out
 
@@ -241,11 +326,12 @@ class StreamHandler:
             self.picker.served(self.ticket, served_endpoint(request, headers), status)
         if request.response_headers.end_of_stream:
             self._done()
-        if self.ticket is None:
+        if self.ticket is None or not self.picker.routing.replica_header:
+            # Off by default: naming the endpoint tells any client where others' prefixes are cached.
             return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
         # Which endpoint the EPP picked, for clients and logs (the gateway says which served).
         option = base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=PICKED_HEADER, raw_value=self.ticket.endpoints[0].encode()),
+            header=base_pb2.HeaderValue(key=PICKED_HEADER, raw_value=self.ticket.ranked[0].encode()),
             append_action=_OVERWRITE,
         )
         common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[option]))
@@ -254,7 +340,7 @@ class StreamHandler:
     def _response_body(self, request: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         chunk = request.response_body
         if self.ticket is not None:
-            self.picker.first_byte(self.ticket)
+            self.ticket.first_byte()
         if chunk.end_of_stream:
             self._done()
         if self.response_mode == _FULL_DUPLEX:
@@ -267,7 +353,26 @@ class StreamHandler:
 
     def _done(self) -> None:
         if self.ticket is not None:
-            self.picker.finish(self.ticket)
+            self.picker.tickets.pop(self.ticket_id or "", None)
+            self.ticket.finished()
+
+    # -- the first-byte observer ---------------------------------------------------------------------
+
+    def _observe(self, request: pb.ProcessingRequest, kind: str | None) -> list[pb.ProcessingResponse]:
+        """A message of a filter in observability mode: never answered. Its first body chunk
+        is the first byte of the request whose ticket the metadata names; then the stream is
+        closed, so Envoy sends it nothing more."""
+        self.observing = True
+        if self.ticket is None:
+            tid = ticket_id(request)
+            self.ticket = self.picker.tickets.get(tid) if tid is not None else None
+            if self.ticket is None:
+                self.finished = True  # nothing to observe (an unrouted or ended request)
+                return []
+        if kind == "response_body" and self.ticket.stream:
+            self.ticket.first_byte()
+            self.finished = True
+        return []
 
 
 def describe_response(response: pb.ProcessingResponse) -> dict[str, Any]:

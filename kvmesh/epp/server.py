@@ -1,6 +1,7 @@
 """``kvmesh epp``'s servers: ext_proc gRPC, gRPC health and Prometheus, on one event loop.
 
-Three ports, as the protocol's reference EPP: 9002 the ``ExternalProcessor`` service, 9003
+Three ports, as the protocol's reference EPP: 9002 the ``ExternalProcessor`` service (over
+TLS unless ``secure_serving`` is off; it answers gRPC health too, for the gateway), 9003
 the standard ``grpc.health.v1.Health`` service (``liveness``, ``readiness``, and
 ``envoy.service.ext_proc.v3.ExternalProcessor``), 9090 ``/metrics`` (plus ``/kvmesh/state``).
 Liveness is SERVING while the process answers; readiness and the ext_proc service are
@@ -26,10 +27,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvmesh.errors import ClosedError, ProcessError
+from kvmesh.routing.loop import loop_factory
 
 from .config import EppConfig
-from .protocol import StreamHandler
+from .protocol import StreamHandler, StreamTimeout
 from .scoring import EndpointPicker
+from .tls import server_pair
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,9 @@ class _Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 yield response
         except asyncio.CancelledError:
             raise  # the gateway closed the stream (the HTTP request ended): normal
+        except StreamTimeout as exc:
+            self.picker.metrics.stream_errors.inc()
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except Exception:
             self.picker.metrics.stream_errors.inc()
             log.exception("ext_proc stream failed")
@@ -67,6 +73,8 @@ class EppServer:
         self.grpc_port = config.grpc_port
         self.health_port = config.health_port
         self.metrics_port = config.metrics_port
+        # Read now: a missing or empty certificate stops the start with a ConfigError naming it.
+        self._tls = server_pair(config.cert_path) if config.secure_serving else None
         self._grpc: grpc.aio.Server | None = None
         self._health: grpc.aio.Server | None = None
         self._health_servicer = health.aio.HealthServicer()
@@ -77,10 +85,25 @@ class EppServer:
         await self.picker.start()
         if self.discovery is not None:
             await self.discovery.start(self.picker)
-        host = self.config.host
-        self._grpc = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        cfg = self.config
+        host = cfg.host
+        # One message carries a body chunk at most; past max_streams a new stream is refused
+        # (RESOURCE_EXHAUSTED) instead of queueing work and memory without end.
+        limit = cfg.max_body_bytes + (1 << 20)
+        self._grpc = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", limit)], maximum_concurrent_rpcs=cfg.max_streams
+        )
         pb_grpc.add_ExternalProcessorServicer_to_server(_Processor(self.picker), self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port(f"{host}:{self.config.grpc_port}")
+        # Health on the ext_proc port too, so that a gateway health-checks it over its TLS.
+        health_pb2_grpc.add_HealthServicer_to_server(self._health_servicer, self._grpc)
+        address = f"{host}:{cfg.grpc_port}"
+        if self._tls is not None:
+            cert, key = self._tls
+            creds = grpc.ssl_server_credentials([(key, cert)])
+            self.grpc_port = self._grpc.add_secure_port(address, creds)
+        else:
+            log.warning("kvmesh epp: secure_serving is off: ext_proc on %s is plaintext", address)
+            self.grpc_port = self._grpc.add_insecure_port(address)
         self._health = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(self._health_servicer, self._health)
         self.health_port = self._health.add_insecure_port(f"{host}:{self.config.health_port}")
@@ -174,7 +197,7 @@ class EppThread:
         return self
 
     def _run(self) -> None:
-        loop = self._loop = asyncio.new_event_loop()
+        loop = self._loop = loop_factory()()
         try:
             loop.run_until_complete(self._main())
         except BaseException as exc:  # reported to start()

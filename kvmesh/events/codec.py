@@ -44,6 +44,12 @@ class BlockStored:
     lora_name: str | None = None
     extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
     group_idx: int | None = None
+    locality: str | None = None  # vLLM 0.32: LOCAL or REMOTE relative to the publisher
+    ownership: str | None = None  # vLLM 0.32: the secondary offloading tier that published it
+    # vLLM 0.32, hybrid models: the attention kind of the KV cache group ("full_attention",
+    # "sliding_window", "mamba", ...) and its window: only full attention names a whole prefix.
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +57,8 @@ class BlockRemoved:
     block_hashes: tuple[BlockHash, ...]
     medium: str | None = None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +89,13 @@ _STORED_FIELDS = (
     "lora_name",
     "extra_keys",
     "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
 )
 _STORED_REQUIRED = 4  # block_hashes … block_size; vLLM ≤ 0.9 had no medium, lora_name came later
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
 _REMOVED_REQUIRED = 1
 
 _decoder = msgspec.msgpack.Decoder()
@@ -152,6 +164,12 @@ def _stored(raw: Any) -> BlockStored:
         lora_name=_opt(f.get("lora_name"), str, "BlockStored.lora_name"),
         extra_keys=extra,
         group_idx=_opt(f.get("group_idx"), int, "BlockStored.group_idx"),
+        locality=_opt(f.get("locality"), str, "BlockStored.locality"),
+        ownership=_opt(f.get("ownership"), str, "BlockStored.ownership"),
+        kv_cache_spec_kind=_opt(f.get("kv_cache_spec_kind"), str, "BlockStored.kv_cache_spec_kind"),
+        kv_cache_spec_sliding_window=_opt(
+            f.get("kv_cache_spec_sliding_window"), int, "BlockStored.kv_cache_spec_sliding_window"
+        ),
     )
 
 
@@ -166,6 +184,8 @@ def _removed(raw: Any) -> BlockRemoved:
         block_hashes=_hashes(f["block_hashes"], "BlockRemoved"),
         medium=_opt(f.get("medium"), str, "BlockRemoved.medium"),
         group_idx=_opt(f.get("group_idx"), int, "BlockRemoved.group_idx"),
+        locality=_opt(f.get("locality"), str, "BlockRemoved.locality"),
+        ownership=_opt(f.get("ownership"), str, "BlockRemoved.ownership"),
     )
 
 
@@ -201,12 +221,18 @@ class _FastStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
     lora_name: str | None = None
     extra_keys: list[list[Any] | None] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class _FastRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
     block_hashes: list[int | bytes]
     medium: str | None = None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class _FastCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
@@ -242,10 +268,14 @@ def _fast(payload: bytes) -> EventBatch | None:
                     e.lora_name,
                     None if extra is None else tuple(None if k is None else _frozen(k) for k in extra),
                     e.group_idx,
+                    e.locality,
+                    e.ownership,
+                    e.kv_cache_spec_kind,
+                    e.kv_cache_spec_sliding_window,
                 )
             )
         elif type(e) is _FastRemoved:
-            events.append(BlockRemoved(tuple(e.block_hashes), e.medium, e.group_idx))
+            events.append(BlockRemoved(tuple(e.block_hashes), e.medium, e.group_idx, e.locality, e.ownership))
         else:
             events.append(AllBlocksCleared())
     return EventBatch(raw.ts, tuple(events), raw.data_parallel_rank)
@@ -293,13 +323,21 @@ def _map_event(ev: Event) -> dict[str, Any]:
         }
         if ev.extra_keys is not None:
             out["extra_keys"] = [None if e is None else list(e) for e in ev.extra_keys]
-        if ev.group_idx is not None:
-            out["group_idx"] = ev.group_idx
+        for name in (
+            "group_idx",
+            "kv_cache_spec_kind",
+            "kv_cache_spec_sliding_window",
+            "locality",
+            "ownership",
+        ):
+            if getattr(ev, name) is not None:
+                out[name] = getattr(ev, name)
         return out
     if isinstance(ev, BlockRemoved):
         out = {"type": "BlockRemoved", "block_hashes": list(ev.block_hashes), "medium": ev.medium}
-        if ev.group_idx is not None:
-            out["group_idx"] = ev.group_idx
+        for name in ("group_idx", "locality", "ownership"):
+            if getattr(ev, name) is not None:
+                out[name] = getattr(ev, name)
         return out
     return {"type": "AllBlocksCleared"}
 
@@ -318,10 +356,14 @@ def _array_event(ev: Event) -> list[Any]:
             ev.lora_name,
             None if ev.extra_keys is None else [None if e is None else list(e) for e in ev.extra_keys],
             ev.group_idx,
+            ev.kv_cache_spec_kind,
+            ev.kv_cache_spec_sliding_window,
+            ev.locality,
+            ev.ownership,
         ]
         keep = 1 + _STORED_REQUIRED + 2  # lora_id and medium were positional in every array version
     elif isinstance(ev, BlockRemoved):
-        values = ["BlockRemoved", list(ev.block_hashes), ev.medium, ev.group_idx]
+        values = ["BlockRemoved", list(ev.block_hashes), ev.medium, ev.group_idx, ev.locality, ev.ownership]
         keep = 3
     else:
         return ["AllBlocksCleared"]

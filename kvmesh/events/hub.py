@@ -12,6 +12,9 @@ Gap repair works as without a hub, on the hub's thread: a replay (a round trip t
 replica's replay socket, at most its ``replay_timeout_s``) holds up the other replicas'
 streams meanwhile, so a hub suits fleets whose replicas are up when they are added (the
 bench); a router whose replicas come and go may prefer a thread per replica.
+
+The sockets are the subscribers' own, so each carries its ``ZMQ_MAXMSGSIZE``
+(:data:`~kvmesh.events.subscriber.MAX_MESSAGE_BYTES`) here as well.
 """
 
 from __future__ import annotations
@@ -78,12 +81,14 @@ class EventHub:
             while not self._changes.empty():
                 op, sub, done = self._changes.get()
                 if op == "add":
-                    poller.register(sub._sub, zmq.POLLIN)
-                    by_socket[sub._sub] = sub
+                    for sock in (sub._sub, sub._monitor):
+                        poller.register(sock, zmq.POLLIN)
+                        by_socket[sock] = sub
                     sub._started()  # its replay on start, on this thread
                 elif sub._sub in by_socket:
-                    poller.unregister(sub._sub)
-                    del by_socket[sub._sub]
+                    for sock in (sub._sub, sub._monitor):
+                        poller.unregister(sock)
+                        del by_socket[sock]
                 done.set()
             try:
                 ready = poller.poll(_POLL_MS) if by_socket else []
@@ -94,6 +99,9 @@ class EventHub:
             for sock, _ in ready:
                 owner = by_socket.get(sock)
                 if owner is None:
+                    continue
+                if sock is owner._monitor:
+                    owner._on_monitor()
                     continue
                 for _ in range(self.burst):
                     try:

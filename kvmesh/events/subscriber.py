@@ -16,6 +16,7 @@ publisher restarted (its cache is empty); that is reported the same way.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -34,6 +35,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _POLL_MS = 100
+# ZMQ_MAXMSGSIZE of every subscriber socket: a peer announcing a larger message is
+# disconnected before it is buffered (ZMQ's default is no limit: a hostile publisher could
+# make the router allocate whatever it announces). A real batch (one engine step's blocks
+# with their token ids) is well under a MiB.
+MAX_MESSAGE_BYTES = 16 << 20
+
+# Sockets one context may hold: a subscriber holds up to four (SUB, its monitor's pair, the
+# replay DEALER), so ZMQ's default of 1,023 would stop a router near 250 replicas.
+MAX_SOCKETS = 1 << 16
+
+
+def _context() -> zmq.Context[zmq.Socket[bytes]]:
+    """The process's ZMQ context, allowed :data:`MAX_SOCKETS` (the cap takes effect only
+    before its first socket; a context another module started keeps its own)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    with contextlib.suppress(zmq.ZMQError):
+        if ctx.get(zmq.MAX_SOCKETS) < MAX_SOCKETS:
+            ctx.set(zmq.MAX_SOCKETS, min(MAX_SOCKETS, ctx.get(zmq.SOCKET_LIMIT)))
+    return ctx
+
 
 BatchCallback = Callable[[str, EventBatch], None]
 GapCallback = Callable[[str], None]
@@ -58,8 +79,10 @@ class EventSubscriber:
         replay_timeout_s: float = 1.0,
         replay_on_start: bool = True,
         hub: EventHub | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
         self.replica = replica
+        self.max_message_bytes = max_message_bytes
         self._hub = hub
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -81,17 +104,21 @@ class EventSubscriber:
                 "unrepaired",
                 "restarts",
                 "callback_errors",
+                "reconnects",
             ),
             0,
         )
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = _context()
         self._sub: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # before connect: it applies to new peers
         try:
             self._sub.connect(endpoint)
         except zmq.ZMQError as exc:
             self._sub.close(linger=0)
             raise ValueError(f"cannot connect KV event subscriber to {endpoint!r}: {exc}") from exc
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        # Tells us when the publisher's connection drops (see _on_monitor).
+        self._monitor: zmq.Socket[bytes] = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._dealer: zmq.Socket[bytes] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvmesh-event-sub-{replica}", daemon=True)
@@ -101,7 +128,8 @@ class EventSubscriber:
             self._thread.start()
 
     def stats(self) -> dict[str, int]:
-        """Counters: batches, events, malformed, gaps, repaired, unrepaired, restarts, callback_errors."""
+        """Counters: batches, events, malformed, gaps, repaired, unrepaired, restarts,
+        callback_errors, reconnects."""
         return dict(self._counts)
 
     @property
@@ -122,6 +150,8 @@ class EventSubscriber:
         if self._thread.is_alive():
             log.warning("KV event subscriber for %s did not stop within %.1fs", self.replica, timeout)
             return
+        self._sub.disable_monitor()
+        self._monitor.close(linger=0)
         self._sub.close(linger=0)
         self._drop_dealer()
 
@@ -142,9 +172,15 @@ class EventSubscriber:
 
     def _run(self) -> None:
         self._started()
+        poller = zmq.Poller()
+        poller.register(self._sub, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                if not self._sub.poll(_POLL_MS):
+                ready = dict(poller.poll(_POLL_MS))
+                if self._monitor in ready:
+                    self._on_monitor()
+                if self._sub not in ready:
                     continue
                 frames = self._sub.recv_multipart(zmq.NOBLOCK)
             except zmq.ZMQError as exc:
@@ -154,6 +190,22 @@ class EventSubscriber:
                 time.sleep(_POLL_MS / 1000)
                 continue
             self._on_live(frames)
+
+    def _on_monitor(self) -> None:
+        """The publisher's connection dropped. libzmq reconnects by itself after a network
+        error, but never after a protocol error, and a message over ``ZMQ_MAXMSGSIZE`` is one:
+        connect again, so that one oversized (or hostile) message does not cut this replica's
+        events off for good. Whatever was lost meanwhile shows as a sequence gap."""
+        while True:
+            try:
+                self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        if self._stop.is_set():
+            return
+        self._counts["reconnects"] += 1
+        self._sub.disconnect(self.endpoint)
+        self._sub.connect(self.endpoint)
 
     def _on_live(self, frames: list[bytes]) -> None:
         self.last_event_time = time.monotonic()
@@ -245,6 +297,7 @@ class EventSubscriber:
     def _get_dealer(self) -> zmq.Socket[bytes]:
         if self._dealer is None:
             self._dealer = self._ctx.socket(zmq.DEALER)
+            self._dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             self._dealer.connect(self.replay_endpoint or "")
         return self._dealer
 

@@ -10,8 +10,11 @@ Per listener (``failure_mode_allow`` true = FailOpen, false = FailClose):
   may choose), and turns the test header ``x-subset-hint: ip:port,...`` into the
   ``envoy.lb.subset_hint`` metadata the protocol defines (a gateway sets it from its own
   configuration);
-* the ext_proc filter, FULL_DUPLEX_STREAMED both ways, forwarding ``envoy.lb`` and
-  ``envoy.lb.subset_hint`` metadata to the EPP;
+* the ext_proc filter: request bodies FULL_DUPLEX_STREAMED, response headers only (the
+  response body stays away from the EPP: see :func:`envoy_config`), forwarding ``envoy.lb``
+  and ``envoy.lb.subset_hint`` metadata to the EPP;
+* a second ext_proc filter in observability mode, the first-byte observer (it tells the EPP
+  when each stream's first chunk passes, without holding it);
 * a second Lua filter (it runs before ext_proc on the response path) copies the upstream
   address into ``envoy.lb`` ``x-gateway-destination-endpoint-served``;
 * routes: with the destination header -> an ``ORIGINAL_DST`` cluster that connects to it;
@@ -19,6 +22,10 @@ Per listener (``failure_mode_allow`` true = FailOpen, false = FailClose):
 
 One more listener (``direct``) routes on the header without any ext_proc: the baseline of
 ``kvmesh bench epp`` (the client names the endpoint itself).
+
+The EPP's ext_proc is TLS by default (``EppConfig.secure_serving``): :func:`make_epp_tls`
+issues a test CA and the EPP's certificate, and with ``epp_tls`` Envoy speaks TLS to the EPP
+and verifies it (CA and name), as a gateway given the EPP's CA does.
 """
 
 from __future__ import annotations
@@ -31,15 +38,58 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvmesh.epp.config import DEST_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
+from kvmesh.epp.config import (
+    DEST_HEADER,
+    LB_NAMESPACE,
+    SERVED_KEY,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
+    TICKET_NAMESPACE,
+)
 from kvmesh.errors import ProcessError
 from kvmesh.harness.ports import free_port
 from kvmesh.harness.processes import spawn, stop_process
 
 SUBSET_TEST_HEADER = "x-subset-hint"
+EPP_TLS_NAME = "kvmesh-epp"  # the name Envoy expects in the EPP's certificate (its Service's)
+
+
+@dataclass(frozen=True)
+class EppTls:
+    """A test CA (``ca``: its PEM file) and the EPP's certificate (``cert_dir``: tls.crt and
+    tls.key, what ``EppConfig.cert_path`` / ``kvmesh epp --cert-path`` take)."""
+
+    ca: Path
+    cert_dir: Path
+    name: str = EPP_TLS_NAME
+
+
+def make_epp_tls(workdir: str | Path, name: str = EPP_TLS_NAME) -> EppTls:
+    """Issue a CA and a certificate for ``name`` (and 127.0.0.1) under ``workdir``."""
+    from kvmesh.epp.tls import make_certificate, write_pair
+
+    d = Path(workdir)
+    d.mkdir(parents=True, exist_ok=True)
+    ca = make_certificate(["kvmesh test CA"], ca=True)
+    (d / "epp-ca.crt").write_bytes(ca[0])
+    cert, key = make_certificate([name, "127.0.0.1"], issuer=ca)
+    return EppTls(d / "epp-ca.crt", write_pair(d / "epp-cert", cert, key), name)
+
+
+def epp_channel(port: int, tls: EppTls | None) -> Any:
+    """A gRPC channel to the EPP's ext_proc port on loopback (TLS, verified, if ``tls``)."""
+    import grpc
+
+    target = f"127.0.0.1:{port}"
+    if tls is None:
+        return grpc.insecure_channel(target)
+    creds = grpc.ssl_channel_credentials(tls.ca.read_bytes())
+    return grpc.secure_channel(target, creds, options=[("grpc.ssl_target_name_override", tls.name)])
+
 
 _LUA_REQUEST = f"""
 function envoy_on_request(h)
@@ -113,7 +163,9 @@ def _listener(name: str, port: int, hcm: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _ext_proc(fail_open: bool, message_timeout_s: float, response_body_mode: str) -> dict[str, Any]:
+def _ext_proc(
+    fail_open: bool, message_timeout_s: float, response_body_mode: str, response_header_mode: str = "SEND"
+) -> dict[str, Any]:
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -124,13 +176,41 @@ def _ext_proc(fail_open: bool, message_timeout_s: float, response_body_mode: str
             "message_timeout": f"{message_timeout_s}s",
             "processing_mode": {
                 "request_header_mode": "SEND",
-                "response_header_mode": "SEND",
+                "response_header_mode": response_header_mode,
                 "request_body_mode": "FULL_DUPLEX_STREAMED",
                 "response_body_mode": response_body_mode,
                 "request_trailer_mode": "SEND",
                 "response_trailer_mode": "SEND",
             },
-            "metadata_options": {"forwarding_namespaces": {"untyped": [LB_NAMESPACE, SUBSET_NAMESPACE]}},
+            "metadata_options": {
+                "forwarding_namespaces": {"untyped": [LB_NAMESPACE, SUBSET_NAMESPACE]},
+                # what the EPP may write: the destination, and the ticket id for the observer
+                "receiving_namespaces": {"untyped": [LB_NAMESPACE, TICKET_NAMESPACE]},
+            },
+        },
+    }
+
+
+def _first_byte_observer() -> dict[str, Any]:
+    """A second ext_proc filter in observability mode: Envoy sends the EPP the response's
+    headers and body without waiting for answers; the EPP settles the request's prefill at
+    its first chunk (its ticket id comes in the kvmesh.ticket metadata) and closes the stream."""
+    return {
+        "name": "kvmesh.first_byte",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "10s"},
+            "failure_mode_allow": True,  # an observer never fails a request
+            "observability_mode": True,
+            "processing_mode": {
+                "request_header_mode": "SKIP",
+                "response_header_mode": "SEND",
+                "request_body_mode": "NONE",
+                "response_body_mode": "STREAMED",
+                "request_trailer_mode": "SKIP",
+                "response_trailer_mode": "SKIP",
+            },
+            "metadata_options": {"forwarding_namespaces": {"untyped": [TICKET_NAMESPACE]}},
         },
     }
 
@@ -176,21 +256,32 @@ def envoy_config(
     admin_port: int,
     epp_health_port: int | None = None,
     message_timeout_s: float = 30.0,
-    response_body_mode: str = "FULL_DUPLEX_STREAMED",
+    response_body_mode: str = "NONE",
     route_timeout_s: float = 300.0,
+    response_header_mode: str = "SEND",
+    first_byte_observer: bool = True,
+    epp_tls: EppTls | None = None,
 ) -> dict[str, Any]:
     """Envoy's bootstrap: listeners ``fail_open``/``fail_close``/``direct`` on ``ports``.
 
-    ``response_body_mode``: ``FULL_DUPLEX_STREAMED`` (what gateways configure for an EPP:
-    every response chunk goes through it and back) or ``NONE`` (it sees the response headers
-    only: the served endpoint is still accounted, one gRPC round trip less per chunk).
+    ``response_body_mode``: ``NONE`` (the default: the EPP sees the response headers only,
+    so the served endpoint is accounted, and no chunk waits for it) or
+    ``FULL_DUPLEX_STREAMED`` (what GIE gateways configure by default: every response chunk
+    goes through the EPP and back, one gRPC round trip each, the first on the time to first
+    token). ``first_byte_observer`` (with ``NONE``): the second, observing filter that
+    tells the EPP each stream's first byte without holding it (:func:`_first_byte_observer`).
     """
     listeners = []
     for name, fail_open in (("fail_open", True), ("fail_close", False)):
         if name in ports:
+            # The observer comes before the routing filter: on the response path filters run
+            # in reverse, so it sees the response after the routing filter's reply, and its
+            # messages never queue in front of that reply at the EPP.
+            observe = first_byte_observer and response_body_mode == "NONE"
             filters = [
                 _lua(_LUA_REQUEST),
-                _ext_proc(fail_open, message_timeout_s, response_body_mode),
+                *([_first_byte_observer()] if observe else []),
+                _ext_proc(fail_open, message_timeout_s, response_body_mode, response_header_mode),
                 _lua(_LUA_RESPONSE),
             ]
             listeners.append(_listener(name, ports[name], _hcm(name, _routes(route_timeout_s), filters)))
@@ -207,6 +298,9 @@ def envoy_config(
         "original_dst_lb_config": {"use_http_header": True, "http_header_name": DEST_HEADER},
     }
     epp = _static_cluster("epp", [f"127.0.0.1:{epp_port}"], True)
+    if epp_tls is not None:
+        epp["transport_socket"] = _upstream_tls(epp_tls)
+        epp_health_port = epp_health_port and epp_port  # the ext_proc port answers health over TLS
     if epp_health_port:
         # The EPP's gRPC health decides whether Envoy asks it at all: while it is down (or
         # not ready) the stream fails at once, before any body was handed to it, and FailOpen
@@ -226,6 +320,25 @@ def envoy_config(
     return {
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
         "static_resources": {"listeners": listeners, "clusters": clusters},
+    }
+
+
+def _upstream_tls(tls: EppTls) -> dict[str, Any]:
+    """Envoy's TLS to the EPP: ALPN h2 (gRPC), the EPP's name as SNI, and verification of its
+    certificate against the CA and that name."""
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "sni": tls.name,
+            "common_tls_context": {
+                "alpn_protocols": ["h2"],
+                "validation_context": {
+                    "trusted_ca": {"filename": str(tls.ca)},
+                    "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": tls.name}}],
+                },
+            },
+        },
     }
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "check_varies",
     "ensure_model",
     "make_tiny",
+    "make_tiny_lora",
 ]
 
 # "bench": vLLM-CPU takes >= 1 s to recompute a 2,000-token prompt here (see
@@ -42,6 +43,17 @@ __all__ = [
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512},
     "bench": {"layers": 6, "hidden": 384, "heads": 6, "kv_heads": 2, "intermediate": 1024},
+    # Sliding-window attention on every even layer (window 256 tokens), full attention on
+    # the odd ones, Gemma-2 style: vLLM's hybrid KV cache manager gives it two KV cache
+    # groups (the connector's hybrid path, docs/guides/models.md).
+    "swa": {
+        "layers": 4,
+        "hidden": 256,
+        "heads": 4,
+        "kv_heads": 2,
+        "intermediate": 512,
+        "sliding_window": 256,
+    },
 }
 # Where `make models`, the demo and the benchmarks keep them (relative to the repo root).
 DEFAULT_TINY_MODEL = os.path.join(".cache", "models", "tiny")
@@ -72,6 +84,7 @@ def make_tiny(
     seed: int = 0,
     max_len: int = 4096,
     init_range: float | None = None,
+    sliding_window: int | None = None,
 ) -> Path:
     """Write a random-weight Llama model + BPE tokenizer to ``out_dir`` and return its path.
 
@@ -98,6 +111,8 @@ def make_tiny(
         "max_len": max_len,
         "init_range": std,
     }
+    if sliding_window is not None:  # absent otherwise: existing stamps stay valid
+        params["sliding_window"] = sliding_window
     _validate(params)
     if _stamp_matches(out, params):
         return out
@@ -152,6 +167,9 @@ def _validate(p: dict[str, Any]) -> None:
         raise ValueError(f"head size hidden/heads = {head_size} is not one vLLM-CPU supports (use 64 or 128)")
     if p["vocab"] < 512:
         raise ValueError(f"vocab must be at least 512 (256 byte tokens + merges), got {p['vocab']}")
+    window = p.get("sliding_window")
+    if window is not None and (not isinstance(window, int) or window <= 0 or p["layers"] < 2):
+        raise ValueError(f"sliding_window must be a positive int on a model of >= 2 layers, got {window!r}")
     if not p["init_range"] > 0:
         raise ValueError(f"init_range must be positive, got {p['init_range']!r}")
 
@@ -221,6 +239,12 @@ def _write_model(out: Path, p: dict[str, Any]) -> None:
         tie_word_embeddings=False,
         dtype="float32",
     )
+    if p.get("sliding_window"):
+        # vLLM's Llama reads these (per-layer window); transformers' Llama ignores them.
+        config.layer_types = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(p["layers"])
+        ]
+        config.sliding_window = p["sliding_window"]
     # transformers' classes are untyped for mypy; Any keeps --strict quiet without ignores.
     model_cls: Any = LlamaForCausalLM
     gen_cls: Any = GenerationConfig
@@ -261,3 +285,68 @@ def check_varies(model_dir: str | os.PathLike[str], prompts: list[str] | None = 
             logits = model(input_ids=ids).logits
             firsts.add(int(logits[0, -1].argmax()))
     return firsts
+
+
+def make_tiny_lora(
+    base_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    rank: int = 8,
+    alpha: int = 16,
+    scale: float = 0.2,
+) -> Path:
+    """Write a random LoRA adapter for the tiny model in ``base_dir`` to ``out_dir``, in peft's
+    format (``adapter_config.json`` + ``adapter_model.safetensors``), on every layer's
+    ``q_proj`` and ``v_proj``: what vLLM loads with ``--enable-lora``.
+
+    peft initialises ``lora_B`` to zero (an adapter that changes nothing); here both
+    matrices are random (``N(0, scale)``, a pure function of ``seed``) so the adapter's
+    output, and its KV, differ from the base model's and from another seed's: a cache that
+    served one adapter's KV to another would show in the output.
+    """
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    base = Path(base_dir)
+    try:
+        config = json.loads((base / "config.json").read_text())
+        hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+        heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+        head_dim = int(config.get("head_dim") or hidden // heads)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{base} holds no readable Llama config.json ({exc})") from None
+    if rank <= 0 or alpha <= 0:
+        raise ValueError(f"rank and alpha must be positive, got {rank}, {alpha}")
+    rng = np.random.default_rng(seed)
+    out_features = {"q_proj": heads * head_dim, "v_proj": kv_heads * head_dim}
+    tensors: dict[str, Any] = {}
+    for i in range(layers):
+        for module, out_f in out_features.items():
+            prefix = f"base_model.model.model.layers.{i}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = (rng.standard_normal((rank, hidden)) * scale).astype(
+                np.float32
+            )
+            tensors[f"{prefix}.lora_B.weight"] = (rng.standard_normal((out_f, rank)) * scale).astype(
+                np.float32
+            )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base),
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(out_features),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
+    return out

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -48,9 +48,15 @@ class RedisServer:
         unix_socket: bool = False,
         workdir: str | os.PathLike[str] | None = None,
         executable: str | None = None,
+        password: str | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
-        """``executable``: another server binary speaking Redis (a ``valkey-server``)."""
+        """``executable``: another server binary speaking Redis (a ``valkey-server``);
+        ``password``: ``requirepass`` (the default user's password; :meth:`client` uses it);
+        ``extra_args``: more ``--option value`` arguments (``--replicaof h p``)."""
         self.executable = executable
+        self.password = password
+        self.extra_args = list(extra_args)
         self.host = "127.0.0.1"
         self.port = port or free_port()
         self.maxmemory = maxmemory
@@ -82,7 +88,11 @@ class RedisServer:
         import redis
 
         return redis.Redis(
-            host=self.host, port=self.port, socket_timeout=timeout, socket_connect_timeout=timeout
+            host=self.host,
+            port=self.port,
+            password=self.password,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
         )
 
     def is_running(self) -> bool:
@@ -95,7 +105,9 @@ class RedisServer:
             args += ["--unixsocket", str(self.unix_socket), "--unixsocketperm", "700"]
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory]
-        return args
+        if self.password is not None:
+            args += ["--requirepass", self.password, "--masterauth", self.password]
+        return args + self.extra_args
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         """Start it (a no-op while it runs) and wait until it answers PING."""
@@ -181,6 +193,49 @@ class RedisServer:
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+class RedisSentinel(RedisServer):
+    """A throwaway ``redis-server --sentinel`` watching ``master`` under ``service`` (quorum 1,
+    down after ``down_after_ms``): for tests of the ``redis-sentinel://`` tier. Sentinel
+    rewrites its config file, so it gets one of its own in ``workdir``."""
+
+    def __init__(
+        self,
+        master: RedisServer,
+        service: str,
+        down_after_ms: int = 1000,
+        workdir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        super().__init__(workdir=workdir)
+        self.master = master
+        self.service = service
+        self.down_after_ms = down_after_ms
+
+    def command(self, binary: str) -> list[str]:
+        conf = self.workdir / f"sentinel-{self.port}.conf"
+        lines = [
+            f"port {self.port}",
+            f"bind {self.host}",
+            f"dir {self.workdir}",
+            f"sentinel monitor {self.service} {self.master.host} {self.master.port} 1",
+            f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}",
+            f"sentinel failover-timeout {self.service} 10000",
+        ]
+        if self.master.password is not None:
+            lines.append(f"sentinel auth-pass {self.service} {self.master.password}")
+        conf.write_text("\n".join(lines) + "\n")
+        return [binary, str(conf), "--sentinel"]
+
+    def client(self, timeout: float = 5.0) -> Any:
+        import redis
+
+        return redis.Redis(
+            host=self.host, port=self.port, socket_timeout=timeout, socket_connect_timeout=timeout
+        )
+
+    def flushall(self) -> None:
+        raise NotImplementedError("a sentinel holds no data")
 
 
 @contextlib.contextmanager

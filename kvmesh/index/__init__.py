@@ -1,6 +1,7 @@
 """The router's block index: replica × medium × block, longest consecutive prefix, TTLs."""
 
 from kvmesh.index.block_index import BlockIndex
-from kvmesh.index.prefix import Medium, PrefixMatch, PromptKeys, parse_medium
+from kvmesh.index.media import Medium, OtherMedium, medium_name
+from kvmesh.index.prefix import PrefixMatch, PromptKeys
 
-__all__ = ["BlockIndex", "Medium", "PrefixMatch", "PromptKeys", "parse_medium"]
+__all__ = ["BlockIndex", "Medium", "OtherMedium", "PrefixMatch", "PromptKeys", "medium_name"]

@@ -9,16 +9,19 @@ them. Engine hashes are kept per replica only as opaque ids, to find the parent 
 Layout, chosen for memory (1M blocks in a few hundred MB) and lookup speed:
 
 * ``_blocks``: our key → ``(mask >> shift, shift, block_size, rid, engine_hash, rid,
-  engine_hash, …)`` in LRU order. ``mask`` has 4 bits per replica id, bit ``4*rid + medium``;
-  one Python int answers "who holds this block, where" with a few shifts. It is stored
-  shifted down to its lowest holder, so its size follows the spread of the holders' ids,
-  not the highest id (at 1,000 replicas that was 250-500 of ~650 bytes per block).
+  engine_hash, …)`` in LRU order. ``mask`` has a byte per replica id, bit ``8*rid + slot``
+  (the medium's bit, ordered by rank: :mod:`kvmesh.index.media`); one Python int answers
+  "who holds this block, where" with a few shifts. It is stored shifted down to its lowest
+  holder, so its size follows the spread of the holders' ids, not the highest id (at 1,000
+  replicas that was 250-500 of ~650 bytes per block with a nibble per replica).
 * ``_emap[rid][block_size]``: engine hash → our key. Split by block size because vLLM's
   offloading may reuse a GPU block's hash for a larger CPU block with other tokens.
 
-``REMOTE`` is shared storage: a REMOTE bit set by any replica makes the block count for
-every registered replica. Speculative entries (a routing decision whose events have not
-arrived yet) live in a small side table and count as GPU until they expire.
+A medium with no alias is kept under its publisher's name (up to four per index; see
+:mod:`kvmesh.index.media`). ``REMOTE`` is shared storage: a REMOTE bit set by any replica
+makes the block count for every registered replica. Speculative entries (a routing decision
+whose events have not arrived yet) live in a small side table and count as GPU until they
+expire.
 """
 
 from __future__ import annotations
@@ -35,28 +38,23 @@ import numpy as np
 from kvmesh.events.codec import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
 from kvmesh.index.events import batch_tokens, event_keys
 from kvmesh.index.matches import ReplicaMatches
-from kvmesh.index.matching import BITS, NIBBLE, match_chain, medium_counts, walk
-from kvmesh.index.prefix import (
-    Medium,
-    PrefixMatch,
-    PromptKeys,
-    chain,
-    chain_root,
-    combine_ranges,
-    parse_medium,
-)
+from kvmesh.index.matching import match_chain, medium_counts, walk
+from kvmesh.index.media import BITS, BYTE, AnyMedium, Media, medium_name, slot
+from kvmesh.index.prefix import PrefixMatch, PromptKeys, chain, chain_root, combine_ranges
 from kvmesh.index.speculative import SpeculativeTable
 
 _BITS = BITS
-_NIBBLE = NIBBLE
+# vLLM's KV cache spec kinds whose blocks hold every token of a prefix (kv_interface's
+# KVCacheSpecKind): a store of any other kind (sliding window, mamba, ...) is not indexed.
+PREFIX_KINDS = frozenset({"full_attention", "mla_attention"})
 _COUNTERS = (
     "stored_blocks",
     "removed_blocks",
     "orphans",  # BlockStored whose parent we never saw (or evicted): skipped
     "invalid",  # token count does not match blocks × block_size, or bad token ids
     "placeholders",  # vLLM offloading's token-less stores (block_size 0): nothing to key them by
-    "unknown_medium",
-    "ignored_group",  # hybrid-model KV groups other than 0, see _store
+    "unknown_medium",  # a fifth medium without an alias (four are kept by name): skipped
+    "ignored_group",  # hybrid-model KV groups other than the full-attention one, see store
     "evictions",
     "clears",
 )
@@ -83,19 +81,24 @@ class BlockIndex:
         self._lock = threading.Lock()
         self._rids: dict[str, int] = {}
         self._names: dict[int, str] = {}
+        # rid -> the KV cache group whose blocks name whole prefixes: 0 until the replica's
+        # stores say which group is full attention (vLLM 0.32's kv_cache_spec_kind); a
+        # hybrid model's group 0 may be a sliding window (kvmesh's swa test model).
+        self._prefix_group: dict[int, int] = {}
         # rid → name as one tuple and name → rid as a dict, both replaced (never changed) when
         # a replica comes or goes: a lookup's result keeps them, and scorers cache their
         # alignment by the tuple's identity.
         self._rid_names: tuple[str | None, ...] = ()
         self._rid_view: dict[str, int] = {}
         self._free_rids: list[int] = []
-        self._low = 0  # bit 4*rid set for every registered replica (REMOTE bit positions)
+        self._low = 0  # bit 8*rid set for every registered replica (REMOTE bit positions)
         # Tuples, not lists: tuples of ints and bytes drop out of the cyclic GC, so a full
         # collection does not walk a million entries in the middle of a lookup.
         self._blocks: OrderedDict[bytes, tuple[Any, ...]] = OrderedDict()
         self._emap: dict[int, dict[int, dict[BlockHash, bytes]]] = {}
         self._size_blocks: dict[int, int] = {}  # block size → live blocks
         self._spec = SpeculativeTable()
+        self.media = Media()
         self._counts = dict.fromkeys(_COUNTERS, 0)
 
     # -- replicas -------------------------------------------------------------------------
@@ -125,6 +128,7 @@ class BlockIndex:
                 return
             self._clear(rid)
             del self._names[rid], self._emap[rid]
+            self._prefix_group.pop(rid, None)
             self._rid_names = (*self._rid_names[:rid], None, *self._rid_names[rid + 1 :])
             self._rid_view = dict(self._rids)
             self._low &= ~(1 << (_BITS * rid))
@@ -154,23 +158,29 @@ class BlockIndex:
             if isinstance(ev, BlockStored):
                 self.store(replica, ev, tokens.get(id(ev)))
             elif isinstance(ev, BlockRemoved):
-                self.remove(replica, ev.block_hashes, ev.medium, ev.group_idx)
+                self.remove(replica, ev.block_hashes, ev.medium, ev.group_idx, ev.locality, ev.ownership)
             elif isinstance(ev, AllBlocksCleared):
                 self.clear_replica(replica)
 
     def store(self, replica: str, ev: BlockStored, tokens: np.ndarray | None = None) -> None:
         """Record one ``BlockStored``; ``tokens``: its token ids already validated (see
         :func:`kvmesh.index.events.batch_tokens`), else they are validated here."""
-        medium = parse_medium(ev.medium)
+        medium = self.media.get(medium_name(ev.medium, ev.locality, ev.ownership))
         prepared = event_keys(ev, tokens) if medium is not None else None
         with self._lock:
             rid = self._rid(replica)
             if medium is None:
                 self._counts["unknown_medium"] += 1
                 return
-            if ev.group_idx not in (None, 0):
-                # A hybrid model's other groups (e.g. sliding window) drop old blocks all the time
-                # under the same hashes; their removals would erase group 0's full prefix.
+            kind = ev.kv_cache_spec_kind
+            if kind is not None and kind in PREFIX_KINDS:
+                self._prefix_group[rid] = ev.group_idx or 0
+            if (kind is not None and kind not in PREFIX_KINDS) or (
+                (ev.group_idx or 0) != self._prefix_group.get(rid, 0)
+            ):
+                # A hybrid model's other groups (e.g. sliding window) hold only a window of a
+                # prefix and drop old blocks all the time under the same hashes: never a
+                # full-prefix hit, and their removals would erase the full group's prefix.
                 self._counts["ignored_group"] += 1
                 return
             if prepared is None:
@@ -201,9 +211,9 @@ class BlockIndex:
         For callers that keep the index's keys themselves (the fleet simulator, which names
         blocks by trace ids): the same holdings as :meth:`store` without hashing tokens.
         """
-        med = parse_medium(medium)
+        med = self.media.get(medium_name(medium))
         if med is None:
-            raise ValueError(f"unknown medium {medium!r}; valid: GPU, CPU, DISK, STORAGE, REMOTE")
+            raise ValueError(f"no room for medium {medium!r}: this index keeps {', '.join(self.media.named)}")
         with self._lock:
             rid = self._rid(replica)
             emap = self._emap[rid].setdefault(block_size, {})
@@ -216,22 +226,23 @@ class BlockIndex:
                 self._evict_oldest()
 
     def _hold(
-        self, rid: int, medium: Medium, bs: int, emap: dict[BlockHash, bytes], eh: BlockHash, key: bytes
+        self, rid: int, medium: AnyMedium, bs: int, emap: dict[BlockHash, bytes], eh: BlockHash, key: bytes
     ) -> None:
         old = emap.get(eh)
         if old is not None and old != key:
             # The engine reused this hash for other tokens: the old block is gone from it.
             self._drop_holder(rid, old, ~0)
         entry = self._blocks.get(key)
+        bit = slot(medium)
         if entry is None:
-            self._blocks[key] = (1 << medium, _shift(rid), bs, rid, eh)
+            self._blocks[key] = (1 << bit, _shift(rid), bs, rid, eh)
             self._size_blocks[bs] = self._size_blocks.get(bs, 0) + 1
         else:
             self._blocks.move_to_end(key)
             holders = entry[3:]
             if not any(holders[i] == rid and holders[i + 1] == eh for i in range(0, len(holders), 2)):
                 holders += (rid, eh)
-            self._blocks[key] = (*_pack(entry[0] << entry[1] | 1 << (_BITS * rid + medium)), bs, *holders)
+            self._blocks[key] = (*_pack(entry[0] << entry[1] | 1 << (_BITS * rid + bit)), bs, *holders)
         emap[eh] = key
 
     def remove(
@@ -240,17 +251,19 @@ class BlockIndex:
         block_hashes: Iterable[BlockHash],
         medium: str | None,
         group_idx: int | None = None,
+        locality: str | None = None,
+        ownership: str | None = None,
     ) -> None:
         """``replica`` no longer holds these engine blocks in ``medium``."""
-        med = parse_medium(medium)
+        med = self.media.get(medium_name(medium, locality, ownership), register=False)
         with self._lock:
             rid = self._rids.get(replica)
-            if rid is None or group_idx not in (None, 0):
+            if rid is None or (group_idx or 0) != self._prefix_group.get(rid, 0):
                 return
             if med is None:
                 self._counts["unknown_medium"] += 1
                 return
-            bit = 1 << (_BITS * rid + med)
+            bit = 1 << (_BITS * rid + slot(med))
             maps = self._emap[rid].values()
             for eh in block_hashes:
                 for emap in maps:
@@ -263,11 +276,11 @@ class BlockIndex:
         """Clear ``bits`` of ``rid`` on ``key``; unlink rid entirely once it holds nothing."""
         entry = self._blocks.get(key)
         shift = _BITS * rid
-        bits &= _NIBBLE << shift
+        bits &= BYTE << shift
         if entry is None or not (entry[0] << entry[1]) & bits:
             return False
         mask, bs = (entry[0] << entry[1]) & ~bits, entry[2]
-        if (mask >> shift) & _NIBBLE:
+        if (mask >> shift) & BYTE:
             self._blocks[key] = (*_pack(mask), *entry[2:])
             return True
         emap = self._emap[rid].get(bs, {})
@@ -353,7 +366,7 @@ class BlockIndex:
         sizes = (block_size,) if block_size else self._sizes()
         # Hashing is the bulk of the work and needs no lock.
         chains = [(bs, prompt.chain(bs)) for bs in sizes]
-        per_rid: dict[int, list[list[tuple[int, int, Medium]]]] = {}
+        per_rid: dict[int, list[list[tuple[int, int, AnyMedium]]]] = {}
         found: dict[str, PrefixMatch] = {}
         masks: list[int] = []
         alives: list[int] = []
@@ -369,7 +382,7 @@ class BlockIndex:
                     if rid is not None:
                         wanted |= 1 << (_BITS * rid)
             spec = self._spec.keys
-            rid_names, rid_view = self._rid_names, self._rid_view
+            rid_names, rid_view, media = self._rid_names, self._rid_view, self.media.view
             if len(chains) == 1:
                 # One block size (the usual case): arrays, ranges built only on demand.
                 bs, keys = chains[0]
@@ -377,14 +390,14 @@ class BlockIndex:
             else:
                 for size, keys in chains:
                     for rid, ranges in match_chain(
-                        self._blocks, self._low, spec, size, keys, wanted, now
+                        self._blocks, self._low, spec, size, keys, wanted, now, media
                     ).items():
                         per_rid.setdefault(rid, []).append(ranges)
                 names = self._names
                 found = {names[rid]: PrefixMatch(combine_ranges(parts)) for rid, parts in per_rid.items()}
         if masks:
-            return ReplicaMatches(rid_names, rid_view, *medium_counts(masks, alives), bs)
-        return ReplicaMatches.of(found)
+            return ReplicaMatches(rid_names, rid_view, *medium_counts(masks, alives, media), bs, media)
+        return ReplicaMatches.of(found, media)
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -398,6 +411,7 @@ class BlockIndex:
             out["blocks"] = len(self._blocks)
             out["replicas"] = len(self._rids)
             out["speculative_blocks"] = len(self._spec)
+            out["named_media"] = len(self.media.named)
             return out
 
     def __len__(self) -> int:
@@ -406,7 +420,7 @@ class BlockIndex:
 
 def _pack(mask: int) -> tuple[int, int]:
     """``(mask >> shift, shift)``, shifted down to its lowest holder: a block held by replica
-    999 alone is a 4-bit int and a shift, not a 4,000-bit int (~530 bytes more per block)."""
+    999 alone is an 8-bit int and a shift, not an 8,000-bit int (~1 KB more per block)."""
     shift = _shift(((mask & -mask).bit_length() - 1) // _BITS)
     return mask >> shift, shift
 

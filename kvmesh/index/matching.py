@@ -3,7 +3,7 @@
 Kept apart from :mod:`kvmesh.index.block_index` (which owns the state and the lock) so the
 hot path is one function with its inputs spelled out. Work is per *holder* of the prompt's
 first block, never per registered replica: with 1,000 replicas and a prefix held by two,
-the range building visits two replicas, not 1,000 (see ``docs/readme-parts/scale.md``).
+the range building visits two replicas, not 1,000 (see ``docs/bench/scale.md``).
 """
 
 from __future__ import annotations
@@ -14,13 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from kvmesh.index.prefix import Medium
+from kvmesh.index.media import BITS, BYTE, COLUMNS, AnyMedium, MediaView
 from kvmesh.index.speculative import Held
-
-BITS = 4  # bits per replica in a block mask, one per Medium
-NIBBLE = (1 << BITS) - 1
-# A replica's 4 mask bits → its best medium; no bit of its own means REMOTE from another replica.
-NIB_MEDIUM = tuple(Medium(max(nib.bit_length() - 1, 0)) for nib in range(1 << BITS))
 
 
 def match_chain(
@@ -31,17 +26,19 @@ def match_chain(
     keys: Sequence[bytes],
     wanted: int,
     now: float,
-) -> dict[int, list[tuple[int, int, Medium]]]:
+    media: MediaView,
+) -> dict[int, list[tuple[int, int, AnyMedium]]]:
     """Per replica id: the ``(start, end, medium)`` token ranges of its longest prefix of ``keys``.
 
     ``blocks``: key → entry whose first two items are the holder mask, shifted down, and the
     shift (matched keys are moved to the LRU end). ``low``: bit ``BITS*rid`` of every
     registered replica. ``spec``: speculative entries (key → :class:`Held`, expired at
     ``now``), counting as GPU. ``wanted``: the ``low`` bits of the replicas asked about.
+    ``media``: the index's media (a replica's byte → its best medium).
     """
     # ``spec`` is exact here: the table was expired at ``now`` just before.
     masks, alives = walk(blocks, low, spec, keys, wanted)
-    out: dict[int, list[tuple[int, int, Medium]]] = {}
+    out: dict[int, list[tuple[int, int, AnyMedium]]] = {}
     if not masks:
         return out
     # Neighbouring blocks mostly have the same holders: work per run, not per block.
@@ -52,16 +49,17 @@ def match_chain(
         else:
             runs.append((i, i + 1, mask))
     holders = alives[0]
+    by_slot, best = media.by_slot, media.best
     while holders:
         bit = holders & -holders  # lowest set bit: one holder of the first block
         holders ^= bit
         shift = bit.bit_length() - 1
         n = _leading(alives, bit)
-        ranges: list[tuple[int, int, Medium]] = []
+        ranges: list[tuple[int, int, AnyMedium]] = []
         for start, end, mask in runs:
             if start >= n:
                 break
-            med = NIB_MEDIUM[(mask >> shift) & NIBBLE]
+            med = by_slot[best[(mask >> shift) & BYTE]]
             end = min(end, n) * bs
             if ranges and ranges[-1][2] == med:
                 ranges[-1] = (ranges[-1][0], end, med)
@@ -92,9 +90,11 @@ def walk(
 ) -> tuple[list[int], list[int]]:
     """:func:`match_chain`'s walk alone: per matched block its holder mask and the ``low``
     bits of the replicas whose prefix still covers it (matched keys move to the LRU end)."""
+    low7f, low80 = low * 0x7F, low << 7
     alive = wanted
     masks: list[int] = []
     alives: list[int] = []
+    last, present = -1, 0
     for key in keys:
         entry = blocks.get(key)
         mask = entry[0] << entry[1] if entry is not None else 0
@@ -102,9 +102,19 @@ def walk(
             held = spec.get(key)
             if held is not None:
                 mask |= held.mask
-        # Bit 4*rid is a REMOTE holding: shared, so it makes the block count for everyone.
-        present = low if mask & low else (mask >> 1 | mask >> 2 | mask >> 3) & low
-        alive &= present
+        # Neighbouring blocks mostly have the same holders: the same mask, the same answer
+        # (and the same int objects, which medium_counts compares by identity).
+        if mask != last:
+            last = mask
+            # Bit 8*rid is a REMOTE holding: shared, so the block counts for everyone. Else a
+            # replica is present with any bit of its byte (no REMOTE bit is set then): bit 7
+            # of (b & 0x7f) + 0x7f | b, for every byte at once (no carry between them).
+            present = low if mask & low else (((mask & low7f) + low7f | mask) & low80) >> 7
+        else:
+            mask = last
+        now_alive = alive & present
+        if now_alive != alive:
+            alive = now_alive
         if not alive:
             break
         if entry is not None:
@@ -114,44 +124,46 @@ def walk(
     return masks, alives
 
 
-def _lane_lut() -> np.ndarray:
-    """Byte of an effective mask (see :func:`medium_counts`) → its two replicas' (even rid,
-    odd rid) best media, each as one 16-bit lane per Medium value: lane ``v`` is 1 when that
-    replica's medium is ``v``."""
-    lut = np.zeros((256, 2), np.uint64)
-    for byte in range(256):
-        for half, nib in enumerate((byte & NIBBLE, byte >> BITS)):
-            if nib:
-                lut[byte, half] = np.uint64(1 << (16 * int(NIB_MEDIUM[nib])))
-    return lut
-
-
-_LANES = _lane_lut()
 _MAX_ROWS = (1 << 16) - 1  # a 16-bit lane counts at most this many blocks
 
 
-def medium_counts(masks: list[int], alives: list[int]) -> tuple[list[int], np.ndarray]:
+def medium_counts(masks: list[int], alives: list[int], media: MediaView) -> tuple[list[int], np.ndarray]:
     """:func:`walk`'s result as ``(effective masks, counts)``.
 
     An effective mask has, per replica, its own medium bits where its prefix still covers
     the block, bit REMOTE alone where only another replica's REMOTE copy does, and nothing
-    where its prefix has ended: the nibble's top bit is the replica's medium on that block
-    (as :data:`NIB_MEDIUM`), and a zero nibble ends its match. ``counts[rid, v]``: the
-    blocks replica ``rid``'s prefix has in the medium of value ``v``, for every replica at
-    once: one table lookup and one weighted sum over the masks' bytes, not a loop per
+    where its prefix has ended: its best bit is the replica's medium on that block (as
+    ``media.best`` ranks them), and a zero byte ends its match. ``counts[rid, c]``: the blocks
+    replica ``rid``'s prefix has in the medium of column ``c`` (:class:`Medium` values,
+    then the named media's slots: :data:`kvmesh.index.media.COLUMNS`), for every replica
+    at once: one table lookup and one weighted sum over the masks' bytes, not a loop per
     holder (a system prompt is held by hundreds of a 1,000-replica fleet).
     """
-    # alive has bit 4*rid per replica: *15 widens each to its nibble (no carries between them)
-    effs = [(m & a * NIBBLE) | a for m, a in zip(masks, alives, strict=True)]
-    # Neighbouring blocks mostly have the same holders: count each distinct row once, weighted.
+    # Neighbouring blocks mostly have the same holders (walk() hands out the same int objects
+    # for them): each distinct row is computed and counted once, weighted.
+    effs: list[int] = []
     rows: list[int] = []
     weights: list[int] = []
-    for e in effs:
-        if rows and rows[-1] == e and weights[-1] < _MAX_ROWS:
+    pm: int | None = None
+    pa: int | None = None
+    e = -1
+    for m, a in zip(masks, alives, strict=True):
+        if m is not pm or a is not pa:
+            pm, pa = m, a
+            # alive has bit 8*rid per replica: *255 widens each to its byte (no carries)
+            new = (m & a * BYTE) | a
+            if new != e:
+                e = new
+                rows.append(e)
+                weights.append(1)
+                effs.append(e)
+                continue
+        if weights[-1] < _MAX_ROWS:
             weights[-1] += 1
         else:
             rows.append(e)
             weights.append(1)
+        effs.append(e)
     nbytes = (max(e.bit_length() for e in rows) + 7) // 8
     counts: np.ndarray | None = None
     lo = 0
@@ -162,26 +174,29 @@ def medium_counts(masks: list[int], alives: list[int]) -> tuple[list[int], np.nd
             total += weights[hi]
             hi += 1
         raw = np.frombuffer(b"".join([e.to_bytes(nbytes, "little") for e in rows[lo:hi]]), np.uint8)
-        # (rows, bytes, 2 replicas) → (rows, replicas in rid order): byte k holds rids 2k, 2k+1
-        lanes = _LANES[raw].reshape(hi - lo, 2 * nbytes)
+        # (rows, bytes, 2 words) → (rows, words in rid order): byte k is rid k's
+        lanes = media.lanes[raw].reshape(hi - lo, 2 * nbytes)
         summed = np.array(weights[lo:hi], np.uint64) @ lanes if hi > lo + 1 else lanes[0] * np.uint64(total)
-        # little-endian: 16-bit lane v of each replica's uint64 is its medium-v count
-        got = summed.view(np.uint16).reshape(2 * nbytes, 4).astype(np.int64)
+        # little-endian: 16-bit lane c of each replica's two words is its column-c count
+        got = summed.view(np.uint16).reshape(nbytes, COLUMNS).astype(np.int64)
         counts = got if counts is None else counts + got
         lo = hi
     assert counts is not None  # walk() returns at least one block
     return effs, counts
 
 
-def replica_ranges(effs: list[int], rid: int, bs: int) -> tuple[tuple[int, int, Medium], ...]:
+def replica_ranges(
+    effs: list[int], rid: int, bs: int, media: MediaView
+) -> tuple[tuple[int, int, AnyMedium], ...]:
     """One replica's ``(start, end, medium)`` token ranges from :func:`medium_counts`' masks."""
     shift = BITS * rid
-    ranges: list[tuple[int, int, Medium]] = []
+    ranges: list[tuple[int, int, AnyMedium]] = []
+    by_slot, best = media.by_slot, media.best
     for i, eff in enumerate(effs):
-        nib = eff >> shift & NIBBLE
-        if not nib:
+        byte = eff >> shift & BYTE
+        if not byte:
             break
-        med = NIB_MEDIUM[nib]
+        med = by_slot[best[byte]]
         if ranges and ranges[-1][2] == med:
             ranges[-1] = (ranges[-1][0], (i + 1) * bs, med)
         else:

@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import heapq
 
-_GPU_BIT = 3  # Medium.GPU: speculative holdings count as GPU
+from kvmesh.index.media import BITS, GPU_BIT
+
+_GPU_BIT = GPU_BIT  # speculative holdings count as GPU
 
 
 class Held:
-    """One key's speculative holders: their GPU bits (``1 << (4*rid + 3)``) and expiries."""
+    """One key's speculative holders: their GPU bits (``1 << (BITS*rid + GPU_BIT)``) and expiries."""
 
     __slots__ = ("mask", "rids")
 
     def __init__(self, rid: int, expiry: float) -> None:
-        self.mask = 1 << (4 * rid + _GPU_BIT)
+        self.mask = 1 << (BITS * rid + _GPU_BIT)
         self.rids = {rid: expiry}
 
 
@@ -49,7 +51,7 @@ class SpeculativeTable:
             return
         table = self.keys
         added = 0
-        bit = 1 << (4 * rid + _GPU_BIT)
+        bit = 1 << (BITS * rid + _GPU_BIT)
         for key in keys:
             held = table.get(key)
             if held is None:
@@ -79,7 +81,7 @@ class SpeculativeTable:
     def _unlink(self, rid: int, keys: tuple[bytes, ...], now: float) -> None:
         """Remove ``rid`` from ``keys`` where its expiry is ``<= now`` (a later add keeps it)."""
         table = self.keys
-        clear = ~(1 << (4 * rid + _GPU_BIT))
+        clear = ~(1 << (BITS * rid + _GPU_BIT))
         for key in keys:
             held = table.get(key)
             if held is None:

@@ -1,7 +1,8 @@
 """The router's HTTP face: an OpenAI-compatible proxy that picks a replica per request.
 
-Per request: read the body once, decode it once (msgspec), tokenize once (cached), ask the
-index once, score, and forward the *original bytes* (no re-encoding) over a pooled
+Per request: read the body once, decode it once (msgspec), then the routing core's
+dispatcher (:mod:`kvmesh.routing.dispatcher`) tokenizes it (cached), matches it in the
+index once and picks; the *original bytes* are forwarded (no re-encoding) over a pooled
 keep-alive connection. Streams are relayed chunk by chunk as they arrive. A connect
 failure before anything was sent to the client goes to the next replica in the ranking.
 The speculative index entry is written while the upstream call is in flight, off the
@@ -13,43 +14,54 @@ Errors use OpenAI's shape (see :mod:`kvmesh.router.proxy`).
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
 
 import aiohttp
 import msgspec
-import xxhash
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvmesh.errors import ClosedError, UpstreamError
-from kvmesh.events import EventSubscriber
-from kvmesh.index import BlockIndex, PromptKeys
+from kvmesh.core.fleetkey import FleetKey
+from kvmesh.errors import BodyError, ClosedError, UpstreamError
+from kvmesh.index import BlockIndex
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.controller import Controller
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.pd import PDRouter
-from kvmesh.router.picker import build_picker
-from kvmesh.router.pool import Pool, Replica
-from kvmesh.router.prompts import Prompts
-from kvmesh.router.proxy import ERROR_TYPES, RETRYABLE, end_to_end, error_response, relay
+from kvmesh.router.proxy import RETRYABLE, end_to_end, error_response, relay
 from kvmesh.router.rebuild import Rebuilder
-from kvmesh.router.scorers import RoutingRequest, SessionTable, prefill_cost, prompt_key
-from kvmesh.router.tokenize import PromptTokenizer, TokenArray
 from kvmesh.router.upstream import Upstream
+from kvmesh.routing.body import drop_transfer_params
+from kvmesh.routing.core import RoutingCore
+from kvmesh.routing.dispatcher import ERROR_TYPES, NO_REPLICA, Refusal, Ticket
+from kvmesh.routing.labels import LabelCache
+from kvmesh.routing.tokenize import PromptTokenizer
 
 log = logging.getLogger(__name__)
 
-_NO_REPLICA = "no healthy replica is available; retry later"
-# After a speculative entry's ttl: the loop's timers fire a little late, never early.
-_EXPIRY_SLACK_S = 0.001
+
+async def read_parts(request: web.Request, limit: int) -> list[bytes]:
+    """The request's body in the pieces it arrived in, at most ``limit`` bytes (else
+    ``HTTPRequestEntityTooLarge``). Not ``request.read()``: with ``client_max_size`` set it lets
+    the whole body pile up in the stream's buffer and then copies it three times in one go
+    (:mod:`kvmesh.bodyworker` says why that matters)."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise web.HTTPRequestEntityTooLarge(limit, declared)
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.content.iter_any():
+        size += len(part)
+        if size > limit:
+            raise web.HTTPRequestEntityTooLarge(limit, size)
+        parts.append(part)
+    return parts
 
 
 class RouterService:
-    """Pool + index + picker + tokenizer behind an aiohttp application (see :meth:`make_app`)."""
+    """The routing core (:class:`kvmesh.routing.core.RoutingCore`) behind an aiohttp
+    application (see :meth:`make_app`)."""
 
     def __init__(
         self,
@@ -60,27 +72,23 @@ class RouterService:
         metrics: RouterMetrics | None = None,
     ) -> None:
         self.config = config
-        self.index = index if index is not None else BlockIndex(default_block_size=config.block_size)
-        if tokenizer is None and config.model and config.tokenizer == "local":
-            tokenizer = PromptTokenizer.from_dir(config.model, int(config.tokenize_cache_mb * (1 << 20)))
-        self.tokenizer = tokenizer
-        self.sessions = SessionTable(config.session_capacity)
-        self.picker = build_picker(config.policy, self.index, self.sessions, config)
         self.metrics = metrics if metrics is not None else RouterMetrics()
-        self._children: dict[tuple[object, ...], Any] = {}  # see _child
-        self.pool = Pool(
-            config.replicas,
-            health_interval_s=config.health_interval_s,
-            health_timeout_s=config.health_timeout_s,
-            metrics_interval_s=config.metrics_interval_s,
-            on_health_change=self._health_changed,
-        )
-        for name in self.pool.replicas:
-            self.index.add_replica(name)  # so REMOTE blocks count for it before its first event
-        self._decoder = msgspec.json.Decoder()
         self._client: aiohttp.ClientSession | None = None
-        self._subscribers: list[EventSubscriber] = []
-        self.prompts = Prompts(config, self.tokenizer, self.pool, lambda: self._client, self._tokenize_failed)
+        self.core = RoutingCore(
+            config,
+            self.metrics,
+            index=index,
+            tokenizer=tokenizer,
+            client=lambda: self._client,
+            on_tokenize_error=self._tokenize_failed,
+            admin_token=config.controller.with_env().token,
+        )
+        self.index, self.pool, self.tokenizer = self.core.index, self.core.pool, self.core.tokenizer
+        self.sessions, self.picker, self.prompts = self.core.sessions, self.core.picker, self.core.prompts
+        self.dispatcher, self.costs = self.core.dispatcher, self.core.costs
+        # Loaded now so that a bad key file stops the start; the router signs nothing yet.
+        self.fleet_key = FleetKey.from_config(config.fleet_key_file)
+        self._labels = LabelCache()
         self._timeout = aiohttp.ClientTimeout(
             total=None,
             connect=config.connect_timeout_s,
@@ -112,6 +120,8 @@ class RouterService:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/kvmesh/state", self._state)
+        if self.costs is not None:
+            self.costs.mount(app)
         self.controller.mount(app)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
@@ -128,20 +138,7 @@ class RouterService:
             auto_decompress=False,
             skip_auto_headers=("Accept-Encoding",),
         )
-        await self.pool.start(self._client)
-        for replica in self.pool.replicas.values():
-            cfg = replica.config
-            if cfg.events:
-                self._subscribers.append(
-                    EventSubscriber(
-                        cfg.events,
-                        self.index.apply,
-                        replica.name,
-                        replay_endpoint=cfg.replay,
-                        on_gap_unrepaired=self.index.clear_replica,
-                    )
-                )
-
+        await self.core.start(self._client)
         for replica in self.pool.replicas.values():
             if replica.config.admin:
                 self.rebuilder.start(self._client, replica.name, replica.config.admin)
@@ -152,30 +149,18 @@ class RouterService:
         replica = self.pool.replicas.get(name)
         if replica is not None and not replica.config.admin and self._client is not None:
             self.rebuilder.start(self._client, name, url)
+        if replica is not None and self.costs is not None:
+            self.costs.admin_registered(name, url)
 
     def _tokenize_failed(self) -> None:
         self.metrics.errors.labels("tokenize").inc()
 
     async def _cleanup(self, app: web.Application) -> None:
-        await self.pool.stop()
-        for sub in self._subscribers:
-            await asyncio.to_thread(sub.close)
-        self._subscribers = []
+        await self.core.stop()
         if self._client is not None:
             await self._client.close()
         await self._upstream.close()
         self.rebuilder.cancel()
-        self.prompts.close()
-
-    def _health_changed(self, replica: Replica) -> None:
-        self.metrics.healthy.labels(replica.name).set(1.0 if replica.healthy else 0.0)
-        if not replica.healthy:
-            # Its events have stopped with it, and a restarted vLLM comes back with an empty
-            # cache but does not say so until its first event: entries kept now would route
-            # follow-ups to blocks that are gone. An empty index only costs affinity until the
-            # replica's next events. Shared (REMOTE) blocks stay; the replica stays registered.
-            self.index.clear_replica(replica.name)
-            self.sessions.forget_replica(replica.name)
 
     # -- OpenAI endpoints ---------------------------------------------------------------------------
 
@@ -188,7 +173,9 @@ class RouterService:
     async def _route(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
         t0 = time.perf_counter()
         try:
-            raw = await asyncio.wait_for(request.read(), self.config.body_timeout_s)
+            parts = await asyncio.wait_for(
+                read_parts(request, self.config.max_body_bytes), self.config.body_timeout_s
+            )
         except TimeoutError:
             resp = self._refuse(path, 408, f"request body not received within {self.config.body_timeout_s} s")
             resp.headers["Retry-After"] = str(self.config.retry_after_s)
@@ -197,63 +184,45 @@ class RouterService:
             limit = self.config.max_body_bytes
             return self._refuse(path, 413, f"request body is larger than {limit} bytes", "body")
         try:
-            body = self._decoder.decode(raw)
-        except msgspec.DecodeError as exc:
-            return self._refuse(path, 400, f"request body is not valid JSON: {exc}", "body")
-        if not isinstance(body, dict):
-            return self._refuse(path, 400, "request body must be a JSON object", "body")
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            return self._refuse(path, 400, f"'model' must be a string, got {type(model).__name__}", "model")
-        known = set(self.config.served_model_names) or self.pool.models()
-        if model is not None and known and model not in known:
-            return self._refuse(path, 404, f"The model `{model}` does not exist.", "model")
-        if not self.pool.candidates():
-            return self._unavailable(path)
-        tokens = await self.prompts.tokens(body, chat, len(raw))
-        if len(tokens):
-            # The block keys are hashed once, for the match and the speculative entry both. A
-            # salted request matches only blocks of its salt (vLLM keys its first block by it).
-            salt = body.get("cache_salt")
-            key = prompt_key(tokens)
-            prompt = PromptKeys(tokens, cache_salt=salt if isinstance(salt, str) and salt else None)
-        else:
-            key, prompt = xxhash.xxh3_64_intdigest(raw), None
-        session = request.headers.get(self.config.session_header)
-        req = RoutingRequest(tokens, session_id=session, key=key, prompt=prompt)
+            body, raw = await self.core.bodies.decode_parts(parts, chat)
+        except BodyError as exc:
+            return self._refuse(path, exc.status, exc.message, exc.field)
+        if drop_transfer_params(body):
+            # Only the router's own PD code may tell a replica where to pull KV from.
+            raw = msgspec.json.encode(body)
+            log.debug("dropped a client's kv_transfer_params")
+        req = await self.dispatcher.prepare(
+            body, raw, chat=chat, session=request.headers.get(self.config.session_header)
+        )
+        if isinstance(req, Refusal):
+            return self._refuse(path, req.status, req.message, req.param)
         if self.pd is not None:
             return await self.pd.route(request, path, raw, body, req, t0)
         candidates = self.pool.candidates()
         if not candidates:
             return self._unavailable(path)
-        decision = self.picker.pick(req, candidates)
+        ticket = self.dispatcher.route(req, candidates, stream=bool(body.get("stream")))
         if log.isEnabledFor(logging.DEBUG):
+            decision = ticket.decision
             log.debug(
                 "route %d tokens (session %s) -> %s; scores %s; parts %s; states %s",
-                len(tokens),
-                session,
-                decision.ranked,
-                decision.scores,
-                decision.parts,
+                len(req.tokens),
+                req.session_id,
+                ticket.ranked,
+                ticket.scores,
+                decision.parts if decision is not None else None,
                 [(r.name, r.load, r.prefill_tokens, r.kv_usage) for r in candidates],
             )
-        return await self._forward(request, path, raw, bool(body.get("stream")), decision.ranked, req, t0)
+        return await self._forward(request, path, raw, ticket, t0)
 
     async def _forward(
-        self,
-        request: web.Request,
-        path: str,
-        raw: bytes,
-        stream: bool,
-        ranked: list[str],
-        req: RoutingRequest,
-        t0: float,
+        self, request: web.Request, path: str, raw: bytes, ticket: Ticket, t0: float
     ) -> web.StreamResponse:
         if self._client is None:
             raise ClosedError("the router application was not started")
         headers = end_to_end(request.headers).items()
         attempts = 0
-        for name in ranked:
+        for name in ticket.ranked:
             replica = self.pool.replicas.get(name)
             if replica is None or not replica.healthy:
                 continue  # another request found it dead since the ranking was made
@@ -264,95 +233,37 @@ class RouterService:
                 self.metrics.overhead.observe(time.perf_counter() - t0)
             else:
                 self.metrics.retries.inc()
-            settle = self._acquire(name, req)
+            ticket.sent(name)
             sent = time.perf_counter()
             try:
                 resp = await self._upstream.post(replica.url, path, raw, headers)
             except RETRYABLE as exc:
-                self._release(name, settle)
+                ticket.failed()
                 self.pool.mark_failed(name, f"POST {path} failed: {exc!r}")
                 self.metrics.errors.labels("upstream_connect").inc()
                 continue
             except TimeoutError:
-                self._release(name, settle)
+                ticket.finished()
                 return self._refuse(path, 504, f"replica {name} did not answer in time")
             except UpstreamError as exc:
-                self._release(name, settle)
+                ticket.finished()
                 return self._refuse(path, 502, f"replica {name} failed: {exc}")
             try:
-                self._child(self.metrics.upstream_latency, name).observe(time.perf_counter() - sent)
-                if resp.status < 400:
-                    self._record(name, req)
-                self._child(self.metrics.requests, path, str(resp.status)).inc()
-                return await relay(request, resp, stream, name, self._broken, settle)
+                self._labels.get(self.metrics.upstream_latency, name).observe(time.perf_counter() - sent)
+                ticket.served(name, resp.status)
+                if not ticket.stream:
+                    ticket.first_byte()  # a whole answer: its headers come after its prefill
+                self._labels.get(self.metrics.requests, path, str(resp.status)).inc()
+                shown = name if self.config.replica_header else None
+                return await relay(request, resp, ticket.stream, name, self._broken, ticket.first_byte, shown,
+                                   self.config.write_timeout_s)  # fmt: skip
             finally:
                 resp.release()
-                self._release(name, settle)
+                ticket.finished()
+        ticket.finished()
         if attempts:
             return self._unavailable(path, f"could not connect to {attempts} replica(s); retry later")
         return self._unavailable(path)
-
-    # -- bookkeeping ---------------------------------------------------------------------------------
-
-    def _acquire(self, name: str, req: RoutingRequest) -> Callable[[], None]:
-        """Count the request on ``name``; returns what settles its prefill work (callable twice:
-        at its first byte, and at its release)."""
-        # Its prefill work queues on the replica until its first byte is back.
-        cost = prefill_cost(req, name, self.config.prefill_load_cost)
-        self.pool.acquire(name, cost)
-        self._child(self.metrics.in_flight, name).inc()
-        ttl = self.config.speculative_ttl_s
-        if ttl > 0 and len(req.tokens) and not _on_gpu(req, name, self.config.block_size):
-            # Runs as soon as the proxy awaits the upstream: off the critical path.
-            prompt = req.prompt if req.prompt is not None else req.tokens
-            asyncio.get_running_loop().call_soon(self._speculate, name, prompt, ttl)
-        return functools.partial(self._settle_once, name, [cost])
-
-    def _speculate(self, name: str, tokens: PromptKeys | TokenArray, ttl: float) -> None:
-        try:
-            self.index.add_speculative(name, tokens, ttl_s=ttl)
-        except Exception:  # an index bug must not fail requests; it is logged
-            log.exception("speculative index entry for %s failed", name)
-            return
-        # Removing an expired entry costs about as much as adding it (~1 ms at 32k tokens).
-        # The next match would do it, on its request's critical path: do it when it expires.
-        # Matches still expire first, so what they see (and every decision) is unchanged.
-        asyncio.get_running_loop().call_later(ttl + _EXPIRY_SLACK_S, self._expire_speculative)
-
-    def _expire_speculative(self) -> None:
-        try:
-            self.index.expire_speculative()
-        except Exception:  # an index bug must not fail requests; it is logged
-            log.exception("expiring speculative index entries failed")
-
-    def _settle_once(self, name: str, cost: list[float]) -> None:
-        if cost[0]:
-            self.pool.settle_prefill(name, cost[0])
-            cost[0] = 0.0
-
-    def _release(self, name: str, settle: Callable[[], None]) -> None:
-        settle()
-        self.pool.release(name)
-        self._child(self.metrics.in_flight, name).dec()
-
-    def _record(self, name: str, req: RoutingRequest) -> None:
-        if req.session_id:
-            self.sessions.record(req.session_id, name)
-        self._child(self.metrics.decisions, self.picker.policy, name).inc()
-        n = len(req.tokens)
-        self.metrics.prompt_tokens.inc(n)
-        match = req.matches.get(name) if req.matches else None
-        if match is not None:
-            for start, end, medium in match.ranges:
-                self._child(self.metrics.hit_tokens, getattr(medium, "name", str(medium))).inc(end - start)
-
-    def _child(self, metric: Any, *labels: str) -> Any:
-        """``metric.labels(*labels)``, kept: prometheus_client takes a lock and builds tuples per call."""
-        key = (id(metric), *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
 
     def _broken(self) -> None:
         self.metrics.errors.labels("upstream_broken").inc()
@@ -362,7 +273,7 @@ class RouterService:
         self.metrics.requests.labels(path, str(status)).inc()
         return error_response(status, message, param)
 
-    def _unavailable(self, path: str, message: str = _NO_REPLICA) -> web.Response:
+    def _unavailable(self, path: str, message: str = NO_REPLICA) -> web.Response:
         resp = self._refuse(path, 503, message)
         resp.headers["Retry-After"] = str(self.config.retry_after_s)
         return resp
@@ -394,27 +305,7 @@ class RouterService:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _state(self, request: web.Request) -> web.StreamResponse:
-        data = {
-            "policy": self.picker.policy,
-            "replicas": [r.describe() for r in self.pool.replicas.values()],
-            "index": self.index.stats(),
-            "sessions": len(self.sessions),
-            "tokenizer_cache": self.tokenizer.cache_stats() if self.tokenizer else None,
-            "subscribers": {s.replica: s.stats() for s in self._subscribers},
-        }
-        return web.json_response(data)
-
-
-def _on_gpu(req: RoutingRequest, name: str, block_size: int) -> bool:
-    """Whether the index already has every whole block of the prompt on ``name``'s GPU.
-
-    Then a speculative entry would add nothing, and skipping it saves hashing the prompt again.
-    """
-    match = req.matches.get(name) if req.matches else None
-    if match is None or not match.ranges:
-        return False
-    whole = len(req.tokens) // block_size * block_size
-    return match.ranges[-1][1] >= whole and all(getattr(m, "name", m) == "GPU" for _, _, m in match.ranges)
+        return web.json_response(self.core.describe())
 
 
 def _auth(request: web.Request) -> dict[str, str]:

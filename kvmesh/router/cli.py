@@ -13,7 +13,8 @@ from typing import Any
 
 from kvmesh.admin.schema import TOKEN_ENV
 from kvmesh.errors import ConfigError
-from kvmesh.router.config import POLICIES, ROLES, ReplicaConfig, RouterConfig
+from kvmesh.router.config import RouterConfig
+from kvmesh.routing.config import POLICIES, ROLES, ReplicaConfig
 
 
 def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -45,6 +46,15 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.add_argument(
+        "--replica-header",
+        action="store_true",
+        default=None,
+        help="name the serving replica in an x-kvmesh-replica header (off: it is a placement oracle)",
+    )
+    p.add_argument(
+        "--max-model-len", type=int, help="longest prompt in tokens (default: the replicas' /v1/models)"
+    )
+    p.add_argument(
         "--admin",
         action="append",
         default=[],
@@ -63,7 +73,7 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--pd-threshold-tokens",
         type=int,
         metavar="N",
-        help="with --pd: uncached prompt tokens above which a request is prefilled remotely (default 512)",
+        help="with --pd: uncached prompt tokens above which a request is prefilled remotely (default 2048)",
     )
     p.add_argument(
         "--prefill-timeout-s",
@@ -99,6 +109,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         port=args.port,
         served_model_names=names,
         tokenizer=args.tokenizer,
+        replica_header=args.replica_header,
+        max_model_len=args.max_model_len,
     )
     if not cfg.replicas:
         raise ConfigError("no replicas: give --replica URL (repeatable) or 'replicas:' in --config")

@@ -17,9 +17,11 @@ an engine with ``controller_url`` POSTs ``/kvmesh/v1/register`` every ``heartbea
 A registered engine whose heartbeats stop for ``heartbeat_misses`` periods, or that
 unregistered on shutdown, is *down*: it gets an error entry without being called.
 
-Auth: the mutating operations (and ``register``) need ``Authorization: Bearer <token>``
-(``ControllerConfig.token`` or ``KVMESH_ADMIN_TOKEN``); read-only ones too when the router
-listens on anything but loopback. With no token configured, mutating calls are refused.
+Auth: once a token is configured (``ControllerConfig.token`` or ``KVMESH_ADMIN_TOKEN``),
+every call needs ``Authorization: Bearer <token>``, whatever the bind address: a sidecar
+proxy makes loopback reachable from the network, and a lookup tells whether another
+tenant's prompt is cached. With no token, mutating calls are refused and read-only ones are
+answered on a loopback bind only. Bodies must arrive within ``body_timeout_s``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from kvmesh.admin.schema import (
 )
 from kvmesh.errors import BodyError, TokenizeError
 from kvmesh.router.config import URLS_ENV, ControllerConfig, parse_admin
-from kvmesh.router.tokenize import PromptTokenizer, TokenArray
+from kvmesh.routing.tokenize import PromptTokenizer, TokenArray
 
 __all__ = ["URLS_ENV", "Controller", "ControllerConfig", "Endpoint", "parse_admin"]
 log = logging.getLogger(__name__)
@@ -154,7 +156,13 @@ class Controller:
         if request.method not in ("POST", "GET") or (spec.mutating and request.method != "POST"):
             return web.json_response(error_body(f"use POST {CONTROLLER_PREFIX}{op}"), status=405)
         try:
-            raw = await request.read()
+            # A deadline for the whole body: a client dripping bytes must not hold the handler.
+            raw = await asyncio.wait_for(request.read(), self.config.body_timeout_s)
+        except TimeoutError:
+            msg = f"request body not received within {self.config.body_timeout_s} s"
+            timed_out = web.json_response(error_body(msg, "body"), status=408)
+            timed_out.force_close()  # the rest of the body is not waited for
+            return timed_out
         except web.HTTPRequestEntityTooLarge:
             return web.json_response(error_body("request body is too large", "body"), status=413)
         try:

@@ -39,7 +39,8 @@ from aiohttp import web
 
 from kvmesh.errors import UpstreamError
 from kvmesh.router.proxy import RETRYABLE, end_to_end
-from kvmesh.router.scorers import ReplicaState, RoutingRequest
+from kvmesh.routing.dispatcher import Ticket
+from kvmesh.routing.scorers import ReplicaState, RoutingRequest
 
 if TYPE_CHECKING:
     from kvmesh.router.app import RouterService
@@ -134,57 +135,60 @@ class PDRouter:
         decode = self._candidates(None, "decode", "both")
         if not decode:
             return s._unavailable(path, "no healthy decode replica (role=decode or both); retry later")
-        ranked = s.picker.pick(req, decode).ranked
+        ticket = s.dispatcher.route(req, decode, stream=stream)
+        ranked = ticket.ranked
         uncached = len(req.tokens) - matched_tokens(req, ranked[0])
         # The router owns kv_transfer_params in pd mode: a client's own would point the
         # consumer's pull at a host of the client's choosing.
         own = raw if "kv_transfer_params" not in body else self._encoder.encode(decode_body(body, None))
         if not len(req.tokens) or uncached <= self.config.pd_threshold_tokens:
             # Unknown length (no tokenizer) counts as short: never a second hop on a guess.
-            s._child(s.metrics.pd_requests, "decode_only").inc()
-            return await s._forward(request, path, own, stream, ranked, req, t0)
+            s._labels.get(s.metrics.pd_requests, "decode_only").inc()
+            return await s._forward(request, path, own, ticket, t0)
         prefill = self._candidates(ranked[0], "prefill", "both")
         params: dict[str, Any] | None = None
         if prefill:
-            order = s.picker.pick(req, prefill).ranked
+            order = s.dispatcher.route(req, prefill)
             # The decode replica counts this request from now on: a burst of long prompts
             # must not all pick the same decode replica while their prefills run.
-            s.pool.acquire(ranked[0])
+            s.pool.hold(ranked[0])
             try:
-                params, outcome = await self._prefill(request, path, body, order, req)
+                params, outcome = await self._prefill(request, path, body, order)
             finally:
                 s.pool.release(ranked[0])
         else:
             outcome = "no_prefill_replica"
         if params is None:
-            s._child(s.metrics.pd_requests, "fallback").inc()
-            s._child(s.metrics.pd_fallbacks, outcome).inc()
+            s._labels.get(s.metrics.pd_requests, "fallback").inc()
+            s._labels.get(s.metrics.pd_fallbacks, outcome).inc()
             log.info(
                 "prefill of %d uncached tokens failed (%s): %s decodes alone", uncached, outcome, ranked[0]
             )
-            out = own
-        else:
-            s._child(s.metrics.pd_requests, "pd").inc()
-            log.debug("prefilled %d uncached tokens on %s; decode on %s", uncached, outcome, ranked[0])
-            out = self._encoder.encode(decode_body(body, params))
-            req = transferred(req, ranked[0])
-        return await s._forward(request, path, out, stream, ranked, req, t0)
+            return await s._forward(request, path, own, ticket, t0)
+        s._labels.get(s.metrics.pd_requests, "pd").inc()
+        log.debug("prefilled %d uncached tokens on %s; decode on %s", uncached, outcome, ranked[0])
+        out = self._encoder.encode(decode_body(body, params))
+        decode_ticket = s.dispatcher.ticket(transferred(req, ranked[0]), ranked, stream=stream)
+        return await s._forward(request, path, out, decode_ticket, t0)
 
     async def _prefill(
-        self,
-        request: web.Request,
-        path: str,
-        body: Mapping[str, Any],
-        ranked: list[str],
-        req: RoutingRequest,
+        self, request: web.Request, path: str, body: Mapping[str, Any], ticket: Ticket
     ) -> tuple[dict[str, Any] | None, str]:
-        """POST the prefill to the first reachable of ``ranked``; returns (the answer's
+        """POST the prefill to the first reachable of the ticket's ranking; returns (the answer's
         ``kv_transfer_params``, the replica's name) or (None, a reason of FALLBACK_REASONS)."""
+        try:
+            return await self._prefill_on(request, path, body, ticket)
+        finally:
+            ticket.finished()
+
+    async def _prefill_on(
+        self, request: web.Request, path: str, body: Mapping[str, Any], ticket: Ticket
+    ) -> tuple[dict[str, Any] | None, str]:
         s = self.service
         raw = self._encoder.encode(prefill_body(body))
         headers = end_to_end(request.headers).items()
         attempts = 0
-        for name in ranked:
+        for name in ticket.ranked:
             replica = s.pool.replicas.get(name)
             if replica is None or not replica.healthy:
                 continue
@@ -193,7 +197,7 @@ class PDRouter:
             attempts += 1
             # Counted on the prefill replica as queued prefill work until its answer is read,
             # so concurrent long prompts spread over the prefill replicas by the work they bring.
-            settle = s._acquire(name, req)
+            ticket.sent(name)
             sent = time.perf_counter()
             try:
                 async with asyncio.timeout(self.config.prefill_timeout_s):
@@ -203,6 +207,7 @@ class PDRouter:
                     finally:
                         resp.release()  # an unread answer closes the connection: vLLM aborts it
             except RETRYABLE as exc:
+                ticket.failed()
                 s.pool.mark_failed(name, f"POST {path} (prefill) failed: {exc!r}")
                 s.metrics.errors.labels("upstream_connect").inc()
                 continue
@@ -211,11 +216,10 @@ class PDRouter:
             except UpstreamError as exc:
                 log.warning("prefill on %s broke off: %s", name, exc)
                 return None, "error"
-            finally:
-                s._release(name, settle)
             if status >= 400:
                 log.warning("prefill on %s answered %d: %s", name, status, data[:200])
                 return None, "error"
+            ticket.first_byte()  # one token, not streamed: the answer is the prefill's end
             try:
                 answer = self._decoder.decode(data)
             except msgspec.DecodeError:
@@ -224,6 +228,6 @@ class PDRouter:
             if not isinstance(params, dict) or not params:
                 return None, "no_params"
             s.metrics.pd_prefill_latency.observe(time.perf_counter() - sent)
-            s._child(s.metrics.decisions, f"{s.picker.policy}:prefill", name).inc()
+            s._labels.get(s.metrics.decisions, f"{s.picker.policy}:prefill", name).inc()
             return params, name
         return None, "unreachable"

@@ -7,14 +7,19 @@ chunk as they arrive; nothing is re-encoded.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
+import logging
 from collections.abc import Callable, Iterable, Mapping
 
 from aiohttp import web
 
 from kvmesh.errors import UpstreamConnectError, UpstreamError
 from kvmesh.router.upstream import UpstreamResponse
+from kvmesh.routing.dispatcher import error_body
+
+log = logging.getLogger(__name__)
+REPLICA_HEADER = "x-kvmesh-replica"  # the serving replica, only with RouterConfig.replica_header
 
 _HOP_BY_HOP = frozenset(
     h.lower()
@@ -31,22 +36,8 @@ def end_to_end(headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> dict[s
     return {k: v for k, v in pairs if k.lower() not in _HOP_BY_HOP}
 
 
-ERROR_TYPES = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    408: "RequestTimeoutError",
-    413: "RequestTooLargeError",
-    502: "BadGatewayError",
-    503: "ServiceUnavailableError",
-    504: "GatewayTimeoutError",
-}
 # Connect-level failures: the request never reached a replica's handler, so another may take it.
 RETRYABLE = (UpstreamConnectError,)
-
-
-def error_body(status: int, message: str, param: str | None = None) -> bytes:
-    err = {"message": message, "type": ERROR_TYPES.get(status, "InternalServerError"), "param": param}
-    return json.dumps({"error": {**err, "code": status}}).encode()
 
 
 def error_response(status: int, message: str, param: str | None = None, **headers: str) -> web.Response:
@@ -65,14 +56,20 @@ async def relay(
     name: str,
     on_broken: Callable[[], None],
     on_first_chunk: Callable[[], None] | None = None,
+    shown: str | None = None,
+    write_timeout_s: float = 30.0,
 ) -> web.StreamResponse:
     """Answer ``request`` with the upstream's ``resp``: whole, or an SSE stream chunk by chunk.
 
     ``on_first_chunk`` is called when a stream's first chunk arrives: the replica has
     finished the prompt's prefill (vLLM streams nothing before the first token).
+    ``shown``: the replica name for the ``x-kvmesh-replica`` header (None: no header; it
+    would tell any client which replica caches which prefix). A client that takes none of
+    a stream's bytes for ``write_timeout_s`` is dropped, and the upstream stream with it.
     """
     headers = end_to_end(resp.headers)
-    headers["x-kvmesh-replica"] = name
+    if shown is not None:
+        headers[REPLICA_HEADER] = shown
     if not (stream and resp.status == 200 and resp.content_type == "text/event-stream"):
         try:
             body = await resp.read()
@@ -87,10 +84,16 @@ async def relay(
             if on_first_chunk is not None:
                 on_first_chunk()
                 on_first_chunk = None
-            await out.write(chunk)
+            await _write(out, chunk, write_timeout_s)
         await out.write_eof()
     except ConnectionResetError:
         pass  # the client left (aiohttp's write error is one); releasing resp ends the upstream stream
+    except _ClientStalled:
+        # It holds a replica's generation and our buffers while reading nothing: drop it.
+        # Releasing resp (the caller's finally) ends the upstream stream.
+        if request.transport is not None:
+            request.transport.abort()
+        log.info("a client took no stream bytes for %.0f s: dropped it (replica %s)", write_timeout_s, name)
     except (UpstreamError, TimeoutError) as exc:
         # Headers are gone already; say it in the stream, as vLLM does for its own errors.
         on_broken()
@@ -100,3 +103,15 @@ async def relay(
             )
             await out.write_eof()
     return out
+
+
+class _ClientStalled(Exception):
+    """The client did not take a write within its deadline."""
+
+
+async def _write(out: web.StreamResponse, chunk: bytes, timeout_s: float) -> None:
+    try:
+        async with asyncio.timeout(timeout_s):
+            await out.write(chunk)  # waits while the client's socket buffer is full
+    except TimeoutError:
+        raise _ClientStalled from None

@@ -57,7 +57,8 @@ def events_of(page: Any) -> list[BlockStored]:
         if not isinstance(tokens, list) or not isinstance(bs, int) or not isinstance(hashes, list):
             raise ValueError("a held event needs token_ids, block_size and block_hashes")
         parent = ev.get("parent_block_hash")
-        medium = ev.get("medium")
+        medium, group, kind = ev.get("medium"), ev.get("group_idx"), ev.get("kv_cache_spec_kind")
+        lora_name, lora_id = ev.get("lora_name"), ev.get("lora_id")
         out.append(
             BlockStored(
                 block_hashes=tuple(_hash(h) for h in hashes),
@@ -65,6 +66,12 @@ def events_of(page: Any) -> list[BlockStored]:
                 token_ids=tuple(tokens),
                 block_size=bs,
                 medium=medium if isinstance(medium, str) else None,
+                # a LoRA adapter's chunk: matched only by requests for that adapter
+                lora_name=lora_name if isinstance(lora_name, str) else None,
+                lora_id=lora_id if type(lora_id) is int else None,
+                # a hybrid model's full-attention group (tracker.py): indexed under that group
+                group_idx=group if type(group) is int else None,
+                kv_cache_spec_kind=kind if isinstance(kind, str) else None,
             )
         )
     return out

@@ -1,7 +1,6 @@
 """Run the router: in the foreground (the CLI) or on a background thread (tests, the demo).
 
-uvloop is used when it is installed (it is, beside vLLM): it takes a good part off the
-router's per-request overhead; the standard loop works the same, only slower.
+uvloop is used when it is installed (:func:`kvmesh.routing.loop.loop_factory`).
 """
 
 from __future__ import annotations
@@ -19,22 +18,14 @@ from kvmesh.index import BlockIndex
 from kvmesh.router.app import RouterService
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.metrics import RouterMetrics
-from kvmesh.router.tokenize import PromptTokenizer
-
-
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop
-    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
-    return factory
+from kvmesh.routing.loop import loop_factory
+from kvmesh.routing.tokenize import PromptTokenizer
 
 
 def run_forever(service: RouterService) -> None:
     """Serve on ``config.host:config.port`` until SIGINT/SIGTERM (the ``kvmesh router`` command)."""
     cfg = service.config
-    loop = _loop_factory()()
+    loop = loop_factory()()
     asyncio.set_event_loop(loop)
     web.run_app(
         service.make_app(),
@@ -127,7 +118,7 @@ class Router:
         self.stop()
 
     def _run(self) -> None:
-        loop = self._loop = _loop_factory()()
+        loop = self._loop = loop_factory()()
         asyncio.set_event_loop(loop)
         runner = web.AppRunner(self.service.make_app(), access_log=None, handle_signals=False)
         try:

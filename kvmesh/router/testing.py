@@ -26,19 +26,20 @@ from typing import Any
 
 from aiohttp import web
 
-_WORDS = (
+WORDS = (
     "the", "cat", "dog", "sat", "on", "mat", "a", "quick", "brown", "fox", "jumps", "over", "lazy",
     "river", "stone", "cache", "block", "prefix", "token", "router", "replica", "request", "model",
     "answer", "question", "system", "user", "assistant", "hello", "world", "one", "two", "three",
     "four", "five", "six", "seven", "eight", "nine", "ten", "red", "green", "blue", "light", "dark",
     "fast", "slow",
 )  # fmt: skip
+_WORDS = WORDS  # its name before the benchmarks used it (tests import this one)
 
 
 def corpus(n_sentences: int = 400, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     return [
-        " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 14))).capitalize() + rng.choice(".?!,")
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))).capitalize() + rng.choice(".?!,")
         for _ in range(n_sentences)
     ]
 
@@ -56,24 +57,37 @@ class FakeVLLM:
 
     Settable at any time: ``waiting``, ``running``, ``kv_usage`` (the scraped gauges),
     ``healthy`` (``/health`` answers 503 when False), ``delay_s`` (before answering),
-    ``chunks`` (SSE chunks per streamed answer), ``chunk_delay_s`` (between them),
+    ``prefill_s`` (a stream's headers go at once, as vLLM's do, its first chunk this much
+    later), ``chunks`` (SSE chunks per streamed answer), ``chunk_delay_s`` (between them),
     ``abort_after_chunks`` (cut the connection after that many chunks, like a crash),
-    ``gauges`` (False: ``/metrics`` without vLLM's gauges; ``metrics_requests`` counts scrapes).
+    ``gauges`` (False: ``/metrics`` without vLLM's gauges; ``metrics_requests`` counts scrapes),
+    ``max_model_len`` (what ``/v1/models`` reports, as vLLM does; None: not reported),
+    ``extra_metrics`` (text appended to ``/metrics``: kvmesh's own ``kvmesh:*`` gauges),
+    ``prefill_s_per_word`` (with it, prompts are "prefilled" one at a time, each taking its
+    words times this: a queue with a prefill rate, like an engine's).
+    ``adapters`` (LoRA adapter name -> path: served too, and listed by ``/v1/models`` with
+    ``parent`` = the base model, as vLLM lists ``--lora-modules``).
     ``requests`` holds ``(path, raw body, headers)``; ``responses`` the bytes sent back.
     """
 
     def __init__(self, name: str, model: str = "tiny", port: int = 0) -> None:
         self.name = name
         self.model = model
+        self.adapters: dict[str, str] = {}
         self.waiting = 0.0
         self.running = 0.0
         self.kv_usage = 0.0
         self.healthy = True
         self.delay_s = 0.0
+        self.prefill_s = 0.0
         self.chunks = 3
         self.chunk_delay_s = 0.0
         self.abort_after_chunks: int | None = None  # drop the connection mid-stream (a crash)
         self.gauges = True  # False: /metrics without vLLM's gauges (--disable-log-stats)
+        self.max_model_len: int | None = 131072
+        self.extra_metrics = ""
+        self.prefill_s_per_word = 0.0
+        self._prefill: asyncio.Lock | None = None
         self.metrics_requests = 0
         self.requests: list[tuple[str, bytes, dict[str, str]]] = []
         self.responses: list[bytes] = []
@@ -135,6 +149,12 @@ class FakeVLLM:
         body: dict[str, Any] = json.loads(raw)
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
+        if self.prefill_s_per_word:
+            if self._prefill is None:
+                self._prefill = asyncio.Lock()
+            words = len(str(body.get("prompt") or body.get("messages") or "").split())
+            async with self._prefill:
+                await asyncio.sleep(words * self.prefill_s_per_word)
         return body
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -146,7 +166,7 @@ class FakeVLLM:
         return await self._answer(request, body, chat=True)
 
     async def _answer(self, request: web.Request, body: dict[str, Any], chat: bool) -> web.StreamResponse:
-        if body.get("model", self.model) != self.model:
+        if (asked := body.get("model", self.model)) != self.model and asked not in self.adapters:
             err = {"message": f"The model `{body['model']}` does not exist.", "type": "NotFoundError"}
             return web.json_response({"error": {**err, "param": "model", "code": 404}}, status=404)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{self.name}-{len(self.requests)}"
@@ -157,7 +177,7 @@ class FakeVLLM:
             choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             usage = {"prompt_tokens": 1, "completion_tokens": self.chunks, "total_tokens": 1 + self.chunks}
-            head = {"id": rid, "object": kind, "created": int(time.time()), "model": self.model}
+            head = {"id": rid, "object": kind, "created": int(time.time()), "model": asked}
             body_out = json.dumps({**head, "choices": [choice], "usage": usage}).encode()
             self.responses.append(body_out)
             return web.Response(body=body_out, content_type="application/json")
@@ -168,6 +188,8 @@ class FakeVLLM:
         for i, piece in enumerate(pieces):
             if i and self.chunk_delay_s:
                 await asyncio.sleep(self.chunk_delay_s)
+            elif not i and self.prefill_s:
+                await asyncio.sleep(self.prefill_s)
             if i == self.abort_after_chunks and request.transport is not None:
                 request.transport.abort()
                 return out
@@ -181,7 +203,7 @@ class FakeVLLM:
                 "id": rid,
                 "object": obj,
                 "created": int(time.time()),
-                "model": self.model,
+                "model": asked,
                 "choices": [c],
             }
             frame = b"data: " + json.dumps(chunk).encode() + b"\n\n"
@@ -198,7 +220,23 @@ class FakeVLLM:
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         model = {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm", "root": self.model}
-        return web.json_response({"object": "list", "data": [model]})
+        if self.max_model_len is not None:
+            model["max_model_len"] = self.max_model_len
+        cards = [model] + [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "vllm",
+                "root": path,
+                "parent": self.model,
+            }
+            for name, path in self.adapters.items()
+        ]
+        if self.max_model_len is not None:
+            for card in cards[1:]:
+                card["max_model_len"] = self.max_model_len
+        return web.json_response({"object": "list", "data": cards})
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
         return web.Response(status=200 if self.healthy else 503)
@@ -219,13 +257,14 @@ class FakeVLLM:
             "# TYPE vllm:prompt_tokens_total counter",
             f"vllm:prompt_tokens_total{labels} 123.0",
         ]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+        return web.Response(text="\n".join(lines) + "\n" + self.extra_metrics, content_type="text/plain")
 
     async def _tokenize(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         text = body.get("prompt") or json.dumps(body.get("messages"))
         tokens = [b for b in str(text).encode()]  # bytes as ids: enough to test the plumbing
-        return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
+        count = {"count": len(tokens), "max_model_len": self.max_model_len or 4096}
+        return web.json_response({**count, "tokens": tokens})
 
 
 def main() -> None:
@@ -233,8 +272,12 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--name", default="fake")
     p.add_argument("--model", default="tiny")
+    p.add_argument("--chunks", type=int, default=3, help="SSE chunks per streamed answer")
+    p.add_argument("--chunk-delay-s", type=float, default=0.0, help="between a stream's chunks")
+    p.add_argument("--prefill-s", type=float, default=0.0, help="a stream's headers to its first chunk")
     args = p.parse_args()
     fake = FakeVLLM(args.name, args.model, args.port)
+    fake.chunks, fake.chunk_delay_s, fake.prefill_s = args.chunks, args.chunk_delay_s, args.prefill_s
     web.run_app(fake.app(), host="127.0.0.1", port=args.port, access_log=None, print=None)
 
 

@@ -43,6 +43,7 @@ class CostProfile:
     tpot_s: float  # per output token with one request decoding
     batch_slope: float = 0.05  # extra tpot per other decoding request
     decode_interference: float = 0.05  # extra prefill time per decoding request
+    shared_latency_s: float = 0.0  # per prefill that loads from the shared tier (one round trip)
     # Service-time noise (lognormal sigma): real replicas jitter, and without it a closed
     # loop of 4 sessions over 2 replicas falls into a lockstep that round-robin turns into
     # perfect session affinity (every session's turns on one replica).
@@ -50,8 +51,27 @@ class CostProfile:
 
     def prefill_s(self, computed: int, cpu: int, disk: int, shared: int, decoding: int) -> float:
         work = computed / self.prefill_tps + cpu * self.cpu_load_s + disk * self.disk_load_s
-        work += shared * self.shared_load_s
+        work += shared * self.shared_load_s + (self.shared_latency_s if shared else 0.0)
         return (self.overhead_s + work) * (1.0 + self.decode_interference * decoding)
+
+    def worth_loading(self, cpu: int, disk: int, shared: int) -> tuple[int, int, int]:
+        """What a kvmesh replica loads of a prefix held ``cpu``, ``disk``, ``shared`` tokens
+        deep (in that order after its GPU cache): the connector's rule, never load what is
+        computed sooner (kvmesh.core.loadcost), with this profile's exact figures."""
+        per = 1.0 / self.prefill_tps
+        media = (
+            (cpu, self.cpu_load_s, 0.0),
+            (disk, self.disk_load_s, 0.0),
+            (shared, self.shared_load_s, self.shared_latency_s),
+        )
+        best_k, best, load, done = 0, 0.0, 0.0, 0
+        for k, (n, per_token, latency) in enumerate(media):
+            load += n * per_token + (latency if n else 0.0)
+            done += n
+            if load - done * per < best:
+                best_k, best = k + 1, load - done * per
+        keep = [n if k < best_k else 0 for k, (n, _, _) in enumerate(media)]
+        return keep[0], keep[1], keep[2]
 
     def decode_s(self, tokens: int, decoding: int) -> float:
         return tokens * self.tpot_s * (1.0 + self.batch_slope * max(0, decoding - 1))

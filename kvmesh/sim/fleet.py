@@ -22,14 +22,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvmesh.router.table import ReplicaTable
+from kvmesh.routing.table import ReplicaTable
 from kvmesh.sim.cost import CostProfile
 from kvmesh.sim.workload import SimRequest, Workload
 
 
 class Policy(Protocol):
+    """A routing policy. One with ``infinite_cache = True`` (optional attribute) has every
+    block prefilled before as a GPU hit on any replica, instead of the fleet's caches."""
+
     name: str
-    oracle: bool  # infinite shared cache, clairvoyant placement: the ceiling
 
     def bind(self, fleet: Fleet) -> None: ...
     def route(self, req: SimRequest, now: float) -> int: ...
@@ -117,7 +119,8 @@ class Fleet:
         # What the router's scorers see, as the pool would report it: updated in place.
         self.states = ReplicaTable([f"r{i}" for i in range(config.replicas)])
         self.shared = _LRU(config.shared_blocks) if config.shared_blocks else None
-        self.seen: set[int] = set()  # the oracle's infinite cache
+        self.infinite = bool(getattr(policy, "infinite_cache", False))
+        self.seen: set[int] = set()  # the infinite cache of such a policy
         self.records: list[Record] = []
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
@@ -127,7 +130,7 @@ class Fleet:
         policy.bind(self)
 
     def backlog(self, i: int) -> int:
-        """Requests queued or prefilling on replica ``i`` (what the oracle places by)."""
+        """Requests queued or prefilling on replica ``i`` (what infinite-cache places by)."""
         r = self.replicas[i]
         return len(r.queue) + r.busy
 
@@ -193,7 +196,7 @@ class Fleet:
         req, arrived = r.queue.popleft()
         bt = self.block_tokens
         g = c = dk = sh = 0
-        if self.policy.oracle:
+        if self.infinite:
             for b in req.blocks:
                 if b not in self.seen:
                     break
@@ -211,6 +214,8 @@ class Fleet:
                     sh += 1
                 else:
                     break
+        if c or dk or sh:  # the connector never loads what it computes sooner
+            c, dk, sh = (n // bt for n in self.cost.worth_loading(c * bt, dk * bt, sh * bt))
         hit = g + c + dk + sh
         computed = max(0, req.tokens - hit * bt)
         dt = self.cost.prefill_s(computed, c * bt, dk * bt, sh * bt, r.decoding) * self._noise()
@@ -225,7 +230,7 @@ class Fleet:
         r = self.replicas[i]
         blocks = req.blocks
         policy = self.policy
-        if policy.oracle:
+        if self.infinite:
             self.seen.update(blocks)
         else:
             # vLLM cannot evict the blocks of running requests: the other requests in flight

@@ -1,11 +1,14 @@
 """Routing policies of the simulator.
 
-``kvmesh``, ``round-robin``, ``least-loaded``, ``prefix``: the router's own pickers
-(:func:`kvmesh.router.build_picker`), its :class:`~kvmesh.index.BlockIndex` fed with the
-fleet's KV and tier events, its speculative entries, session table and prefill accounting,
-as ``kvmesh/router/app.py`` does them per request. Only the transport differs: events
-arrive in the index the instant they happen, and block keys are the trace's chained ids
-(:meth:`BlockIndex.store_keys`, :meth:`PromptKeys.precomputed`) instead of token hashes.
+``kvmesh``, ``round-robin``, ``least-loaded``, ``prefix``: the routing core's pickers
+(:func:`kvmesh.routing.picker.build_picker`) and its dispatcher
+(:class:`kvmesh.routing.dispatcher.Dispatcher`: match, pick, the request counted in flight
+with its prefill work until its first token, speculative entries, sessions), the same code
+``kvmesh router`` and ``kvmesh epp`` run per request, over a :class:`~kvmesh.index.BlockIndex`
+fed with the fleet's KV and tier events. Only the transport differs: events arrive in the
+index the instant they happen, block keys are the trace's chained ids
+(:meth:`BlockIndex.store_keys`, :meth:`PromptKeys.precomputed`) instead of token hashes, and
+the requests are counted on the fleet's table (:class:`kvmesh.routing.pool.TableLedger`).
 
 ``llm-d``: llm-d's precise prefix-cache scorer shape over the same index and events: the
 fraction of the prompt's blocks held (any medium the events report, no speculative entries),
@@ -21,7 +24,10 @@ load is balanced, the replica with the longest match if it covers more than
 ``cache_threshold`` of the prompt, else the one with the smallest tree; when unbalanced
 (max - min > 64 requests and max > 1.5 x min), the least loaded. Blocks, not characters.
 
-``oracle``: an infinite cache shared by every replica, placement on the shortest queue.
+``infinite-cache``: an infinite cache shared by every replica, placement on the shortest
+queue. A reference point, not a ceiling: a policy that queues a request behind the one
+computing its prefix can hit more, and wait less than it recomputes. The ceiling of the hit
+ratio and the floors of TTFT are :mod:`kvmesh.sim.bound`, computed, not simulated.
 """
 
 from __future__ import annotations
@@ -32,21 +38,27 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from kvmesh.index import BlockIndex, PromptKeys
-from kvmesh.router import Picker, RouterConfig, build_picker
-from kvmesh.router.scorers import (
-    KVUtilScorer,
-    PrefixScorer,
-    QueueScorer,
-    RoutingRequest,
-    SessionTable,
-    prefill_cost,
-)
+from kvmesh.routing.config import RoutingConfig
+from kvmesh.routing.dispatcher import Dispatcher, InlineTimers, Ticket
+from kvmesh.routing.picker import Picker, build_picker
+from kvmesh.routing.pool import TableLedger
+from kvmesh.routing.scorers import KVUtilScorer, PrefixScorer, QueueScorer, RoutingRequest
+from kvmesh.routing.sessions import SessionTable
 from kvmesh.sim.workload import SimRequest
 
 if TYPE_CHECKING:
     from kvmesh.sim.fleet import Fleet
 
-POLICIES = ("kvmesh", "llm-d", "cache-aware", "least-loaded", "round-robin", "prefix", "oracle")
+POLICIES = (
+    "kvmesh",
+    "cost",
+    "llm-d",
+    "cache-aware",
+    "least-loaded",
+    "round-robin",
+    "prefix",
+    "infinite-cache",
+)
 _M128 = (1 << 128) - 1
 
 
@@ -64,9 +76,7 @@ class SimClock:
 
 
 class RouterPolicy:
-    """A router picker over the fleet, with the router's own bookkeeping around it."""
-
-    oracle = False
+    """The routing core's dispatcher over the fleet (see the module docstring)."""
 
     def __init__(
         self,
@@ -74,73 +84,72 @@ class RouterPolicy:
         picker: Picker,
         index: BlockIndex | None,
         speculative: bool,
-        config: RouterConfig,
+        config: RoutingConfig,
         clock: SimClock | None = None,
+        sessions: SessionTable | None = None,
     ) -> None:
         self.name = name
         self.picker = picker
         self.index = index
         self.speculative = speculative and index is not None
         self.config = config
-        self.sessions: SessionTable | None = None
+        self.sessions = sessions
         self.clock = clock or SimClock()
-        self._cost: dict[int, float] = {}
+        self._tickets: dict[int, Ticket] = {}
 
     def bind(self, fleet: Fleet) -> None:
         self.fleet = fleet
         self.clock.fleet = fleet
         self.bt = fleet.block_tokens
         self.states = fleet.states
-        self.names = list(self.states.names)
         if self.index is not None:
-            for n in self.names:
+            for n in self.states.names:
                 self.index.add_replica(n)
+        self.dispatcher = Dispatcher(
+            self.config,
+            TableLedger(self.states),
+            self.picker,
+            index=self.index,
+            sessions=self.sessions,
+            timers=InlineTimers(),
+            speculative=self.speculative,
+            speculative_block_size=self.bt,
+        )
 
     def route(self, req: SimRequest, now: float) -> int:
         prompt = PromptKeys.precomputed(req.tokens, {self.bt: tuple(map(_key, req.blocks))})
         head = req.blocks[0] if req.blocks else hash(req.session) & 0xFFFF_FFFF
         key = xxhash.xxh3_64_intdigest((head & _M128).to_bytes(16, "little"))
         rr = RoutingRequest(prompt.tokens, session_id=req.session, key=key, prompt=prompt)
-        d = self.picker.pick(rr, self.states)
-        i = d.index
-        name = self.names[i]
-        states = self.states
-        # As the router's _acquire: count it in flight, queue its prefill work, speculate.
-        cost = (
-            prefill_cost(rr, name, self.config.prefill_load_cost)
-            if rr.matches is not None
-            else float(req.tokens)
-        )
-        states.in_flight[i] += 1
-        states.prefill_tokens[i] += cost
-        self._cost[id(req)] = cost
-        if self.speculative and self.index is not None:
-            self.index.add_speculative(name, prompt, ttl_s=self.config.speculative_ttl_s, block_size=self.bt)
-        if self.sessions is not None and req.session:
-            self.sessions.record(req.session, name)
-        return i
+        ticket = self.dispatcher.route(rr, self.states, stream=True, limit=1)  # first token: TTFT
+        name = ticket.ranked[0]
+        ticket.sent(name)
+        ticket.served(name, 200)  # a simulated replica always answers
+        self._tickets[id(req)] = ticket
+        d = ticket.decision
+        return d.index if d is not None else self.states.names.index(name)
 
     def stored(self, replica: int, medium: str, blocks: list[int]) -> None:
         if self.index is not None:
-            self.index.store_keys(self.names[replica], medium, self.bt, [(b, _key(b)) for b in blocks])
+            self.index.store_keys(self.states.names[replica], medium, self.bt, [(b, _key(b)) for b in blocks])
 
     def removed(self, replica: int, medium: str, blocks: list[int]) -> None:
         if self.index is not None:
-            self.index.remove(self.names[replica], blocks, medium)
+            self.index.remove(self.states.names[replica], blocks, medium)
 
     def first_token(self, replica: int, req: SimRequest) -> None:
-        s = self.states.prefill_tokens
-        s[replica] = max(0.0, s[replica] - self._cost.pop(id(req), 0.0))
+        ticket = self._tickets.get(id(req))
+        if ticket is not None:
+            ticket.first_byte()
 
     def finished(self, replica: int, req: SimRequest) -> None:
-        s = self.states.in_flight
-        s[replica] = max(0.0, s[replica] - 1)
+        ticket = self._tickets.pop(id(req), None)
+        if ticket is not None:
+            ticket.finished()
 
 
 class CacheAware:
     """SGLang router's cache_aware policy (see the module docstring)."""
-
-    oracle = False
 
     def __init__(
         self, tree_blocks: int, cache_threshold: float = 0.5, balance_abs: int = 64, balance_rel: float = 1.5
@@ -210,12 +219,12 @@ class CacheAware:
         self.load[replica] -= 1
 
 
-class Oracle:
-    """Infinite shared cache (the fleet counts every block seen before as a GPU hit) and
-    placement on the shortest queue: no policy on real replicas can beat its hit ratio."""
+class InfiniteCache:
+    """Infinite shared cache (the fleet counts every block prefilled before as a GPU hit) and
+    placement on the shortest queue. Not a ceiling (see the module docstring)."""
 
-    oracle = True
-    name = "oracle"
+    infinite_cache = True
+    name = "infinite-cache"
 
     def bind(self, fleet: Fleet) -> None:
         self.fleet = fleet
@@ -239,29 +248,33 @@ class Oracle:
 
 
 def make(
-    name: str, tree_blocks: int, config: RouterConfig | None = None
-) -> RouterPolicy | CacheAware | Oracle:
+    name: str, tree_blocks: int, config: RoutingConfig | None = None
+) -> RouterPolicy | CacheAware | InfiniteCache:
     """A fresh policy by name (see :data:`POLICIES`)."""
-    cfg = config or RouterConfig()
-    if name == "oracle":
-        return Oracle()
+    cfg = config or RoutingConfig()
+    if name == "infinite-cache":
+        return InfiniteCache()
     if name == "cache-aware":
         return CacheAware(tree_blocks)
     clock = SimClock()
     if name == "llm-d":
         index = BlockIndex(max_blocks=50_000_000, clock=clock)
-        weights = {"GPU": 1.0, "CPU": 1.0, "DISK": 1.0, "REMOTE": 1.0}
-        picker = Picker(
-            name, [(PrefixScorer(index, weights), 2.0), (KVUtilScorer(), 1.0), (QueueScorer(), 1.0)]
-        )
-        return RouterPolicy(name, picker, index, speculative=False, config=cfg, clock=clock)
+        weights = {"GPU": 1.0, "CPU": 1.0, "DISK": 1.0, "REMOTE": 1.0, "OTHER": 1.0}
+        lld = Picker(name, [(PrefixScorer(index, weights), 2.0), (KVUtilScorer(), 1.0), (QueueScorer(), 1.0)])
+        return RouterPolicy(name, lld, index, speculative=False, config=cfg, clock=clock)
+    if name == "cost":  # the router's cost picker, on the fleet's clock (costpolicy.py)
+        from kvmesh.routing.cost import build_cost_picker
+        from kvmesh.sim.costpolicy import CostPolicy
+
+        index = BlockIndex(max_blocks=50_000_000, clock=clock)
+        cost = build_cost_picker(index, cfg, clock)
+        sessions = SessionTable(cfg.session_capacity)
+        return CostPolicy(name, cost, index, speculative=True, config=cfg, clock=clock, sessions=sessions)
     if name in ("kvmesh", "prefix"):
         index = BlockIndex(max_blocks=50_000_000, clock=clock)
         sessions = SessionTable(cfg.session_capacity)
         picker = build_picker(name, index, sessions, cfg)
-        policy = RouterPolicy(name, picker, index, speculative=True, config=cfg, clock=clock)
-        policy.sessions = sessions
-        return policy
+        return RouterPolicy(name, picker, index, speculative=True, config=cfg, clock=clock, sessions=sessions)
     if name in ("round-robin", "least-loaded"):
         return RouterPolicy(name, build_picker(name, config=cfg), None, speculative=False, config=cfg)
     raise ValueError(f"unknown sim policy {name!r}; valid: {', '.join(POLICIES)}")

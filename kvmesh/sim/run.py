@@ -40,6 +40,7 @@ def simulate(
         records = fleet.run(work)
     wall = time.perf_counter() - t0
     out = {"policy": policy, "replicas": config.replicas, **summarize(records, config.replicas)}
+    out.update(getattr(pol, "summary", dict)())  # a policy's own figures (cost: its accuracy)
     out["sim_wall_s"] = round(wall, 2)
     out["sim_requests_per_s"] = round(len(records) / wall) if wall > 0 else 0
     return out

@@ -126,9 +126,9 @@ def bench_router(model_dir: str, quick: bool = False, block_tokens: int = 128) -
     Same tenants, texts, turns and concurrency; the replicas' answers (8 tokens of random
     text) are stood in for by a fixed 8-word answer, so follow-ups keep their shape.
     """
-    from kvmesh.bench.router import params
-    from kvmesh.bench.workload import Workload as ChatWorkload
-    from kvmesh.router.tokenize import PromptTokenizer
+    from kvmesh.bench.common.workload import Workload as ChatWorkload
+    from kvmesh.bench.router.bench import params
+    from kvmesh.routing.tokenize import PromptTokenizer
 
     p = params(quick)
     chats = ChatWorkload.multi_tenant(p.tenants, p.users, p.turns, prefix_words=p.prefix_words, seed=0)

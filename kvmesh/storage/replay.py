@@ -37,6 +37,8 @@ from kvmesh.core.engine import CacheEngine
 from kvmesh.core.keys import ChunkKey, KVLayout
 from kvmesh.paths import traces_dir
 from kvmesh.tiers.base import ChunkData
+from kvmesh.tiers.disk import DiskTier
+from kvmesh.tiers.segments import SegmentTier
 
 BLOCK = 512
 GB = 1024**3
@@ -151,7 +153,7 @@ def _cold_reads(disk: Any, n: int, chunk_size: int) -> list[float]:
     out = []
     for text in keys[:n]:
         key = ChunkKey.parse(text, chunk_size)
-        _drop_cache(disk, text)
+        drop_cache(disk, text)
         t0 = time.perf_counter()
         got = disk.get([key])[0]
         if got is not None:
@@ -159,19 +161,13 @@ def _cold_reads(disk: Any, n: int, chunk_size: int) -> list[float]:
     return out
 
 
-def _drop_cache(disk: Any, text: str) -> None:
-    """Evict one chunk's pages from the page cache (posix_fadvise on that file or range only:
-    never the machine-wide drop_caches, which would disturb everyone else)."""
-    with contextlib.suppress(OSError, KeyError):
-        if hasattr(disk, "_entries") and hasattr(disk, "file"):  # SegmentTier
-            ent = disk._entries[text]
-            os.posix_fadvise(disk._fd, ent.off, ent.size, os.POSIX_FADV_DONTNEED)
-        else:
-            fd = os.open(disk._file(text), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+def drop_cache(disk: object, text: str) -> None:
+    """Evict one chunk's pages from the page cache: the disk tier's own
+    ``drop_page_cache`` (that file or byte range only, never the machine-wide drop_caches,
+    which would disturb everyone else). Raises TypeError for a tier that is not on disk."""
+    if not isinstance(disk, DiskTier | SegmentTier):
+        raise TypeError(f"{type(disk).__name__} is not a disk tier: no page cache to drop")
+    disk.drop_page_cache(text)
 
 
 @contextlib.contextmanager

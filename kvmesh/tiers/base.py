@@ -6,7 +6,8 @@ A lower tier (disk, Redis, shared filesystem) stores serialized chunks (see
 * **Batched.** Every operation takes a sequence of keys and answers per key, in order.
 * **Errors.** Backend errors are translated at this boundary: ``contains``/``get`` never
   raise for a missing or corrupt object (it is a miss; a corrupt object is deleted and
-  counted in ``metrics.corrupt``). A backend that cannot be reached raises
+  counted in ``metrics.corrupt``, one that fails its fleet-key MAC in
+  ``metrics.unauthenticated``: see :func:`count_rejected`). A backend that cannot be reached raises
   :class:`~kvmesh.errors.TierUnavailableError`; a full one makes ``put`` return ``False``
   for the chunks it could not store (counted in ``metrics.skipped_stores``). The engine
   turns any :class:`~kvmesh.errors.TierError` into a miss, never into a failed request.
@@ -15,8 +16,11 @@ A lower tier (disk, Redis, shared filesystem) stores serialized chunks (see
   returns; ``get`` returns buffers the caller owns. With ``into``, ``get`` reads a raw
   payload into the buffer ``into(nbytes)`` returns (memory the caller preallocated:
   fresh pages cost more to fault in here than the copy itself).
-* **Verification.** ``get`` verifies the header (key) and the payload checksum; the caller
-  checks the chunk's own tokens against what it asked for.
+* **Verification.** ``get`` reads and writes chunks in ``options.chunk_format``
+  (:class:`~kvmesh.core.serde.ChunkFormat`: the fleet key, encryption, the engine's
+  layout): it verifies the header tag (MAC) before parsing the header, the header's key,
+  tokens, layout and sizes before allocating, and the payload's tag before decoding it; the
+  caller checks the chunk's own tokens against what it asked for.
 
 Optional features are **declared**, never sniffed: every tier (the cpu tier too) carries a
 ``features`` flag set (:class:`Feature`), and :func:`as_pinnable` / :func:`as_recodable` /
@@ -41,10 +45,12 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from kvmesh.config_lmcache import redact_url
 from kvmesh.core import serde
+from kvmesh.core.fleetkey import unauthenticated_warning
 from kvmesh.core.keys import ChunkKey, KVLayout
-from kvmesh.core.serde import Buffer, ChunkHeader, empty_buffer
-from kvmesh.errors import ConfigError
+from kvmesh.core.serde import Buffer, ChunkFormat, ChunkHeader, Mode, empty_buffer, reused_buffer
+from kvmesh.errors import ConfigError, CorruptChunkError, UnauthenticatedChunkError
 from kvmesh.metrics import TierMetrics
 
 Into = Callable[[int], memoryview | None]
@@ -87,6 +93,8 @@ class TierOptions:
     shard: int = 0  # TP rank: the disk tier's default sub-directory is rank<shard>
     subdir: str = ""  # disk tier: "" = the path itself, "auto" = <path>/rank<k>/slot<n>
     metrics: TierMetrics = field(default_factory=lambda: TierMetrics("tier"))
+    # fleet key (MAC / AEAD) and the layout every chunk must have; default: checksums only
+    chunk_format: ChunkFormat = field(default_factory=lambda: serde.PLAIN)
 
 
 class Feature(enum.Flag):
@@ -154,7 +162,9 @@ class StoredChunk:
 
 
 class RecodableTier(Tier, Protocol):
-    """``Feature.RECODE``: the two primitives :func:`recode` needs."""
+    """``Feature.RECODE``: the two primitives :func:`recode` needs, and the format it writes."""
+
+    chunk_format: ChunkFormat
 
     def read_stored(self, keys: Sequence[ChunkKey]) -> list[StoredChunk | None]: ...
 
@@ -200,20 +210,42 @@ def recode(tier: RecodableTier, keys: Sequence[ChunkKey], codec: str) -> tuple[i
         if item.header.codec == codec:
             after += item.stored_bytes
             continue
-        head, body = serde.encode(key, item.header.layout, item.header.tokens, item.raw, codec)
+        head, body = tier.chunk_format.encode(key, item.header.layout, item.header.tokens, item.raw, codec)
         new_size = tier.rewrite(key, head, body, item.version)
         after += item.stored_bytes if new_size is None else new_size
     return before, after
 
 
-def payload_buffer(into: Into | None, nbytes: int, codec: str) -> memoryview:
+def payload_buffer(into: Into | None, header: ChunkHeader) -> memoryview:
     """Where a tier reads a stored payload: the caller's buffer for raw chunks when offered,
-    else fresh memory. (A zstd payload is decoded into new memory anyway.)"""
-    if into is not None and codec == "raw":
-        buf = into(nbytes)
+    else fresh memory. (A zstd payload is decoded into new memory anyway; a sealed one is
+    decrypted into the caller's buffer by ``decode_payload``.)"""
+    if header.mode == Mode.AEAD:  # ciphertext, decrypted away at once: recycled memory
+        return reused_buffer(header.payload_len)
+    if into is not None and header.codec == "raw":
+        buf = into(header.payload_len)
         if buf is not None:
             return buf
-    return empty_buffer(nbytes)
+    return empty_buffer(header.payload_len)
+
+
+def shared_tier_warning(url: str | None, keyed: bool) -> str | None:
+    """What start-up, stats, ``/health`` and ``kvmesh config check`` say of a shared
+    (remote) tier ``url`` without a fleet key; ``None`` when there is nothing to say."""
+    if keyed or not url:
+        return None
+    return unauthenticated_warning(f"the shared remote tier {redact_url(url)}")
+
+
+def count_rejected(metrics: TierMetrics, exc: CorruptChunkError) -> bool:
+    """Count a chunk that failed verification (``unauthenticated`` when its fleet-key tag
+    failed, else ``corrupt``); whether the tier should delete it. A reader without a fleet
+    key leaves keyed chunks alone: they belong to the fleet that has one."""
+    if isinstance(exc, UnauthenticatedChunkError):
+        metrics.inc("unauthenticated")
+        return exc.discard
+    metrics.inc("corrupt")
+    return True
 
 
 def counted_read(metrics: TierMetrics, key: ChunkKey, item: StoredChunk | None) -> ChunkData | None:
@@ -240,6 +272,7 @@ _BUILTIN_MODULES = {
     "fs": "kvmesh.tiers.fs",
     "s3": "kvmesh.tiers.s3",
     "redis-cluster": "kvmesh.tiers.redis_cluster",
+    "redis-sentinel": "kvmesh.tiers.redis",
     "mooncakestore": "kvmesh.tiers.mooncake",
     "mem": "kvmesh.tiers.testing",
     "faulty": "kvmesh.tiers.testing",

@@ -58,7 +58,10 @@ class RemoteGuard:
         timeout_errors: tuple[type[BaseException], ...] = (TimeoutError,),
         conn_errors: tuple[type[BaseException], ...] = (OSError,),
         server_errors: tuple[type[BaseException], ...] = (),
+        auth_errors: tuple[type[BaseException], ...] = (),
     ) -> None:
+        """``auth_errors``: the server answered and refused our credentials; reported as an
+        authentication failure, not as unreachable (checked before ``conn_errors``)."""
         self.name = name
         self.url = url
         self.metrics = metrics
@@ -70,6 +73,8 @@ class RemoteGuard:
         self._timeout_errors = timeout_errors
         self._conn_errors = conn_errors
         self._server_errors = server_errors
+        self._auth_errors = auth_errors
+        self._ping_error: BaseException | None = None
         self._lock = threading.Lock()
         self._failures = 0
         self._up = threading.Event()
@@ -81,6 +86,15 @@ class RemoteGuard:
         and the probe brings it up), then start the probe thread."""
         if self._safe_ping():
             self._mark_up()
+        elif self._auth_errors and isinstance(self._ping_error, self._auth_errors):
+            log.error(
+                "kvmesh tier %s: %s refused our credentials (%s); starting down: check the "
+                "username and password (the URL's user:password@, or LMCache's extra_config keys)",
+                self.name,
+                self.url,
+                self._ping_error,
+            )
+            self.metrics.set("up", 0)
         else:
             log.warning("kvmesh tier %s: %s unreachable at start; starting down", self.name, self.url)
             self.metrics.set("up", 0)
@@ -123,6 +137,12 @@ class RemoteGuard:
                     raise TierUnavailableError(f"tier {self.name}: the operation's time budget is spent")
                 try:
                     result = op()
+                except self._auth_errors as exc:
+                    self.metrics.inc("errors")
+                    self._trip(exc)
+                    raise TierUnavailableError(
+                        f"tier {self.name}: {self.url} refused our credentials (authentication failed: {exc})"
+                    ) from None
                 except self._timeout_errors as exc:
                     self.metrics.inc("errors")
                     self.metrics.inc("timeouts")
@@ -192,8 +212,10 @@ class RemoteGuard:
 
     def _safe_ping(self) -> bool:
         try:
+            self._ping_error = None
             return self._ping()
-        except Exception:  # whatever the client raises, an unanswered ping means "down"
+        except Exception as exc:  # whatever the client raises, an unanswered ping means "down"
+            self._ping_error = exc
             return False
 
     def _probe_loop(self) -> None:

@@ -109,7 +109,7 @@ class CPUTier:
                 deadline = max(deadline, time.monotonic() + WRITE_BACK_WAIT_S)
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self.pool.wait_for_release(seen, remaining):
-                self.metrics.inc("skipped_stores")
+                self.metrics.skip("pool_full")
                 return None
 
     def _evict_some(self) -> str:

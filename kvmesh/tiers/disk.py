@@ -42,6 +42,7 @@ from kvmesh.tiers.base import (
     Into,
     StoredChunk,
     TierOptions,
+    count_rejected,
     counted_read,
     register_tier,
     url_path,
@@ -84,6 +85,7 @@ class DiskTier:
         self.metrics = opts.metrics
         self.path = os.path.abspath(path)
         self.codec = serde.get_codec(opts.codec).name
+        self.chunk_format = opts.chunk_format
         self.capacity = opts.capacity_bytes
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
@@ -99,7 +101,7 @@ class DiskTier:
             # none | hints: where a write of each lifetime class goes (segments is SegmentTier).
             mode = opts.placement if opts.placement != "segments" else "none"
             placement = Placement(mode, opts.ru_size, opts.placement_map)
-            self.files = ChunkFiles(self.path, opts.o_direct, opts.io_trace, placement)
+            self.files = ChunkFiles(self.path, opts.o_direct, opts.io_trace, placement, opts.chunk_format)
             self._rebuild()
         except BaseException:
             self._dirlock.release()
@@ -121,7 +123,7 @@ class DiskTier:
         with self.metrics.timed("get"):
             out: list[ChunkData | None] = []
             for k in keys:
-                item = self._load(k.text, into, stamp=True)
+                item = self._load(k, into, stamp=True)
                 if item is not None:
                     with self._lock:
                         self._policy.touch(k.text)
@@ -198,7 +200,7 @@ class DiskTier:
 
     def read_stored(self, keys: Sequence[ChunkKey]) -> list[StoredChunk | None]:
         self._check_open()
-        return [self._load(k.text, None, stamp=False) for k in keys]
+        return [self._load(k, None, stamp=False) for k in keys]
 
     def rewrite(self, key: ChunkKey, head: bytes, body: serde.Buffer, version: int | None) -> int | None:
         """Replace ``key``'s file while write ``version`` is still the current one. Ignores
@@ -213,6 +215,12 @@ class DiskTier:
 
     # ---- inspection -------------------------------------------------------------------
 
+    def drop_page_cache(self, text: str) -> None:
+        """Evict the chunk ``text`` from the OS page cache (its file only: never the
+        machine-wide drop_caches, which would disturb every other process), so that the next
+        read of it is cold. For benchmarks; best effort."""
+        self.files.drop_page_cache(text)
+
     def keys(self) -> Iterator[str]:
         with self._lock:
             return iter(list(self._entries))
@@ -223,17 +231,22 @@ class DiskTier:
 
     # ---- internals --------------------------------------------------------------------
 
-    def _load(self, text: str, into: Into | None, stamp: bool) -> StoredChunk | None:
-        """Read and verify ``text``'s file (``version`` = its write generation), or ``None``
+    def _load(self, key: ChunkKey, into: Into | None, stamp: bool) -> StoredChunk | None:
+        """Read and verify ``key``'s file (``version`` = its write generation), or ``None``
         for a miss. A file found gone or bad leaves the index (if no newer write replaced it)."""
+        text = key.text
         with self._lock:
             ent = self._entries.get(text)
         if ent is None:
             return None
         try:
-            item = self.files.read(text, stamp, into)
-        except (FileNotFoundError, CorruptChunkError) as exc:
-            self._drop(text, ent.gen, corrupt=isinstance(exc, CorruptChunkError))
+            item = self.files.read(key, stamp, into)
+        except FileNotFoundError:
+            self._drop(text, ent.gen)
+            return None
+        except CorruptChunkError as exc:
+            if count_rejected(self.metrics, exc):
+                self._drop(text, ent.gen)
             return None
         except OSError:
             self.metrics.inc("errors")  # EIO and the like: a miss, but the file may be fine
@@ -250,14 +263,14 @@ class DiskTier:
         if present:  # same key, same bytes: no rewrite, only recency
             self.files.touch(text)
             return True
-        head, body = serde.encode(key, chunk.layout, chunk.tokens, chunk.data, self.codec)
+        head, body = self.chunk_format.encode(key, chunk.layout, chunk.tokens, chunk.data, self.codec)
         want = len(head) + memoryview(body).nbytes
         if self.files.o_direct:
             want = -(-want // ALIGN) * ALIGN
         with self._lock:
             fits = self._reserve(want)
         if not fits:
-            self.metrics.inc("skipped_stores")
+            self.metrics.skip("capacity")  # the budget is taken by pinned or reserved chunks
             return False
         try:
             tmp, size = self.files.write_tmp(text, head, body, check_class(chunk.lifetime))
@@ -265,11 +278,11 @@ class DiskTier:
             with self._lock:
                 self._reserved -= want
             self._degraded = True
-            self.metrics.inc("skipped_stores")
+            self.metrics.skip("io_error")
             self.metrics.inc("errors", int(exc.errno not in _FULL_ERRNOS))
             return False
         if not self._commit(text, tmp, size, replace_gen=None, reserved=want):
-            self.metrics.inc("skipped_stores")
+            self.metrics.skip("io_error")
             return False
         self._degraded = False
         self.metrics.inc("stores")
@@ -341,14 +354,12 @@ class DiskTier:
         self.files.unlink(text, ent.size)
         return True
 
-    def _drop(self, text: str, gen: int, corrupt: bool) -> None:
+    def _drop(self, text: str, gen: int) -> None:
         """Forget a file found bad or gone, unless a newer write replaced it meanwhile."""
         with self._lock:
             ent = self._entries.get(text)
             if ent is not None and ent.gen == gen:
                 self._remove(text, force=True)
-        if corrupt:
-            self.metrics.inc("corrupt")
 
     def _gauges(self) -> None:
         self.metrics.set("bytes_used", self._used)
@@ -362,11 +373,16 @@ class DiskTier:
                 with contextlib.suppress(OSError):
                     os.unlink(f.path)
             elif text:
-                st = f.stat()
-                if self.files.path(text) == f.path and self.files.header_ok(f.path, text, st.st_size):
+                st = f.stat(follow_symlinks=False)  # a link is refused, never followed
+                bad = (
+                    self.files.check_header(f.path, text, st.st_size)
+                    if self.files.path(text) == f.path
+                    else CorruptChunkError(f"{f.path} is not where {text} belongs")
+                )
+                if bad is None:
                     found.append((st.st_mtime_ns, text, st.st_size))
                 else:
-                    self.metrics.inc("corrupt")
+                    count_rejected(self.metrics, bad)  # removed either way: nobody else writes here
                     with contextlib.suppress(OSError):
                         os.unlink(f.path)
         with self._lock:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import itertools
 import json
 import mmap
 import os
+import stat
 import threading
 import time
 import warnings
@@ -25,6 +27,8 @@ import numpy as np
 import xxhash
 
 from kvmesh.core import serde
+from kvmesh.core.keys import ChunkKey
+from kvmesh.core.serde import ChunkFormat
 from kvmesh.errors import CorruptChunkError
 from kvmesh.storage.trace import fiemap, fiemap_path
 from kvmesh.tiers.base import Into, StoredChunk, payload_buffer
@@ -34,6 +38,31 @@ SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
 ALIGN = 4096
 ADVISE_THREADS = 8  # files ChunkFiles.advise opens at once
+# A chunk file is opened without following a final symlink and without blocking: a FIFO
+# where a chunk should be blocks a plain open until a writer comes, and its reads forever.
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def open_regular(path: str) -> tuple[io.FileIO | None, os.stat_result]:
+    """Open ``path`` for reading if it is a regular file: ``(file, its stat)``; for anything
+    else (a symlink, a FIFO, a device, a directory) ``(None, its lstat)``, opened and read
+    never. Raises ``FileNotFoundError`` and other ``OSError`` as ``open`` does."""
+    try:
+        fd = os.open(path, READ_FLAGS)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:  # ELOOP: O_NOFOLLOW met a symlink
+            raise
+        return None, os.lstat(path)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            return None, st
+        return open(fd, "rb", buffering=0, closefd=True), st
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
 
 
 class ChunkFiles:
@@ -45,8 +74,10 @@ class ChunkFiles:
         o_direct: bool = False,
         io_trace: str | None = None,
         placement: Placement | None = None,
+        chunk_format: ChunkFormat = serde.PLAIN,
     ) -> None:
         self.placement = placement or Placement("none")
+        self.chunk_format = chunk_format
         self.root = root
         self.o_direct = o_direct
         self._tmp_seq = itertools.count()
@@ -80,6 +111,11 @@ class ChunkFiles:
             stamp = self.stamp()
             os.utime(self.path(text), ns=(stamp, stamp))
 
+    def drop_page_cache(self, text: str) -> None:
+        """``POSIX_FADV_DONTNEED`` on the file of ``text``: its pages leave the page cache, so
+        the next read is cold. Best effort: a file gone meanwhile is left alone."""
+        self._fadvise(text, os.POSIX_FADV_DONTNEED)
+
     # ---- reads ------------------------------------------------------------------------
 
     def advise(self, texts: Sequence[str]) -> None:
@@ -96,46 +132,63 @@ class ChunkFiles:
             list(self._advisers.map(self._advise_one, texts))
 
     def _advise_one(self, text: str) -> None:
+        self._fadvise(text, os.POSIX_FADV_WILLNEED)
+
+    def _fadvise(self, text: str, advice: int) -> None:
         try:
-            fd = os.open(self.path(text), os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self.path(text), READ_FLAGS)
         except OSError:
             return
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(fd, 0, 0, advice)
         except OSError:
             pass
         finally:
             os.close(fd)
 
-    def read(self, text: str, stamp: bool, into: Into | None = None) -> StoredChunk:
+    def read(self, key: ChunkKey, stamp: bool, into: Into | None = None) -> StoredChunk:
         """Read and verify one file. Raises ``FileNotFoundError``, :class:`CorruptChunkError`
         or another ``OSError``. With ``stamp`` the file's mtime records this read."""
-        with self.traced("read", text) as rec, open(self.path(text), "rb", buffering=0) as f:
-            header = _read_header(f, text)
-            if os.fstat(f.fileno()).st_size < header.header_size + header.payload_len:
-                raise CorruptChunkError(f"chunk file {text} is shorter than its header says")
-            body = payload_buffer(into, header.payload_len, header.codec)
-            got = 0
-            while got < len(body):
-                n = f.readinto(body[got:])
-                if not n:
-                    raise CorruptChunkError(f"chunk file {text} truncated inside its payload")
-                got += n
-            raw = serde.decode_payload(header, body)
-            rec["bytes"] = header.header_size + len(body)
-            if stamp:
-                t = self.stamp()
-                os.utime(f.fileno(), ns=(t, t))
-        # The raw codec hands back a view of ``body``: give the caller the buffer itself.
-        return StoredChunk(header, body if header.codec == "raw" else raw, int(rec["bytes"]))
+        fmt, text = self.chunk_format, key.text
+        with self.traced("read", text) as rec:
+            f, st = open_regular(self.path(text))
+            if f is None:
+                raise CorruptChunkError(f"chunk file {text} is not a regular file")
+            with f:
+                header = _read_header(f, key, fmt)
+                if st.st_size < header.header_size + header.payload_len:
+                    raise CorruptChunkError(f"chunk file {text} is shorter than its header says")
+                body = payload_buffer(into, header)
+                got = 0
+                while got < len(body):
+                    n = f.readinto(body[got:])
+                    if not n:
+                        raise CorruptChunkError(f"chunk file {text} truncated inside its payload")
+                    got += n
+                raw = fmt.decode_payload(header, body, into)
+                rec["bytes"] = header.header_size + len(body)
+                if stamp:
+                    t = self.stamp()
+                    os.utime(f.fileno(), ns=(t, t))
+        return StoredChunk(header, raw, int(rec["bytes"]))
 
-    def header_ok(self, path: str, text: str, file_size: int) -> bool:
+    def check_header(self, path: str, text: str, file_size: int) -> CorruptChunkError | None:
+        """``None`` when ``path`` holds a chunk of ``text`` this reader accepts (its header tag
+        verifies; the payload is checked when it is read), else why not. Chunks of another
+        layout are accepted: another model's, never asked for by this one, left to eviction."""
         try:
-            with open(path, "rb", buffering=0) as f:
-                header = _read_header(f, text)
-        except (OSError, CorruptChunkError):
-            return False
-        return file_size >= header.header_size + header.payload_len
+            f, _ = open_regular(path)
+            if f is None:
+                return CorruptChunkError(f"{path} is not a regular file")
+            with f:
+                header = _read_header(f, text, self.chunk_format.with_layout(None))
+        except CorruptChunkError as exc:
+            return exc
+        except OSError as exc:
+            return CorruptChunkError(f"{path} cannot be read: {exc.strerror}")
+        if file_size < header.header_size + header.payload_len:
+            return CorruptChunkError(f"{path} is shorter than its header says")
+        return None
 
     def scan(self) -> Iterator[tuple[str, os.DirEntry[str]]]:
         """``(key text or "", entry)`` for every file under the 2-hex directories; temp
@@ -252,9 +305,9 @@ class ChunkFiles:
                 self._trace = None
 
 
-def _read_header(f: BinaryIO, text: str) -> serde.ChunkHeader:
+def _read_header(f: BinaryIO, key: ChunkKey | str, fmt: ChunkFormat) -> serde.ChunkHeader:
     prefix = f.read(serde.PREFIX_SIZE)
-    return serde.decode_header(prefix + f.read(serde.header_length(prefix) - len(prefix)), text)
+    return fmt.decode_header(prefix + f.read(fmt.header_length(prefix) - len(prefix)), key)
 
 
 def _write_all(fd: int, mv: memoryview) -> None:

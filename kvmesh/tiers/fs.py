@@ -11,8 +11,15 @@ between any two calls. Writers never expose a partial file: they write a unique 
 (``.<key>.<pid>.<random>.tmp``, invisible to readers and to ``keys()``), fsync it and
 ``os.replace`` it over the final name, which is atomic on POSIX filesystems and on NFS. A
 reader that still finds a bad file (bit rot, a foreign tool) treats it as a miss, counts it
-in ``corrupt`` and deletes it — only if the name still points at the file it read, so it
-never deletes a good file that a concurrent writer has just put in its place.
+in ``corrupt`` (``unauthenticated`` when it fails the fleet key's MAC) and deletes it — only
+if the name still points at the file it read, so it never deletes a good file that a
+concurrent writer has just put in its place.
+
+Anyone who can write to the directory is untrusted: files open with ``O_NOFOLLOW |
+O_NONBLOCK`` and only regular files are read (:func:`~kvmesh.tiers.diskfiles.open_regular`),
+so a symlink or a FIFO planted where a chunk should be is a miss, never a read elsewhere or
+a read that blocks. Without a fleet key such a writer can still plant well-formed KV, as the
+engine's start-up log, its stats and ``/health`` say.
 """
 
 from __future__ import annotations
@@ -22,13 +29,15 @@ import errno
 import io
 import logging
 import os
+import re
 import secrets
 import time
 from collections.abc import Iterator, Sequence
+from urllib.parse import urlsplit
 
 from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey
-from kvmesh.core.serde import Buffer, ChunkHeader
+from kvmesh.core.serde import Buffer, ChunkFormat, ChunkHeader
 from kvmesh.errors import ConfigError, CorruptChunkError
 from kvmesh.tiers.base import (
     ChunkData,
@@ -36,12 +45,12 @@ from kvmesh.tiers.base import (
     Into,
     StoredChunk,
     TierOptions,
+    count_rejected,
     counted_read,
     payload_buffer,
     register_tier,
-    url_path,
 )
-from kvmesh.tiers.diskfiles import sync_dir
+from kvmesh.tiers.diskfiles import open_regular, sync_dir
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +70,7 @@ class FsTier:
         self.name = options.name or "fs"
         self.metrics = options.metrics
         self.codec = serde.get_codec(options.codec).name  # fails fast on an unknown codec
+        self.chunk_format = options.chunk_format
         self.root = os.path.abspath(root)
         try:
             os.makedirs(self.root, exist_ok=True)
@@ -90,7 +100,7 @@ class FsTier:
         results: list[bool] = []
         dirs: set[str] = set()
         for k, c in zip(keys, chunks, strict=True):
-            head, body = serde.encode(k, c.layout, c.tokens, c.data, self.codec)
+            head, body = self.chunk_format.encode(k, c.layout, c.tokens, c.data, self.codec)
             ok = self._write(k, head, body)
             if ok:
                 dirs.add(os.path.dirname(self.path(k)))
@@ -165,11 +175,14 @@ class FsTier:
     def _read(self, key: ChunkKey, into: Into | None = None) -> StoredChunk | None:
         path = self.path(key)
         try:
-            with open(path, "rb", buffering=0) as f:
-                st = os.fstat(f.fileno())
+            f, st = open_regular(path)
+            if f is None:
+                self._discard_corrupt(path, st, CorruptChunkError("not a regular file"))
+                return None
+            with f:
                 try:
-                    header, body = _read_chunk(f, st.st_size, key, into)
-                    raw = serde.decode_payload(header, body)
+                    header, body = _read_chunk(f, st.st_size, key, self.chunk_format, into)
+                    raw = self.chunk_format.decode_payload(header, body, into)
                 except CorruptChunkError as exc:
                     self._discard_corrupt(path, st, exc)
                     return None
@@ -210,10 +223,12 @@ class FsTier:
         return True
 
     def _discard_corrupt(self, path: str, st: os.stat_result, exc: CorruptChunkError) -> None:
-        self.metrics.inc("corrupt")
-        log.warning("kvmesh tier %s: dropping corrupt chunk file %s: %s", self.name, path, exc)
+        if not count_rejected(self.metrics, exc):
+            log.debug("kvmesh tier %s: cannot verify %s: %s", self.name, path, exc)
+            return
+        log.warning("kvmesh tier %s: dropping bad chunk file %s: %s", self.name, path, exc)
         try:
-            now = os.stat(path)
+            now = os.lstat(path)  # the link or FIFO itself, never what it points at
             # Another process may have replaced the file since we opened it; only the bad
             # file we actually read is deleted.
             if (now.st_ino, now.st_dev, now.st_mtime_ns) == (st.st_ino, st.st_dev, st.st_mtime_ns):
@@ -244,18 +259,20 @@ class FsTier:
 
 
 def _read_chunk(
-    f: io.FileIO, size: int, key: ChunkKey, into: Into | None = None
+    f: io.FileIO, size: int, key: ChunkKey, fmt: ChunkFormat, into: Into | None = None
 ) -> tuple[ChunkHeader, memoryview]:
     """Header and stored payload of an open chunk file, verified against ``size``."""
     prefix = _read_exact(f, serde.PREFIX_SIZE)
-    hlen = serde.header_length(prefix)
-    header = serde.decode_header(prefix + _read_exact(f, hlen - serde.PREFIX_SIZE), key.text)
+    hlen = fmt.header_length(prefix)
+    if size < hlen:
+        raise CorruptChunkError(f"file is {size} bytes, shorter than its {hlen}-byte header")
+    header = fmt.decode_header(prefix + _read_exact(f, hlen - serde.PREFIX_SIZE), key)
     if size != header.header_size + header.payload_len:
         raise CorruptChunkError(
             f"file is {size} bytes, header says {header.header_size + header.payload_len}"
         )
     # Read straight into the buffer the caller will own: no intermediate copy.
-    body = payload_buffer(into, header.payload_len, header.codec)
+    body = payload_buffer(into, header)
     view = body
     pos = 0
     while pos < len(body):
@@ -276,8 +293,37 @@ def _read_exact(f: io.FileIO, n: int) -> bytes:
     return data
 
 
+# host:port, [v6]:port or localhost[:port] before an fs:// URL's path
+_FS_HOST = re.compile(r"^(?:[^/:@\[\]]+|\[[0-9A-Fa-f:.]+\])(?::\d*)?$")
+
+
+def fs_root(url: str) -> str:
+    """The directory of an ``fs://`` URL: ``fs:///abs/path`` (kvmesh's form). LMCache's legacy
+    ``fs://host:port/abs/path`` names ``/abs/path`` on this machine: LMCache's FSConnector
+    parses host and port and uses only the path, so kvmesh does the same. A host without a
+    port (``fs://dir/sub``) is refused: it used to be read as a relative directory."""
+    parts = urlsplit(url)
+    host = parts.netloc
+    if host and host != "localhost" and (":" not in host or not _FS_HOST.match(host)):
+        raise ConfigError(
+            f"fs tier URL {url!r}: {host!r} stands where a host goes and the fs tier is a directory; "
+            "write fs:///absolute/path (LMCache's fs://host:port/path names /path, host:port unused)"
+        )
+    if not parts.path.startswith("/"):
+        raise ConfigError(f"fs tier URL {url!r} names no absolute directory; write fs:///absolute/path")
+    return parts.path
+
+
 @register_tier("fs")
 def _open_fs(url: str, options: TierOptions) -> FsTier:
-    if not url_path(url):
-        raise ConfigError(f"fs tier URL {url!r} names no directory; write fs:///absolute/path")
-    return FsTier(url_path(url), options)
+    root = fs_root(url)
+    host = urlsplit(url).netloc
+    if host and urlsplit(url).hostname not in ("localhost", "127.0.0.1", "::1"):
+        log.warning(
+            "kvmesh tier fs: %r in %s is not used (as LMCache's FSConnector does not use it): the "
+            "directory is %s on this machine; mount the share there",
+            host,
+            url,
+            root,
+        )
+    return FsTier(root, options)

@@ -9,11 +9,13 @@ machine without CUDA; verified here over TCP). Query parameters, onto which LMCa
 ``local_buffer_size`` (default 64 MiB).
 
 Layout: one Mooncake object per chunk, named by the chunk key, holding the serialized
-chunk; every read is verified (header key, payload checksum), a corrupt object removed.
-Objects are immutable in Mooncake: a put of a key already there counts as stored (a key
-names its content). Failures (the master or the peer holding an object gone) are misses
-and ``False``; after ``failure_threshold`` failed operations in a row the tier is down
-until a background ``health_check`` passes.
+chunk; every read is verified (header tag and key, bounds, payload tag), a corrupt object
+removed. Objects are immutable in Mooncake: a put of a key already there counts as stored
+(a key names its content). An object that does not verify (planted without the fleet key)
+thus keeps the real chunk out until a reader drops it: a lost hit, never a wrong one.
+Failures (the master or the peer holding an object gone) are misses and ``False``; after
+``failure_threshold`` failed operations in a row the tier is down until a background
+``health_check`` passes.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from kvmesh.tiers.base import (
     Into,
     StoredChunk,
     TierOptions,
+    count_rejected,
     counted_read,
     register_tier,
 )
@@ -58,6 +61,7 @@ class MooncakeTier:
         self.name = options.name or "mooncake"
         self.metrics = options.metrics
         self.codec = serde.get_codec(options.codec).name
+        self.chunk_format = options.chunk_format
         self.url = url.split("?", 1)[0]
         parts = urlsplit(url)
         if not parts.hostname or not parts.port:
@@ -110,12 +114,12 @@ class MooncakeTier:
             item: StoredChunk | None = None
             if blob:
                 try:
-                    header, raw = serde.decode(blob, expected_key=k.text)
+                    header, raw = self.chunk_format.decode(blob, expected_key=k)
                     item = StoredChunk(header, raw, len(blob))
                 except CorruptChunkError as exc:
-                    log.warning("kvmesh tier %s: dropping corrupt chunk %s: %s", self.name, k.text, exc)
-                    self.metrics.inc("corrupt")
-                    self._call(partial(self._store.remove, k.text, True))
+                    if count_rejected(self.metrics, exc):
+                        log.warning("kvmesh tier %s: dropping bad chunk %s: %s", self.name, k.text, exc)
+                        self._call(partial(self._store.remove, k.text, True))
             out.append(counted_read(self.metrics, k, item))
         return out
 
@@ -128,7 +132,7 @@ class MooncakeTier:
                 results.append(False)
                 self.metrics.inc("skipped_stores")
                 continue
-            blob = serde.encode_bytes(k, c.layout, c.tokens, c.data, self.codec)
+            blob = self.chunk_format.encode_bytes(k, c.layout, c.tokens, c.data, self.codec)
             rc = self._call(partial(self._store.put, k.text, blob))
             ok = rc in (0, _OBJECT_EXISTS)
             if rc is not None and not ok:
@@ -147,7 +151,8 @@ class MooncakeTier:
         return n
 
     def clear(self) -> int:
-        n = self._call(lambda: self._store.remove_by_regex("^kvm1-.*", True))
+        # every key version (kvm1-: the xxh3 chain, never read now)
+        n = self._call(lambda: self._store.remove_by_regex("^kvm[0-9]-.*", True))
         removed = max(0, int(n or 0))
         self.metrics.inc("deletes", removed)
         return removed

@@ -1,8 +1,10 @@
-"""Redis / Valkey tier: ``redis://``, ``rediss://``, ``unix://``, ``valkey://``.
+"""Redis / Valkey tier: ``redis://``, ``rediss://``, ``unix://``, ``valkey://``, and
+``redis-sentinel://h:p,h:p[/db]?service_name=NAME`` (the master a set of Redis Sentinels
+names, followed across failovers; :func:`kvmesh.tiers.redis_wire.sentinel_client`).
 
-Storage layout. Every chunk is **one Redis hash** named by the chunk key (``kvm1-...``):
+Storage layout. Every chunk is **one Redis hash** named by the chunk key (``kvm2-...``):
 
-* field ``h`` — the serde header (key, layout, tokens, codec, payload checksum);
+* field ``h`` — the serde header (key, layout, tokens, codec, payload checksum or MAC);
 * field ``n`` — number of payload parts, ASCII;
 * fields ``0`` .. ``n-1`` — the encoded payload cut into parts of at most ``part_bytes``.
 
@@ -34,18 +36,29 @@ from typing import Any, TypeVar
 
 import redis
 
+from kvmesh.config_lmcache import redact_url
 from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey
 from kvmesh.core.serde import Buffer
 from kvmesh.errors import CorruptChunkError
-from kvmesh.tiers.base import ChunkData, Feature, Into, StoredChunk, TierOptions, counted_read, register_tier
+from kvmesh.tiers.base import (
+    ChunkData,
+    Feature,
+    Into,
+    StoredChunk,
+    TierOptions,
+    count_rejected,
+    counted_read,
+    register_tier,
+)
 from kvmesh.tiers.breaker import RemoteGuard
 from kvmesh.tiers.redis_wire import HEADER, NPARTS, decode, fields, groups, make_client
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-KEY_PATTERN = "kvm1-*"
+# Chunks of every key version (kvm1-: the xxh3 chain, never read now): clear() removes both.
+KEY_PATTERN = "kvm[0-9]-*"
 # One MULTI carries at most this much payload: a transaction blocks the server while it
 # executes and its queued arguments sit in server memory until EXEC.
 _TXN_BYTES = 64 << 20
@@ -62,7 +75,8 @@ class RedisTier:
         self.name = options.name or "redis"
         self.metrics = options.metrics
         self.codec = serde.get_codec(options.codec).name  # fails fast on an unknown codec
-        self.url = url
+        self.chunk_format = options.chunk_format
+        self.url = redact_url(url)  # logs and metrics never carry the password
         self.part_bytes = max(1, options.part_bytes)
         self.ttl_ms = int(options.ttl_s * 1000) if options.ttl_s else None
         self._client = make_client(url, options.timeout_s)
@@ -71,7 +85,7 @@ class RedisTier:
         self._probe_client = make_client(url, min(options.timeout_s, PROBE_TIMEOUT_S))
         self.guard = RemoteGuard(
             self.name,
-            url,
+            self.url,
             self.metrics,
             ping=lambda: bool(self._probe_client.ping()),
             timeout_s=options.timeout_s,
@@ -81,6 +95,7 @@ class RedisTier:
             timeout_errors=(redis.TimeoutError, TimeoutError),
             conn_errors=(redis.ConnectionError, OSError),
             server_errors=(redis.RedisError,),
+            auth_errors=(redis.AuthenticationError,),
         )
         self.guard.start()
 
@@ -101,15 +116,18 @@ class RedisTier:
             return []
 
         def op() -> list[Any]:
+            # The header, not the hash: a write cut off before its header (a timeout, a
+            # killed or stopped server) leaves parts that every read takes for a miss; an
+            # EXISTS would find them, and every lookup would offer a load that fails.
             pipe = self._client.pipeline(transaction=False)
             for k in keys:
-                pipe.exists(k.text)
-            return pipe.execute()
+                pipe.hexists(k.text, HEADER)
+            return pipe.execute(raise_on_error=False)
 
         replies = self._guard(op)
         if replies is None:
             return [False] * len(keys)
-        return [r == 1 for r in replies]
+        return [r is True or r == 1 for r in replies]  # an error reply (WRONGTYPE): a miss
 
     def get(self, keys: Sequence[ChunkKey], into: Into | None = None) -> list[ChunkData | None]:
         found = self._read(keys, into)
@@ -124,10 +142,15 @@ class RedisTier:
         if not self.guard.up:
             self.metrics.inc("skipped_stores", len(keys))  # before encoding: down costs nothing
             return [False] * len(keys)
-        encoded = [
-            serde.encode(k, c.layout, c.tokens, c.data, self.codec) for k, c in zip(keys, chunks, strict=True)
-        ]
-        return self._store(keys, encoded)
+        # Encoded a transaction's worth at a time (raw sizes bound it): a compressed or sealed
+        # payload is new memory, and a batch of them at once would all be alive together.
+        encode = self.chunk_format.encode
+        results: list[bool] = []
+        for start, end in groups([memoryview(c.data).nbytes for c in chunks], _TXN_BYTES):
+            some = zip(keys[start:end], chunks[start:end], strict=True)
+            encoded = [encode(k, c.layout, c.tokens, c.data, self.codec) for k, c in some]
+            results.extend(self._store(keys[start:end], encoded))
+        return results
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         if not keys:
@@ -137,7 +160,7 @@ class RedisTier:
         return n or 0
 
     def clear(self) -> int:
-        """Delete every kvmesh chunk (keys matching ``kvm1-*``); other keys are left alone."""
+        """Delete every kvmesh chunk (keys matching ``kvm<digit>-*``); other keys are left alone."""
 
         def op() -> int:
             removed = 0
@@ -207,6 +230,7 @@ class RedisTier:
         for k, reply in zip(keys, replies, strict=True):
             if isinstance(reply, redis.ResponseError) and "WRONGTYPE" in str(reply):
                 corrupt.append(k)  # something else sits under a kvmesh key name
+                self.metrics.inc("corrupt")
                 out.append(None)
             elif isinstance(reply, Exception):
                 self._note_error(reply)
@@ -215,13 +239,13 @@ class RedisTier:
                 out.append(None)  # absent, or a writer is still adding its parts
             else:
                 try:
-                    out.append(decode(k, reply, into))
+                    out.append(decode(k, reply, self.chunk_format, into))
                 except CorruptChunkError as exc:
-                    log.warning("kvmesh tier %s: dropping corrupt chunk %s: %s", self.name, k.text, exc)
-                    corrupt.append(k)
+                    if count_rejected(self.metrics, exc):
+                        log.warning("kvmesh tier %s: dropping bad chunk %s: %s", self.name, k.text, exc)
+                        corrupt.append(k)
                     out.append(None)
         if corrupt:
-            self.metrics.inc("corrupt", len(corrupt))
             # A writer may have replaced a bad chunk since we read it; deleting its good
             # value then costs one miss, never wrong data, so no WATCH round trip for it.
             self._guard(lambda: self._client.unlink(*[k.text for k in corrupt]))
@@ -280,6 +304,6 @@ class RedisTier:
         return out
 
 
-@register_tier("redis", "rediss", "unix", "valkey")
+@register_tier("redis", "rediss", "unix", "valkey", "redis-sentinel")
 def _open_redis(url: str, options: TierOptions) -> RedisTier:
     return RedisTier(url, options)

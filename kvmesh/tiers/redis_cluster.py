@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
@@ -64,6 +64,7 @@ class RedisClusterTier:
         self.metrics = options.metrics
         self.url = redact_url(url)
         self.options = options
+        self.chunk_format = options.chunk_format  # every shard's RedisTier gets it too
         self._auth, self.seeds = _parse(url)
         self._lock = threading.Lock()
         self._shards: dict[Addr, RedisTier] = {}
@@ -253,7 +254,7 @@ def _parse(url: str) -> tuple[dict[str, str], list[Addr]]:
     auth: dict[str, str] = {}
     if "@" in rest:
         cred, rest = rest.rsplit("@", 1)
-        user, _, password = cred.partition(":")
+        user, _, password = (unquote(c) for c in cred.partition(":"))
         if password:
             auth["password"] = password
             if user:

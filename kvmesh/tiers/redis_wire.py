@@ -8,20 +8,22 @@ socket timeout per reply of a pipeline.
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator, Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 import numpy as np
 import redis
 from redis.backoff import NoBackoff
 from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelManagedConnection, SentinelManagedSSLConnection
 
-from kvmesh.core import serde
+from kvmesh.config_lmcache import redact_url
 from kvmesh.core.keys import ChunkKey
-from kvmesh.core.serde import Buffer
+from kvmesh.core.serde import Buffer, ChunkFormat
 from kvmesh.errors import ConfigError, CorruptChunkError
 from kvmesh.tiers.base import Into, StoredChunk, payload_buffer
 from kvmesh.tiers.deadline import time_left
@@ -82,11 +84,25 @@ class DeadlineUnixConnection(_DeadlineMixin, UnixDomainSocketConnection):
     pass
 
 
+class DeadlineSentinelConnection(_DeadlineMixin, SentinelManagedConnection):
+    pass
+
+
+class DeadlineSentinelSSLConnection(_DeadlineMixin, SentinelManagedSSLConnection):
+    pass
+
+
 _DEADLINE_CLASSES: dict[type[Any], type[Any]] = {
     Connection: DeadlineConnection,
     SSLConnection: DeadlineSSLConnection,
     UnixDomainSocketConnection: DeadlineUnixConnection,
+    SentinelManagedConnection: DeadlineSentinelConnection,
+    SentinelManagedSSLConnection: DeadlineSentinelSSLConnection,
 }
+# LMCache's Sentinel connector takes the master's name from REDIS_SERVICE_NAME, else this.
+SENTINEL_SERVICE_ENV = "REDIS_SERVICE_NAME"
+SENTINEL_DEFAULT_SERVICE = "redismaster"
+SENTINEL_TIMEOUT_S = 1.0  # per sentinel query (LMCache's REDIS_TIMEOUT default)
 
 
 def make_client(url: str, timeout_s: float) -> redis.Redis[bytes]:
@@ -96,18 +112,68 @@ def make_client(url: str, timeout_s: float) -> redis.Redis[bytes]:
     # redis-py's own retries are off: the guard retries whole batches within one budget and
     # counts every failed attempt towards the breaker, which hidden retries would blur.
     try:
-        client: redis.Redis[bytes] = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
-        )
+        if parts.scheme == "redis-sentinel":
+            client = sentinel_client(url, timeout_s)
+        else:
+            client = redis.Redis.from_url(
+                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+            )
     except ValueError as exc:
         raise ConfigError(
-            f"invalid Redis URL {url!r} ({exc}); write redis://[user:pass@]host:port/db, "
-            "rediss://..., valkey://host:port/db or unix:///path/to.sock"
+            f"invalid Redis URL {redact_url(url)!r} ({exc}); write redis://[user:pass@]host:port/db, "
+            "rediss://..., valkey://host:port/db, unix:///path/to.sock or "
+            "redis-sentinel://[user:pass@]host:port,host:port[/db]?service_name=NAME"
         ) from None
     pool = client.connection_pool
     # The URL chose the transport (TCP, TLS, unix socket); keep it, add the deadline cap.
     pool.connection_class = _DEADLINE_CLASSES.get(pool.connection_class, pool.connection_class)
     return client
+
+
+def sentinel_client(url: str, timeout_s: float) -> redis.Redis[bytes]:
+    """The master of ``redis-sentinel://[user:pass@]h:p,h:p[/db][?service_name=NAME]
+    [&sentinel_password=P][&ssl=true]`` through redis-py's :class:`~redis.sentinel.Sentinel`:
+    every connection asks the sentinels for the current master, so a failover is followed.
+    User and password are the master's (as in LMCache); the master's name defaults to
+    ``$REDIS_SERVICE_NAME``, then ``redismaster`` (LMCache's defaults)."""
+    rest = url.split("://", 1)[1]
+    query = dict(parse_qsl(urlsplit(url).query))
+    rest = rest.split("?", 1)[0]
+    hosts, _, db_text = rest.partition("/")
+    auth: dict[str, str] = {}
+    if "@" in hosts:
+        cred, hosts = hosts.rsplit("@", 1)
+        user, _, password = cred.partition(":")
+        if user:
+            auth["username"] = unquote(user)
+        if password:
+            auth["password"] = unquote(password)
+    nodes: list[tuple[str, int]] = []
+    for part in hosts.split(","):
+        p = urlsplit("//" + part.strip())
+        if not p.hostname or not p.port:
+            raise ValueError(f"sentinel {part!r} is not host:port")
+        nodes.append((p.hostname, p.port))
+    service = query.pop("service_name", None) or os.environ.get(SENTINEL_SERVICE_ENV)
+    service = service or SENTINEL_DEFAULT_SERVICE
+    ssl = query.pop("ssl", "false").lower() in ("1", "true", "yes")
+    sentinel_password = query.pop("sentinel_password", None)
+    if query:
+        raise ValueError(f"unknown parameter(s) {', '.join(sorted(query))}")
+    probe_s = min(timeout_s, SENTINEL_TIMEOUT_S)
+    sentinel_kwargs: dict[str, Any] = {"socket_timeout": probe_s, "socket_connect_timeout": probe_s}
+    if sentinel_password:
+        sentinel_kwargs["password"] = sentinel_password
+    sentinel = Sentinel(nodes, sentinel_kwargs=sentinel_kwargs)
+    return sentinel.master_for(
+        service,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        db=int(db_text or 0),
+        ssl=ssl,
+        **auth,
+    )
 
 
 def fields(head: bytes, body: Buffer, part_bytes: int) -> dict[bytes, Buffer]:
@@ -121,15 +187,21 @@ def fields(head: bytes, body: Buffer, part_bytes: int) -> dict[bytes, Buffer]:
     return out
 
 
-def decode(key: ChunkKey, hash_fields: dict[bytes, bytes], into: Into | None = None) -> StoredChunk:
+def decode(
+    key: ChunkKey, hash_fields: dict[bytes, bytes], fmt: ChunkFormat, into: Into | None = None
+) -> StoredChunk:
     head = hash_fields.get(HEADER)
     if head is None:
         raise CorruptChunkError("chunk hash has no header field")
-    header = serde.decode_header(head, expected_key=key.text)
+    header = fmt.decode_header(head, expected_key=key)
+    if len(head) != header.header_size:
+        raise CorruptChunkError(f"header field is {len(head)} bytes, its header {header.header_size}")
     try:
         n = int(hash_fields.get(NPARTS, b""))
     except ValueError:
         raise CorruptChunkError("chunk hash has no valid part count") from None
+    if not 0 <= n <= len(hash_fields):
+        raise CorruptChunkError(f"chunk hash claims {n} parts and has {len(hash_fields)} fields")
     parts = [hash_fields.get(str(i).encode()) for i in range(n)]
     if any(p is None for p in parts):
         raise CorruptChunkError(f"chunk is missing parts (has {sum(p is not None for p in parts)} of {n})")
@@ -142,14 +214,14 @@ def decode(key: ChunkKey, hash_fields: dict[bytes, bytes], into: Into | None = N
     else:
         # One copy of every part into the caller's buffer (or one of ours); numpy copies at
         # memcpy speed where memoryview slice assignment runs ~6x slower here.
-        body = payload_buffer(into, header.payload_len, header.codec)
+        body = payload_buffer(into, header)
         out = np.frombuffer(body, dtype=np.uint8)
         pos = 0
         for p in parts:
             if p is not None:
                 out[pos : pos + len(p)] = np.frombuffer(p, dtype=np.uint8)
                 pos += len(p)
-    raw = serde.decode_payload(header, body)
+    raw = fmt.decode_payload(header, body, into)
     return StoredChunk(header, raw, len(head) + header.payload_len)
 
 

@@ -12,8 +12,9 @@ requests, default 16), ``range_bytes`` (size of one ranged GET, default 8 MiB),
 Layout: one object per chunk, ``<prefix>/<chunk key>``, holding the serialized chunk
 (header then payload). A read GETs the first ``range_bytes`` (which holds the header and,
 for most chunks, the whole payload); a larger object's remaining ranges are fetched in
-parallel straight into the destination buffer. Every read is verified (header key,
-payload checksum); a corrupt object is deleted and counted, a missing one is a miss.
+parallel straight into the destination buffer. Every read is verified (header tag and key,
+sizes bounded before the rest is fetched, payload tag); a corrupt object is deleted and
+counted, a missing one is a miss.
 
 Failures: connection errors, timeouts and 5xx/throttling answers are retried with
 jittered exponential backoff; after ``failure_threshold`` consecutive failures a breaker
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +48,7 @@ from kvmesh.tiers.base import (
     Into,
     StoredChunk,
     TierOptions,
+    count_rejected,
     counted_read,
     payload_buffer,
     register_tier,
@@ -54,9 +57,13 @@ from kvmesh.tiers.breaker import RemoteGuard
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_VHOST = re.compile(r"^(?P<bucket>[^.]+)\.s3[.-](?:(?P<region>[a-z0-9-]+)\.)?amazonaws\.com$")
+# bucket.s3.region.amazonaws.com, bucket.s3-region..., bucket.s3express-AZ.region... (S3 Express)
+_VHOST = re.compile(
+    r"^(?P<bucket>[^.]+)\.s3(?:express-[a-z0-9-]+)?[.-](?:(?P<region>[a-z0-9-]+)\.)?amazonaws\.com$"
+)
 _MISSING = {"404", "NoSuchKey", "NotFound"}
 _MIN_PART = 5 << 20  # S3's smallest multipart part (all but the last)
+_CHUNK_NAME = re.compile(r"kvm[0-9]-")
 
 
 class S3Tier:
@@ -71,6 +78,7 @@ class S3Tier:
         self.name = options.name or "s3"
         self.metrics = options.metrics
         self.codec = serde.get_codec(options.codec).name
+        self.chunk_format = options.chunk_format
         self.url = redact_url(url)
         q = _parse(url)
         self.bucket, self.prefix = q.pop("bucket"), q.pop("prefix")
@@ -143,7 +151,7 @@ class S3Tier:
 
         def one(pair: tuple[ChunkKey, ChunkData]) -> bool:
             k, c = pair
-            head, body = serde.encode(k, c.layout, c.tokens, c.data, self.codec)
+            head, body = self.chunk_format.encode(k, c.layout, c.tokens, c.data, self.codec)
             ok = self._write(self._object(k), head, body)
             self.metrics.inc("stores" if ok else "skipped_stores")
             if ok:
@@ -205,22 +213,25 @@ class S3Tier:
         if first is None:
             return None
         data, total = first
+        fmt = self.chunk_format
         try:
-            header = serde.decode_header(data, expected_key=key.text)
+            header = fmt.decode_header(data, expected_key=key)
             hsize = header.header_size
+            # payload_len is bounded by the chunk's layout and tokens: only then is the rest
+            # of an object of that size fetched.
             if hsize + header.payload_len != total:
                 raise CorruptChunkError(f"object is {total} bytes, header says {hsize + header.payload_len}")
-            body = payload_buffer(into, header.payload_len, header.codec)
+            body = payload_buffer(into, header)
             out = np.frombuffer(body, dtype=np.uint8)
             have = data[hsize:]
             out[: len(have)] = np.frombuffer(have, dtype=np.uint8)
             if not self._fetch_rest(name, out, len(data), hsize, total):
                 return None
-            raw = serde.decode_payload(header, body)
+            raw = fmt.decode_payload(header, body, into)
         except CorruptChunkError as exc:
-            log.warning("kvmesh tier %s: dropping corrupt chunk %s: %s", self.name, key.text, exc)
-            self.metrics.inc("corrupt")
-            self._guard(lambda: self._client.delete_object(Bucket=self.bucket, Key=name))
+            if count_rejected(self.metrics, exc):
+                log.warning("kvmesh tier %s: dropping bad chunk %s: %s", self.name, key.text, exc)
+                self._guard(lambda: self._client.delete_object(Bucket=self.bucket, Key=name))
             return None
         return StoredChunk(header, raw, total)
 
@@ -292,14 +303,16 @@ class S3Tier:
     def _list(self) -> Iterator[str]:
         token: str | None = None
         while True:
-            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix + "kvm1-"}
+            # every key version (kvm1-: the xxh3 chain, never read now): clear() removes both
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix + "kvm"}
             if token:
                 kwargs["ContinuationToken"] = token
             page: dict[str, Any] | None = self._guard(partial(self._client.list_objects_v2, **kwargs))
             if page is None:
                 return
             for obj in page.get("Contents", []):
-                yield str(obj["Key"])
+                if _CHUNK_NAME.match(str(obj["Key"]), len(self.prefix)):
+                    yield str(obj["Key"])
             token = page.get("NextContinuationToken")
             if not token:
                 return
@@ -378,6 +391,14 @@ def _parse(url: str) -> dict[str, str]:
             q.setdefault("region", m.group("region"))
     if not host:
         raise ConfigError(f"s3 URL {redact_url(url)!r} names no bucket; write s3://bucket/prefix")
+    if "." in host and "endpoint_url" not in q and not os.environ.get("AWS_ENDPOINT_URL"):
+        # LMCache's s3://bucket.endpoint-host form, given as a kvmesh key: say how it is read
+        log.warning(
+            "kvmesh tier s3: bucket %r (no endpoint_url): looked up on AWS; for an S3-compatible "
+            "store write s3://BUCKET/prefix?endpoint_url=https://HOST (LMCache configurations "
+            "are translated so)",
+            host,
+        )
     prefix = parts.path.strip("/")
     q["bucket"] = host
     q["prefix"] = prefix + "/" if prefix else ""

@@ -20,6 +20,8 @@ from collections.abc import Callable
 import xxhash
 
 from kvmesh.core import serde
+from kvmesh.core.keys import ChunkKey
+from kvmesh.core.serde import ChunkFormat
 from kvmesh.errors import CorruptChunkError
 
 ALIGN = 4096
@@ -68,9 +70,12 @@ def parse_prefix(buf: bytes, seq: int | None) -> int:
     return int(length) if seq is None or rseq == seq else -1
 
 
-def scan_slot(fd: int, slot: int, ru: int) -> tuple[int, int, list[tuple[str, int, int]], int] | None:
+def scan_slot(
+    fd: int, slot: int, ru: int, fmt: ChunkFormat = serde.PLAIN
+) -> tuple[int, int, list[tuple[str, int, int]], int] | None:
     """Read slot ``slot``: ``(seq, level, [(key, file offset, record length)], used bytes)``,
-    records up to the first that does not parse; None for a free or foreign slot."""
+    records up to the first whose header does not verify in ``fmt``; None for a free or
+    foreign slot."""
     got = parse_slot_header(os.pread(fd, _SLOT.size + _SUM.size, slot * ru), ru)
     if got is None:
         return None
@@ -84,10 +89,10 @@ def scan_slot(fd: int, slot: int, ru: int) -> tuple[int, int, list[tuple[str, in
         if length < 0 or used + pad(length) > ru:
             break
         try:
-            hlen = serde.header_length(buf[REC_PREFIX:])
+            hlen = fmt.header_length(buf[REC_PREFIX:])
             if len(buf) < REC_PREFIX + hlen:
                 buf = os.pread(fd, REC_PREFIX + hlen, off)
-            header = serde.decode_header(buf[REC_PREFIX:])
+            header = fmt.decode_header(buf[REC_PREFIX:])
         except CorruptChunkError:
             break
         records.append((header.key, off, length))
@@ -96,20 +101,30 @@ def scan_slot(fd: int, slot: int, ru: int) -> tuple[int, int, list[tuple[str, in
 
 
 def read_record(
-    fd: int, off: int, length: int, seq: int, key: str, alloc: Callable[[int, str], memoryview]
+    fd: int,
+    off: int,
+    length: int,
+    seq: int,
+    key: ChunkKey | str,
+    alloc: Callable[[serde.ChunkHeader], memoryview],
+    fmt: ChunkFormat = serde.PLAIN,
 ) -> tuple[serde.ChunkHeader, memoryview]:
-    """The verified header and the stored payload (in ``alloc(nbytes, codec)``) of the record
-    of ``key`` at ``off``; :class:`CorruptChunkError` unless it is that record of slot ``seq``
-    (the payload checksum is the caller's ``serde.decode_payload``)."""
+    """The verified header and the stored payload (in ``alloc(header)``) of the record of
+    ``key`` at ``off``; :class:`CorruptChunkError` unless it is that record of slot ``seq``
+    (the payload's tag is the caller's ``fmt.decode_payload``)."""
     first = os.pread(fd, min(length, REC_PREFIX + 4096), off)
     if parse_prefix(first, seq) != length:
         raise CorruptChunkError(f"record of {key} at {off} does not carry slot seq {seq}")
-    hlen = serde.header_length(first[REC_PREFIX:])
+    hlen = fmt.header_length(first[REC_PREFIX:])
+    if REC_PREFIX + hlen > length:
+        raise CorruptChunkError(f"record of {key} at {off} is shorter than its header")
     hbytes = first[REC_PREFIX : REC_PREFIX + hlen]
     if len(hbytes) < hlen:
         hbytes = os.pread(fd, hlen, off + REC_PREFIX)
-    header = serde.decode_header(hbytes, key)
-    body = alloc(header.payload_len, header.codec)
+    header = fmt.decode_header(hbytes, key)
+    if REC_PREFIX + hlen + header.payload_len != length:
+        raise CorruptChunkError(f"record of {key} at {off} is {length} bytes, its header says otherwise")
+    body = alloc(header)
     if os.preadv(fd, [body], off + REC_PREFIX + hlen) != len(body):
         raise CorruptChunkError(f"record of {key} truncated")
     return header, body

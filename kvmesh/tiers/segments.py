@@ -21,6 +21,7 @@ it is the chunk its key names — until its slot is reclaimed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -31,9 +32,10 @@ from typing import Any, TextIO
 from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey
 from kvmesh.core.policy import PinCounts
+from kvmesh.core.serde import ChunkFormat
 from kvmesh.errors import ConfigError, CorruptChunkError, TierUnavailableError
 from kvmesh.tiers import dirlock
-from kvmesh.tiers.base import ChunkData, Feature, Into, TierOptions, payload_buffer
+from kvmesh.tiers.base import ChunkData, Feature, Into, TierOptions, count_rejected, payload_buffer
 from kvmesh.tiers.placement import Placement, check_class
 from kvmesh.tiers.segment_format import (
     ALIGN,
@@ -74,6 +76,7 @@ class SegmentTier(SegmentSpace):
         self.ru = placement.ru_size
         self.reclaim_policy = reclaim
         self.codec = serde.get_codec(options.codec).name
+        self.chunk_format = options.chunk_format
         self.chunk_size = options.chunk_size
         self.n_slots = options.capacity_bytes // self.ru
         if self.n_slots < len(placement.levels) + 2:
@@ -158,6 +161,17 @@ class SegmentTier(SegmentSpace):
                 self._trace = None
         self._dirlock.release()
 
+    def drop_page_cache(self, text: str) -> None:
+        """Evict the chunk ``text`` from the OS page cache (its byte range of the segment
+        file only: never the machine-wide drop_caches), so that the next read of it is
+        cold. For benchmarks; best effort."""
+        with self._lock:
+            ent = self._entries.get(text)
+            if ent is None or self._closed:
+                return
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(self._fd, ent.off, ent.size, os.POSIX_FADV_DONTNEED)
+
     def keys(self) -> Iterator[str]:
         with self._lock:
             return iter(list(self._entries))
@@ -187,7 +201,7 @@ class SegmentTier(SegmentSpace):
             if present and not replace:
                 results.append(True)
                 continue
-            head, body = serde.encode(key, chunk.layout, chunk.tokens, chunk.data, self.codec)
+            head, body = self.chunk_format.encode(key, chunk.layout, chunk.tokens, chunk.data, self.codec)
             level = self.placement.stream(cls)
             length = REC_PREFIX + len(head) + memoryview(body).nbytes
             if pad(length) > self.ru - ALIGN:
@@ -251,7 +265,7 @@ class SegmentTier(SegmentSpace):
         with self._lock:
             ent = self._entries.get(key.text)
             where = (ent.off, ent.length, ent.gen, self._slots[ent.slot].seq) if ent else None
-        got = self._read(key.text, *where, into) if where else None
+        got = self._read(key, *where, into) if where else None
         if got is None:
             if count:
                 self.metrics.inc("misses")
@@ -267,26 +281,35 @@ class SegmentTier(SegmentSpace):
         return ChunkData(key, header.layout, header.tokens, raw, header.codec, stored)
 
     def _read(
-        self, text: str, off: int, length: int, gen: int, seq: int, into: Into | None
+        self,
+        key: ChunkKey | str,
+        off: int,
+        length: int,
+        gen: int,
+        seq: int,
+        into: Into | None,
+        fmt: ChunkFormat | None = None,
     ) -> tuple[serde.ChunkHeader, serde.Buffer, int] | None:
         t0 = time.time()
+        text = key.text if isinstance(key, ChunkKey) else key
+        fmt = fmt or self.chunk_format
         try:
             header, body = read_record(
-                self._fd, off, length, seq, text, lambda n, c: payload_buffer(into, n, c)
+                self._fd, off, length, seq, key, lambda h: payload_buffer(into, h), fmt
             )
-            raw = serde.decode_payload(header, body)
-        except CorruptChunkError:
-            with self._lock:
-                ent = self._entries.get(text)
-                if ent is not None and ent.gen == gen:
-                    self._unindex(text, ent)
-            self.metrics.inc("corrupt")
+            raw = fmt.decode_payload(header, body, into)
+        except CorruptChunkError as exc:
+            if count_rejected(self.metrics, exc):
+                with self._lock:
+                    ent = self._entries.get(text)
+                    if ent is not None and ent.gen == gen:
+                        self._unindex(text, ent)
             return None
         except OSError:
             self.metrics.inc("errors")
             return None
         self._traced("read", t0, [[off, pad(length)]], key=text)
-        return header, body if header.codec == "raw" else raw, length
+        return header, raw, length
 
     # -- index ---------------------------------------------------------------------------
     def _unindex(self, text: str, ent: Entry) -> None:
@@ -311,8 +334,10 @@ class SegmentTier(SegmentSpace):
         if size != want:  # new file, or a new budget: resize (slots past the end are gone)
             os.ftruncate(self._fd, want)
         found: dict[str, tuple[int, int, int, int]] = {}  # key -> (seq, slot, off, length)
+        # Records of another layout stay indexed (another model's, never asked for here).
+        scan_format = self.chunk_format.with_layout(None)
         for i in range(min(size, want) // self.ru):
-            got = scan_slot(self._fd, i, self.ru)
+            got = scan_slot(self._fd, i, self.ru, scan_format)
             if got is None:
                 continue
             seq, level, records, used = got
@@ -324,7 +349,8 @@ class SegmentTier(SegmentSpace):
                     found[key] = (seq, i, off, length)
             if records:  # a crash tears at most the last record of a slot: verify it
                 key, off, length = records[-1]
-                if found.get(key, (0, -1))[1] == i and self._read(key, off, length, -1, seq, None) is None:
+                mine = found.get(key, (0, -1))[1] == i
+                if mine and self._read(key, off, length, -1, seq, None, scan_format) is None:
                     found.pop(key, None)
         for text, (_, slot, off, length) in found.items():
             self._gen += 1

@@ -13,10 +13,9 @@ import time
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey, KVLayout
 from kvmesh.errors import CorruptChunkError, TierUnavailableError
-from kvmesh.tiers.base import ChunkData, Feature, Into, TierOptions, register_tier
+from kvmesh.tiers.base import ChunkData, Feature, Into, TierOptions, count_rejected, register_tier
 
 _STORES: dict[str, dict[str, bytes]] = {}
 _STORES_LOCK = threading.Lock()
@@ -31,6 +30,7 @@ class MemoryTier:
         self.name = options.name or "mem"
         self.metrics = options.metrics
         self.codec = options.codec
+        self.chunk_format = options.chunk_format
         self._lock = threading.Lock()
         with _STORES_LOCK:
             self._data = _STORES.setdefault(store_name, {})
@@ -54,11 +54,11 @@ class MemoryTier:
                 out.append(None)
                 continue
             try:
-                header, raw = serde.decode(blob, expected_key=k.text)
-            except CorruptChunkError:
-                self.metrics.inc("corrupt")
-                with self._lock:
-                    self._data.pop(k.text, None)
+                header, raw = self.chunk_format.decode(blob, expected_key=k)
+            except CorruptChunkError as exc:
+                if count_rejected(self.metrics, exc):
+                    with self._lock:
+                        self._data.pop(k.text, None)
                 out.append(None)
                 continue
             self.metrics.inc("hits")
@@ -77,7 +77,7 @@ class MemoryTier:
         return [True] * len(keys)
 
     def _encode(self, key: ChunkKey, chunk: ChunkData) -> bytes:
-        return serde.encode_bytes(key, chunk.layout, chunk.tokens, chunk.data, self.codec)
+        return self.chunk_format.encode_bytes(key, chunk.layout, chunk.tokens, chunk.data, self.codec)
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         self._check()

@@ -30,10 +30,10 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.bench.workload import words
+from kvmesh.bench.common.workload import words
 from kvmesh.errors import ProcessError
 from kvmesh.harness.connector import connector_config
-from kvmesh.harness.envoy import SUBSET_TEST_HEADER, Envoy, envoy_binary
+from kvmesh.harness.envoy import SUBSET_TEST_HEADER, Envoy, envoy_binary, make_epp_tls
 from kvmesh.harness.ports import free_port
 from kvmesh.harness.processes import spawn, stop_process
 from kvmesh.harness.replicas import Replica, start_replicas
@@ -153,17 +153,21 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                 httpx.post(r.url + "/v1/completions", json=body, timeout=300).raise_for_status()
         names = [r.url.split("://")[1] for r in replicas]
         config = {
-            "routing": {"speculative_ttl_s": 0, "health_interval_s": 0.5, "metrics_interval_s": 0.25},
+            # replica_header: each answer names the EPP's pick (x-kvmesh-endpoint), which the tests read
+            "routing": {"speculative_ttl_s": 0, "health_interval_s": 0.5, "metrics_interval_s": 0.25,
+                        "replica_header": True},
             "max_body_bytes": 1 << 20,
-        }
+        }  # fmt: skip
         (work / "epp.yaml").write_text(json.dumps(config))
         ports = [free_port() for _ in range(3)]
+        tls = make_epp_tls(work)  # ext_proc over TLS, which Envoy verifies
         args = [sys.executable, "-m", "kvmesh.cli", "epp", "--model", str(tiny_model), "--config",
                 str(work / "epp.yaml"), "--host", "127.0.0.1", "--grpc-port", str(ports[0]),
-                "--health-port", str(ports[1]), "--metrics-port", str(ports[2])]  # fmt: skip
+                "--health-port", str(ports[1]), "--metrics-port", str(ports[2]),
+                "--cert-path", str(tls.cert_dir)]  # fmt: skip
         for name, r in zip(names, replicas, strict=True):
             args += ["--endpoint", f"{name},events={r.events_endpoint}"]
-        envoy = Envoy(ports[0], names, work, epp_health_port=ports[1], message_timeout_s=30)
+        envoy = Envoy(ports[0], names, work, epp_health_port=ports[1], message_timeout_s=30, epp_tls=tls)
         fl = Fleet(replicas, names, envoy, args, ports[0], ports[1], ports[2], work)
         fl.start_epp()
         envoy.start()

@@ -27,8 +27,8 @@ import httpx
 import openai
 import pytest
 
-from kvmesh.bench.workload import words
-from kvmesh.harness.connector import CHUNK_SIZE, consumer_config, producer_config
+from kvmesh.bench.common.workload import words
+from kvmesh.harness.connector import consumer_config, producer_config, shipped_chunk_size
 from kvmesh.harness.ports import free_port
 from kvmesh.harness.processes import spawn, stop_process
 from kvmesh.harness.replicas import Replica, start_replicas
@@ -167,7 +167,7 @@ def test_mixed_workload_streams_and_equals_colocated(pd: PD) -> None:
     stats = httpx.get(f"http://127.0.0.1:{pd.consumer_admin}/kvmesh/admin/v1/stats", timeout=10).json()[
         "connector"
     ]
-    chunks = sum((a.prompt_tokens - 1) // CHUNK_SIZE for a in got[2:])
+    chunks = sum((a.prompt_tokens - 1) // shipped_chunk_size() for a in got[2:])
     assert stats["pd_pull_chunks"] >= chunks > 0 and not stats["pd_fallbacks_total"], (stats, logs)
     # The colocated reference: the producer computes prompt and output itself.
     for (kind, prompt), answer in zip(work, got, strict=True):

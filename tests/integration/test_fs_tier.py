@@ -18,6 +18,7 @@ from kvmesh.core.keys import ChunkKey, KeyBuilder, KVLayout
 from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import ChunkData, TierOptions, open_tier, recode
 from kvmesh.tiers.fs import FsTier
+from kvmesh.tiers.testing import random_chunks
 
 LAYOUT = KVLayout(2, 2, 8, "float32")
 KB = KeyBuilder("m", LAYOUT, chunk_size=16)
@@ -274,3 +275,24 @@ def test_processes_share_a_directory(tmp_path: Path) -> None:
     assert tier.contains(keys) == [True] * 8
     leftovers = [n for d in root.iterdir() for n in os.listdir(d) if not n.endswith(".kvc")]
     assert leftovers == []
+
+
+def test_lmcache_legacy_fs_url_uses_its_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LMCache's ``fs://host:port/path`` writes under /path (LMCache's FSConnector uses only
+    the path), never under a directory named ``host:port`` in the working directory."""
+    from kvmesh.config import CacheConfig
+
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    root = tmp_path / "lmcache-fs"
+    cfg = CacheConfig.from_dict({"remote_url": f"fs://localhost:0{root}"})
+    assert cfg.remote_url is not None
+    tier = open_tier(cfg.remote_url, TierOptions(metrics=TierMetrics("fs")))
+    keys, chunks = random_chunks(2, KVLayout(2, 2, 16, "float32"), 16)
+    assert tier.put(keys, chunks) == [True, True]
+    assert sorted(p.name for p in root.rglob("*.kvc")) == sorted(k.text + ".kvc" for k in keys)
+    assert list(work.iterdir()) == []
+    # opened directly (a kvmesh key), the same URL means the same directory
+    direct = open_tier(f"fs://localhost:0{root}", TierOptions(metrics=TierMetrics("fs")))
+    assert [g is not None for g in direct.get(keys)] == [True, True]

@@ -4,7 +4,6 @@ the master killed mid-run."""
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -13,57 +12,12 @@ from pathlib import Path
 import pytest
 
 from kvmesh.core.keys import ChunkKey, KVLayout
-from kvmesh.harness.ports import free_port
+from kvmesh.harness.stores import MooncakeMaster as Master
 from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import ChunkData, TierOptions, open_tier
 from kvmesh.tiers.testing import random_chunks
 
 LAYOUT = KVLayout(2, 2, 16, "bfloat16")
-
-
-def _master_binary() -> str:
-    import mooncake
-
-    return str(Path(mooncake.__file__).with_name("mooncake_master"))
-
-
-class Master:
-    def __init__(self, workdir: Path) -> None:
-        self.rpc, self.http, self.metrics = free_port(), free_port(), free_port()
-        self.workdir = workdir
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return (
-            f"mooncakestore://127.0.0.1:{self.rpc}/?metadata_server=http://127.0.0.1:{self.http}/metadata"
-            "&global_segment_size=33554432&local_buffer_size=16777216"
-        )
-
-    def start(self) -> None:
-        log = open(self.workdir / "master.log", "ab")  # noqa: SIM115 - lives as long as the process
-        cmd = [_master_binary(), "-rpc_port", str(self.rpc), "-rpc_address", "127.0.0.1",
-               "-enable_http_metadata_server=true", "-http_metadata_server_host", "127.0.0.1",
-               "-http_metadata_server_port", str(self.http), "-metrics_port", str(self.metrics),
-               "-enable_metric_reporting=false"]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log)
-        import socket
-
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.rpc), timeout=0.5):
-                    return
-            except OSError:
-                time.sleep(0.1)
-        raise AssertionError(
-            f"mooncake_master did not start: {(self.workdir / 'master.log').read_text()[-1500:]}"
-        )
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 @pytest.fixture

@@ -18,10 +18,11 @@ import pytest
 
 from kvmesh.events import BlockStored, EventPublisher
 from kvmesh.harness.ports import free_port
-from kvmesh.router import ReplicaConfig, RouterConfig
+from kvmesh.router import RouterConfig
 from kvmesh.router.server import Router
 from kvmesh.router.testing import _WORDS, FakeVLLM
-from kvmesh.router.tokenize import PromptTokenizer
+from kvmesh.routing.config import ReplicaConfig
+from kvmesh.routing.tokenize import PromptTokenizer
 
 MakeRouter = Callable[..., Router]
 
@@ -47,6 +48,7 @@ def make_router(tok_dir: Path, fakes: dict[str, FakeVLLM]) -> Iterator[MakeRoute
             "port": 0,
             "health_interval_s": 0.2,
             "metrics_interval_s": 0.05,
+            "replica_header": True,  # the tests read which replica answered (served_by)
         }
         data.update(overrides)
         router = Router(RouterConfig.from_dict(data)).start()

@@ -28,7 +28,7 @@ from kvmesh import CacheConfig, CacheEngine, KVLayout
 from kvmesh.admin.server import AdminServer
 from kvmesh.events import BlockStored, EventPublisher
 from kvmesh.router.testing import FakeVLLM, corpus, write_test_tokenizer
-from kvmesh.router.tokenize import PromptTokenizer
+from kvmesh.routing.tokenize import PromptTokenizer
 
 TOKEN = "restart-token"
 BS = 16

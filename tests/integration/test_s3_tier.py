@@ -4,13 +4,8 @@ registries here; MinIO and Ceph RGW do not). Includes the server killed mid-run.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,74 +13,11 @@ import pytest
 import torch
 
 from kvmesh.core.keys import ChunkKey, KVLayout
-from kvmesh.harness.ports import free_port
+from kvmesh.harness.stores import S3_CREDS as CREDS
+from kvmesh.harness.stores import MotoServer
 from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import ChunkData, TierOptions, open_tier
 from kvmesh.tiers.testing import random_chunks
-
-CREDS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
-
-
-class MotoServer:
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.workdir = workdir
-        self.proc: subprocess.Popen[bytes] | None = None
-        exe = Path(sys.executable).with_name("moto_server")
-        self.cmd = [str(exe) if exe.exists() else (shutil.which("moto_server") or "moto_server")]
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        log = open(self.workdir / f"moto-{self.port}.log", "ab")  # noqa: SIM115 - closed with the process
-        env = {**os.environ, **CREDS}
-        self.proc = subprocess.Popen(
-            [*self.cmd, "-H", "127.0.0.1", "-p", str(self.port)], stdout=log, stderr=log, env=env
-        )
-        deadline = time.monotonic() + 30
-        import urllib.request
-
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"moto_server exited: {(self.workdir / f'moto-{self.port}.log').read_text()[-2000:]}"
-                )
-            try:
-                urllib.request.urlopen(self.endpoint + "/", timeout=1).read()
-                return
-            except OSError:
-                time.sleep(0.2)
-        raise AssertionError("moto_server did not answer within 30 s")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def client(self):  # type: ignore[no-untyped-def]
-        import boto3
-
-        return boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-        )
-
-
-@pytest.fixture(scope="module")
-def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
-    server = MotoServer(tmp_path_factory.mktemp("moto"))
-    server.start()
-    yield server
-    server.kill()
 
 
 @pytest.fixture
@@ -127,7 +59,7 @@ def test_round_trip_contains_delete_clear(moto: MotoServer, bucket: str) -> None
             np.testing.assert_array_equal(g.tokens, c.tokens)
         assert got[3] is None
         names = [o["Key"] for o in moto.client().list_objects_v2(Bucket=bucket)["Contents"]]
-        assert all(n.startswith("pfx/kvm1-") for n in names)
+        assert all(n.startswith("pfx/kvm2-") for n in names)
         assert tier.delete(keys[:1]) == 1
         assert tier.contains(keys[:1]) == [False]
         moto.client().put_object(Bucket=bucket, Key="pfx/not-ours", Body=b"x")
@@ -259,3 +191,39 @@ def test_cache_engine_over_s3_with_lmcache_style_config(
         assert eng.metrics["remote"].counters["hits"] == 4
     finally:
         eng.close()
+
+
+@pytest.mark.slow
+def test_lmcache_virtual_host_url_reaches_its_endpoint(moto: MotoServer, bucket: str) -> None:
+    """LMCache's ``s3://BUCKET.ENDPOINT`` (as Tigris and CoreWeave configurations write it)
+    with its extra_config keys: the chunks land in BUCKET on that endpoint, under
+    ``s3_file_prefix`` (before, the whole host was taken for a bucket name on AWS)."""
+    from kvmesh.config import CacheConfig
+
+    host = moto.endpoint.removeprefix("http://")
+    cfg = CacheConfig.from_dict(
+        {
+            "chunk_size": 256,
+            "remote_url": f"s3://{bucket}.{host}",
+            "extra_config": {
+                "s3_region": "us-east-1",
+                "aws_access_key_id": "testing",
+                "aws_secret_access_key": "testing",
+                "disable_tls": True,
+                "s3_file_prefix": "lmc",
+                "s3_num_io_threads": 4,
+            },
+        }
+    )
+    assert cfg.remote_url is not None
+    opts = TierOptions(name="remote", metrics=TierMetrics("remote"), timeout_s=2.0, retries=1)
+    tier = open_tier(cfg.remote_url, opts)
+    try:
+        keys, chunks = _chunks(2)
+        assert tier.put(keys, chunks) == [True, True]
+        got = tier.get(keys)
+        assert [bytes(g.data) for g in got if g is not None] == [bytes(c.data) for c in chunks]
+        names = [o["Key"] for o in moto.client().list_objects_v2(Bucket=bucket)["Contents"]]
+        assert len(names) == 2 and all(n.startswith("lmc/kvm2-") for n in names)
+    finally:
+        tier.close()

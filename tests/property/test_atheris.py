@@ -15,7 +15,7 @@ TARGETS = Path(__file__).with_name("atheris_targets.py")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["events", "serde", "held", "prompt"])
+@pytest.mark.parametrize("target", ["events", "serde", "held", "prompt", "wire"])
 def test_atheris_finds_no_crash(target: str, tmp_path: Path) -> None:
     cmd = [sys.executable, str(TARGETS), target, "-runs=3000", "-max_total_time=10", "-rss_limit_mb=2048"]
     env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", str(Path(__file__).parents[2]))}

@@ -1,7 +1,9 @@
 """Random event streams: the BlockIndex must answer exactly like a naive reference model.
 
 The model keys blocks by (block size, full token prefix) — no hashing, no bit masks, no LRU —
-and answers a query by walking the prompt block by block for every replica and size.
+and answers a query by walking the prompt block by block for every replica and size. Media
+without an alias are kept by name (at most four; a fifth is not indexed), ranked below the
+replica's own disk: local ones above those on another host, then in the order met.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kvmesh.index import BlockIndex, Medium, parse_medium
+from kvmesh.index import BlockIndex
 
 REPLICAS = ("a", "b", "c")
 SIZES = (2, 4)
-MEDIUMS = (None, "GPU", "CPU", "DISK", "REMOTE", "STORAGE")
+MEDIUMS = (None, "GPU", "CPU", "DISK", "REMOTE", "STORAGE", "cpu", "x1", "STORAGE:REMOTE", "x2", "x3", "x4")
 Prefix = tuple[int, ...]
+# the model's own ranking: REMOTE, named media on another host, local named media, DISK, CPU, GPU
+_ALIAS = {"GPU": "GPU", "CPU": "CPU", "DISK": "DISK", "STORAGE": "DISK", "REMOTE": "REMOTE"}
+_RANK = {"REMOTE": 0, "DISK": 50, "CPU": 60, "GPU": 70}
 
 
 class Clock:
@@ -35,10 +40,26 @@ class Model:
         self.replicas: set[str] = set()
         # replica -> block size -> engine hash -> prefix (dict order mirrors the index's)
         self.emap: dict[str, dict[int, dict[Any, Prefix]]] = {}
-        self.held: dict[str, dict[tuple[int, Prefix], set[Medium]]] = {}
+        self.held: dict[str, dict[tuple[int, Prefix], set[str]]] = {}
         self.spec: list[tuple[str, int, Prefix, float]] = []
         self.seen: set[Prefix] = set()  # every prefix ever stored: queries come from here
         self.ever: set[Any] = set()  # every engine hash ever stored: parents come from here
+        self.named: list[str] = []  # media without an alias, in the order met
+
+    def medium(self, name: str | None, register: bool) -> str | None:
+        if name is None:
+            return "GPU"
+        name = name.upper()  # the medium's part of a name is case-blind
+        if name in _ALIAS:
+            return _ALIAS[name]
+        if name not in self.named and register and len(self.named) < 4:
+            self.named.append(name)
+        return name if name in self.named else None
+
+    def rank(self, medium: str) -> int:
+        if medium in _RANK:
+            return _RANK[medium]
+        return (10 if ":REMOTE" in medium else 20) + self.named.index(medium)
 
     def register(self, r: str) -> None:
         if r not in self.replicas:
@@ -54,8 +75,9 @@ class Model:
 
     def store(self, r: str, ev: BlockStored) -> None:
         self.register(r)
-        med = parse_medium(ev.medium)
-        assert med is not None
+        med = self.medium(ev.medium, register=True)
+        if med is None:
+            return  # a fifth medium without an alias
         bs = ev.block_size
         maps = self.emap[r].setdefault(bs, {})
         if ev.parent_block_hash is None:
@@ -78,7 +100,7 @@ class Model:
     def remove(self, r: str, hashes: tuple[Any, ...], medium: str | None) -> None:
         if r not in self.replicas:
             return
-        med = parse_medium(medium)
+        med = self.medium(medium, register=False)
         for eh in hashes:
             for bs, maps in self.emap[r].items():
                 prefix = maps.get(eh)
@@ -109,29 +131,30 @@ class Model:
             self.spec.append((r, bs, tokens[: i * bs], self.clock.t + ttl))
         self.seen.add(tokens)
 
-    def mediums(self, r: str, bs: int, prefix: Prefix) -> set[Medium]:
+    def mediums(self, r: str, bs: int, prefix: Prefix) -> set[str]:
         out = set(self.held[r].get((bs, prefix), set()))
-        if any(Medium.REMOTE in self.held[o].get((bs, prefix), set()) for o in self.replicas):
-            out.add(Medium.REMOTE)
+        if any("REMOTE" in self.held[o].get((bs, prefix), set()) for o in self.replicas):
+            out.add("REMOTE")
         if any(s[:3] == (r, bs, prefix) and s[3] > self.clock.t for s in self.spec):
-            out.add(Medium.GPU)
+            out.add("GPU")
         return out
 
-    def match(self, tokens: Prefix) -> dict[str, tuple[tuple[int, int, Medium], ...]]:
+    def match(self, tokens: Prefix) -> dict[str, tuple[tuple[int, int, str], ...]]:
         out = {}
         for r in self.replicas:
-            best: list[Medium] = []  # best medium per token position
+            best: list[str] = []  # best medium per token position
             for bs in SIZES:
                 for i in range(len(tokens) // bs):
                     meds = self.mediums(r, bs, tokens[: (i + 1) * bs])
                     if not meds:
                         break
+                    top = max(meds, key=self.rank)
                     for t in range(i * bs, (i + 1) * bs):
                         if t == len(best):
-                            best.append(max(meds))
+                            best.append(top)
                         else:
-                            best[t] = max(best[t], max(meds))
-            ranges: list[tuple[int, int, Medium]] = []
+                            best[t] = max(best[t], top, key=self.rank)
+            ranges: list[tuple[int, int, str]] = []
             for t, med in enumerate(best):
                 if ranges and ranges[-1][2] == med:
                     ranges[-1] = (ranges[-1][0], t + 1, med)
@@ -146,7 +169,7 @@ def check_internal_links(index: BlockIndex) -> None:
     """Engine-hash maps and block holder lists point at each other, and nothing dangles.
 
     Entries are ``(mask >> shift, shift, block_size, rid, engine_hash, ...)``; the mask is
-    stored shifted down to its lowest holder, so its lowest nibble is never empty.
+    stored shifted down to its lowest holder, so its lowest byte is never empty.
     """
     blocks, emap = index._blocks, index._emap
     linked = 0
@@ -155,18 +178,18 @@ def check_internal_links(index: BlockIndex) -> None:
             for eh, key in maps.items():
                 entry = blocks[key]
                 mask = entry[0] << entry[1]
-                assert entry[2] == bs and (mask >> (4 * rid)) & 0xF, "engine hash of a dropped holding"
+                assert entry[2] == bs and (mask >> (8 * rid)) & 0xFF, "engine hash of a dropped holding"
                 assert any(entry[i] == rid and entry[i + 1] == eh for i in range(3, len(entry), 2))
                 linked += 1
     pairs = 0
     for key, entry in blocks.items():
-        assert entry[0] & 0xF and entry[1] % 4 == 0, "mask not shifted down to its lowest holder"
+        assert entry[0] & 0xFF and entry[1] % 8 == 0, "mask not shifted down to its lowest holder"
         mask = entry[0] << entry[1]
         for i in range(3, len(entry), 2):
             assert emap[entry[i]][entry[2]][entry[i + 1]] == key
             pairs += 1
         holders = {entry[i] for i in range(3, len(entry), 2)}
-        assert holders == {rid for rid in emap if (mask >> (4 * rid)) & 0xF}
+        assert holders == {rid for rid in emap if (mask >> (8 * rid)) & 0xFF}
     assert pairs == linked
 
 
@@ -239,7 +262,7 @@ def test_index_matches_reference_model(data: st.DataObject) -> None:
         else:
             clock.t += data.draw(st.sampled_from([0.25, 0.5, 1.0]))
         query = _known_prefix(data, model)
-        got = {name: m.ranges for name, m in index.match(query).items()}
+        got = {name: tuple((a, b, m.name) for a, b, m in m.ranges) for name, m in index.match(query).items()}
         assert got == model.match(query), f"query {query}"
         assert set(index.replicas()) == model.replicas
         check_internal_links(index)

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvmesh.core import serde
+from kvmesh.core.fleetkey import FleetKey
 from kvmesh.core.keys import KVLayout
 from kvmesh.errors import CorruptChunkError, EventDecodeError
 from kvmesh.events.codec import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_batch
@@ -173,6 +174,32 @@ def _mutate(chunk: bytes, data: st.DataObject) -> bytes:
         else:
             buf += data.draw(st.binary(max_size=8))
     return bytes(buf)
+
+
+_KEYED = {enc: serde.ChunkFormat(FleetKey([b"k" * 32]), encrypt=enc, layout=LAYOUT) for enc in (False, True)}
+
+
+@FUZZ
+@given(
+    enc=st.booleans(),
+    codec=st.sampled_from(["raw", "zstd"]),
+    n=st.integers(1, 4),
+    data=st.data(),
+)
+def test_keyed_chunks_altered_anywhere_never_decode(
+    enc: bool, codec: str, n: int, data: st.DataObject
+) -> None:
+    """A MAC'd or sealed chunk, flipped, cut or grown anywhere: only CorruptChunkError (its
+    UnauthenticatedChunkError above all), never other bytes."""
+    fmt = _KEYED[enc]
+    raw = np.arange(n * LAYOUT.bytes_per_token, dtype=np.uint8).tobytes()
+    good = fmt.encode_bytes("ns/0/abc", LAYOUT, np.arange(n, dtype=np.uint32), raw, codec)
+    bad = _mutate(good, data)
+    try:
+        _, out = fmt.decode(bad)
+    except CorruptChunkError:
+        return
+    assert bytes(out) == raw  # only a mutation that changed nothing that matters decodes
 
 
 def test_valid_chunks_round_trip() -> None:

@@ -16,10 +16,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvmesh.errors import TokenizeError
-from kvmesh.router import ReplicaConfig, RouterConfig
+from kvmesh.router import RouterConfig
 from kvmesh.router.server import Router
 from kvmesh.router.testing import FakeVLLM, write_test_tokenizer
-from kvmesh.router.tokenize import PromptTokenizer
+from kvmesh.routing.config import ReplicaConfig
+from kvmesh.routing.tokenize import PromptTokenizer
 
 FUZZ = settings(
     deadline=None,
@@ -125,6 +126,7 @@ def router(tok_dir: Path) -> Iterator[Router]:
         port=0,
         health_interval_s=0.2,
         max_body_bytes=1 << 16,
+        replica_header=True,  # tells a replica's answer from the router's own refusal
     )
     r = Router(cfg).start()
     try:

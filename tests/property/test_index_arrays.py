@@ -19,20 +19,22 @@ from hypothesis import strategies as st
 from kvmesh.events import BlockStored
 from kvmesh.index import BlockIndex, PromptKeys
 from kvmesh.index.matching import match_chain
-from kvmesh.router.scorers import PrefillScorer, PrefixScorer, RoutingRequest, medium_tokens
-from kvmesh.router.table import ReplicaTable
+from kvmesh.index.media import COLUMNS, column
+from kvmesh.routing.scorers import PrefillScorer, PrefixScorer, RoutingRequest, medium_columns, medium_tokens
+from kvmesh.routing.table import ReplicaTable
 
 BS = 2
 REPLICAS = [f"r{i}" for i in range(37)]
-MEDIA = ("GPU", "CPU", "DISK", "REMOTE")
+MEDIA = ("GPU", "CPU", "DISK", "REMOTE", "STORAGE/fs", "STORAGE:REMOTE")  # and two kept by name
 PROMPT = tuple(range(100, 100 + 8 * BS))  # 8 blocks; stores hold prefixes of it (or of others)
 
 
 def _reference(index: BlockIndex, prompt: PromptKeys) -> dict[str, tuple[tuple[int, int, object], ...]]:
     with index._lock:
         got = match_chain(
-            index._blocks, index._low, index._spec.keys, BS, prompt.chain(BS), index._low, index._clock()
-        )
+            index._blocks, index._low, index._spec.keys, BS, prompt.chain(BS), index._low, index._clock(),
+            index.media.view,
+        )  # fmt: skip
         return {index._names[rid]: tuple(ranges) for rid, ranges in got.items()}
 
 
@@ -76,11 +78,15 @@ def test_array_match_equals_range_walk(ops: list[tuple[str, int, int, str, bool]
     req = RoutingRequest(prompt.tokens, prompt=prompt, matches=got)
     tokens = medium_tokens(req, table)
     for i, name in enumerate(REPLICAS):
-        row = np.zeros(5) if tokens is None else tokens[i]
-        by = {int(m): 0 for m in range(4)}
+        row = np.zeros(COLUMNS) if tokens is None else tokens[i]
+        by = dict.fromkeys(range(COLUMNS), 0)
         for start, end, med in want.get(name, ()):
-            by[int(med)] += end - start
-        assert row.tolist() == [float(by[m]) for m in range(4)] + [0.0], name
+            by[column(med)] += end - start
+        assert row.tolist() == [float(by[c]) for c in range(COLUMNS)], name
+    if tokens is not None:  # the columns are named as the index names the media
+        names = medium_columns(req)
+        assert names[:4] == ("REMOTE", "DISK", "CPU", "GPU")
+        assert set(names[4:]) - {""} == set(index.media.named)
     # and the scorers agree with the dict path over the same matches
     plain = RoutingRequest(prompt.tokens, prompt=prompt, matches={k: v for k, v in got.items()})
     for scorer in (PrefixScorer(index), PrefillScorer()):

@@ -128,21 +128,22 @@ def test_string_form_round_trips(tokens: list[int], cs: int, shard: int, unfull:
     for key in kb.keys(tokens):
         text = str(key)
         assert text == key.text
-        assert text.startswith(f"kvm1-{kb.namespace}-r{shard}-")
+        assert text.startswith(f"kvm2-{kb.namespace}-r{shard}-")
         assert ChunkKey.parse(text, cs) == key
         assert kb.parse(text) == key
         assert kb.owns(ChunkKey.parse(text, cs))
 
 
 HEX = "0123456789abcdef"
-HEXISH = st.text(alphabet="0123456789abcdefABCDEFg", min_size=14, max_size=34)
+HEXISH = st.text(alphabet="0123456789abcdefABCDEFg", min_size=14, max_size=66)
 DIGITS = st.text(alphabet="0123456789\u0663", min_size=0, max_size=4)  # U+0663: an Arabic-Indic 3
+OLD_HASH = st.text(alphabet=HEX, min_size=32, max_size=32)  # kvm1's 128-bit xxh3
 NEAR_KEYS = st.builds(
     lambda head, ns, shard, h, tail, end: f"{head}-{ns}-r{shard}-{h}{tail}{end}",
-    st.sampled_from(["kvm1", "kvm1", "kvm2", "KVM1", ""]),
+    st.sampled_from(["kvm2", "kvm2", "kvm1", "KVM2", ""]),
     st.one_of(st.text(alphabet=HEX, min_size=16, max_size=16), HEXISH),
     DIGITS,
-    st.one_of(st.text(alphabet=HEX, min_size=32, max_size=32), HEXISH),
+    st.one_of(st.text(alphabet=HEX, min_size=64, max_size=64), OLD_HASH, HEXISH),
     st.one_of(st.just(""), DIGITS.map(lambda d: f"-p{d}")),
     st.sampled_from(["", "", "\n", " ", "-"]),
 )
@@ -151,14 +152,14 @@ NEAR_KEYS = st.builds(
 def canonical_key(text: str, cs: int) -> bool:
     """Independent oracle: the exact documented grammar, canonical numbers, partial < cs."""
     parts = text.split("-")
-    if len(parts) not in (4, 5) or parts[0] != "kvm1":
+    if len(parts) not in (4, 5) or parts[0] != "kvm2":
         return False
     ns, shard, h = parts[1:4]
 
     def number(s: str) -> bool:
         return s.isascii() and s.isdigit() and (s == "0" or not s.startswith("0"))
 
-    ok = len(ns) == 16 and set(ns) <= set(HEX) and len(h) == 32 and set(h) <= set(HEX)
+    ok = len(ns) == 16 and set(ns) <= set(HEX) and len(h) == 64 and set(h) <= set(HEX)
     ok = ok and shard.startswith("r") and number(shard[1:])
     if len(parts) == 5:
         p = parts[4]

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvmesh import demo
-from kvmesh.bench.groups import Outcome, Setup
+from kvmesh.bench.common.groups import Outcome, Setup
 from kvmesh.cli import build_parser
 
 
@@ -133,6 +133,23 @@ def test_cli_passes_the_workload_through(monkeypatch: pytest.MonkeyPatch) -> Non
     assert args.func(args) == 1  # a row lost requests
     p = got["p"]
     assert (p.tenants, p.users, p.turns, p.repeats, p.num_blocks, p.prefix_words) == (6, 2, 3, 1, 20, 250)
+    assert got["workload_name"] == "default"
+    # the held-out workload is bench router's, which the router's weights were never tuned on
+    args = build_parser().parse_args(["demo", "--workload", "held-out", "--repeats", "1"])
+    args.func(args)
+    held = got["p"]
+    assert got["workload_name"] == "held-out" and demo.WORKLOADS["held-out"].endswith("never tuned on it")
+    assert (held.tenants, held.users, held.turns, held.prefix_words, held.prefix_words_max) == (
+        8,
+        3,
+        2,
+        200,
+        700,
+    )
+    assert held.zipf and held.arrival == "turns" and held.question_words == 25
+    assert demo.held_out_seed_of(demo.KVMESH, 0) not in {
+        demo.seed_of(s, r) for s in demo.SETUPS for r in range(50)
+    }
 
 
 def test_paired_ratios_pair_repeats_and_fall_back_to_medians() -> None:
@@ -149,6 +166,7 @@ def test_a_written_report_renders_again_from_its_json(
 ) -> None:
     rows = {s: {**r, "errors": 0, "repeats": [r]} for s, r in ROWS.items()}
     workload = {
+        "what": demo.WORKLOADS["default"],
         "tenants": 12,
         "users": 2,
         "turns": 3,
@@ -159,4 +177,6 @@ def test_a_written_report_renders_again_from_its_json(
     first = demo.report(rows, workload, 12.0, str(tmp_path / "a.json"))
     again = demo.report(demo.rows_from_json(json.loads((tmp_path / "a.json").read_text())), workload, 12.0)
     assert again["sentences"] == first["sentences"] and again["split"] == first["split"]
-    capsys.readouterr()
+    # the output and the JSON say which workload it was: the one the weights were tuned on
+    assert "tuned on" in capsys.readouterr().out and "commit" not in first
+    assert json.loads((tmp_path / "a.json").read_text())["provenance"]["commit"]

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import zstandard
 
+from kvmesh.core.codecs.base import zstd_bound, zstd_decompress
 from kvmesh.core.keys import KVLayout
 from kvmesh.core.memory import torch_dtype
 from kvmesh.errors import ConfigError, CorruptChunkError
@@ -42,6 +43,7 @@ _HEAD = struct.Struct("<3sBHHIII")
 ENTROPY = {"ans": 0, "zstd": 1}
 _F16_MAX = 60000.0
 _MIN_BIN = 1e-8
+MAX_GROUP = 1024
 
 
 def _early_layers(num_layers: int) -> int:
@@ -60,8 +62,8 @@ class CacheGenCodec:
     def __init__(self, group: int = 16, alpha: float = 0.1, half_range: int = 127, entropy: str = "zstd"):
         if entropy not in ENTROPY:
             raise ConfigError(f"cachegen entropy coder {entropy!r}; valid: {', '.join(ENTROPY)}")
-        if not 2 <= group <= 1024 or not 1 <= half_range <= 127 or alpha <= 0:
-            raise ConfigError("cachegen: group in [2, 1024], half_range in [1, 127], alpha > 0")
+        if not 2 <= group <= MAX_GROUP or not 1 <= half_range <= 127 or alpha <= 0:
+            raise ConfigError(f"cachegen: group in [2, {MAX_GROUP}], half_range in [1, 127], alpha > 0")
         self.group, self.alpha, self.half_range, self.entropy = group, alpha, half_range, entropy
 
     # ---- encode -------------------------------------------------------------------------
@@ -106,6 +108,15 @@ class CacheGenCodec:
         body = _ans_encode(a8, d8, q, early) if self.entropy == "ans" else _zstd_encode(a8, d8)
         return head + side.numpy().tobytes() + body
 
+    def max_encoded(self, layout: KVLayout, n_tokens: int) -> int:
+        """Header, side info (float32 at most), and the entropy-coded symbols of the padded
+        groups: zstd's bound over one byte a symbol, or ANS at worst 32 bits a symbol."""
+        sections = layout.num_layers * 2
+        channels = layout.num_kv_heads * layout.head_size
+        symbols = sections * -(-n_tokens // self.group) * self.group * channels
+        body = zstd_bound(symbols) if self.entropy == "zstd" else 4 * symbols + 4096
+        return _HEAD.size + 3 * sections * channels * 4 + body
+
     # ---- decode -------------------------------------------------------------------------
     def decode(self, data: memoryview, layout: KVLayout, n_tokens: int, raw_len: int) -> memoryview:
         try:
@@ -127,7 +138,9 @@ class CacheGenCodec:
             layout.num_kv_heads * layout.head_size,
         ):
             raise CorruptChunkError("cachegen payload's shape does not match the chunk header")
-        if g < 2 or q < 1 or q > 127:
+        # The group sets how many padded tokens are decoded: bounded like the encoder's, so
+        # the symbol arrays stay within a small multiple of the chunk's own size.
+        if not 2 <= g <= MAX_GROUP or q < 1 or q > 127:
             raise CorruptChunkError("cachegen payload has invalid parameters")
         side_dtype = np.float32 if ent & 0x80 else np.float16
         n_side = 3 * sections * channels
@@ -166,12 +179,7 @@ def _zstd_encode(a8: np.ndarray, d8: np.ndarray) -> bytes:
 
 def _zstd_decode(body: memoryview, shapes: tuple[tuple[int, int, int], ...]) -> tuple[np.ndarray, np.ndarray]:
     sizes = [int(np.prod(s)) for s in shapes]
-    try:
-        out = zstandard.ZstdDecompressor().decompress(bytes(body), max_output_size=sum(sizes))
-    except zstandard.ZstdError as exc:
-        raise CorruptChunkError(f"cachegen zstd stream does not decompress: {exc}") from None
-    if len(out) != sum(sizes):
-        raise CorruptChunkError("cachegen zstd stream has the wrong length")
+    out = zstd_decompress(body, sum(sizes), "cachegen zstd stream")
     flat = np.frombuffer(bytearray(out), dtype=np.uint8)  # writable: torch takes it without a copy
     return flat[: sizes[0]].reshape(shapes[0]), flat[sizes[0] :].reshape(shapes[1])
 

@@ -13,6 +13,7 @@ from kvmesh.core.memory import torch_dtype
 from kvmesh.errors import CorruptChunkError
 
 TENSOR_NAME = "kv"
+HEADER_ROOM = 4096  # safetensors' JSON header of one tensor, padded: ~100 bytes
 
 
 class SafetensorsCodec:
@@ -25,7 +26,12 @@ class SafetensorsCodec:
         kv = torch.frombuffer(data, dtype=torch.uint8).view(torch_dtype(layout.dtype))
         return save({TENSOR_NAME: kv.view(layout.shape(n_tokens))})
 
+    def max_encoded(self, layout: KVLayout, n_tokens: int) -> int:
+        return n_tokens * layout.bytes_per_token + HEADER_ROOM
+
     def decode(self, data: memoryview, layout: KVLayout, n_tokens: int, raw_len: int) -> memoryview:
+        # safetensors checks every tensor's offsets against the blob, and the envelope has
+        # bounded the blob by max_encoded: nothing here allocates more than the blob's size.
         from safetensors.torch import load
 
         try:

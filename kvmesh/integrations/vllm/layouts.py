@@ -170,10 +170,12 @@ class StridedPages(PageLayout):
         layer = self._four(layers[0])
         n = int(layer.shape[2])
         r = self.block_size // n
-        t = torch.arange(tokens, dtype=torch.long)
-        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
-        kb = ids[t // self.block_size] * r + (t % self.block_size) // n
-        return kb.to(layer.device, non_blocking=True), (t % n).to(layer.device, non_blocking=True)
+        dev = layer.device
+        # Built on the device: one small copy of the block ids, the rest device arithmetic
+        # (no per-token index vectors crossing PCIe from pageable memory).
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long).to(dev, non_blocking=True)
+        t = torch.arange(tokens, dtype=torch.long, device=dev)
+        return ids[t // self.block_size] * r + (t % self.block_size) // n, t % n
 
     def _stacked(self, layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """All layers as one ``[L, B, H, N, C]`` view, or ``None`` if they are not evenly

@@ -4,6 +4,7 @@ worker side hands back (both cross a process boundary, pickled by vLLM)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents, KVEventAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -23,6 +24,12 @@ class LoadSpec:
     skip: int  # vLLM's own prefix-cache hit (block aligned): those blocks are shared, never written
     upto: int | None = None  # load tokens [skip, upto); None = all of token_ids. A prompt's
     # partial tail chunk is keyed by all its tokens but its last token is never loaded.
+    load_async: bool = False  # vLLM parked the request (WAITING_FOR_REMOTE_KVS): read beside the
+    # steps, report it in get_finished (asyncload.py); else done before this step's forward
+    pd: dict[str, Any] | None = None  # a decode half's kv_transfer_params: pull from the producer first
+    adapter: str | None = None  # the LoRA adapter's weights fingerprint (its chunks' namespace)
+    group_blocks: list[list[int]] = field(default_factory=list)  # hybrid models (groups.py): every
+    # KV cache group's block ids, by vLLM's group index; empty with one group (block_ids)
 
     @property
     def end(self) -> int:
@@ -38,6 +45,9 @@ class SaveSpec:
     block_ids: list[int]  # the request's blocks covering token_ids
     skip: int  # chunks ending at or before this were handed over in an earlier step
     block_hashes: list[BlockHash] = field(default_factory=list)  # vLLM's, for events; may be empty
+    adapter: str | None = None  # the LoRA adapter's weights fingerprint (its chunks' namespace)
+    lora: tuple[str, int] | None = None  # (lora_name, lora_int_id) as vLLM's own events carry them
+    group_blocks: list[list[int]] = field(default_factory=list)  # hybrid models: as LoadSpec's
 
 
 @dataclass
@@ -46,6 +56,8 @@ class KVMeshConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     releases: list[tuple[str, int]] = field(default_factory=list)  # (req_id, lookup seq): unpin
     preempted: list[str] = field(default_factory=list)  # their saves must finish before the forward
+    scheduled_tokens: int = 0  # this step's tokens and requests: the worker times the forward
+    scheduled_requests: int = 0  # (stepclock.py) to learn the prefill rate
 
 
 class KVMeshKVEvents(KVConnectorKVEvents):

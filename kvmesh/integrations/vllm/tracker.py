@@ -49,9 +49,17 @@ class _Confirm:
 
 
 class EventTracker:
-    def __init__(self, engine: CacheEngine, block_size: int, enabled: bool = True) -> None:
+    def __init__(
+        self, engine: CacheEngine, block_size: int, enabled: bool = True, group: int | None = None
+    ) -> None:
         self.engine = engine
         self.block_size = block_size
+        # A hybrid model: the engine's chunks are this KV cache group's (the full-attention one),
+        # said in every event as vLLM 0.32 says it, so a router indexes them with that group.
+        self.group = group
+        self._group_fields: dict[str, Any] = (
+            {} if group is None else {"group_idx": group, "kv_cache_spec_kind": "full_attention"}
+        )
         # Off when vLLM publishes no KV events: nothing would read them.
         self.enabled = enabled
         self._lock = threading.Lock()
@@ -73,11 +81,18 @@ class EventTracker:
 
     # -- producers -----------------------------------------------------------------------
     def stored(
-        self, tokens: np.ndarray, keys: Sequence[ChunkKey], first: int, hashes: Sequence[BlockHash]
+        self,
+        tokens: np.ndarray,
+        keys: Sequence[ChunkKey],
+        first: int,
+        hashes: Sequence[BlockHash],
+        lora: tuple[str, int] | None = None,
     ) -> None:
         """Chunks ``keys`` (chunk indexes ``first``, ``first + 1``, ...) of ``tokens`` just
         entered the CPU pool. ``hashes``: vLLM's block hashes of ``tokens`` (may be empty:
-        vLLM computes none without prefix caching, and then nothing is announced)."""
+        vLLM computes none without prefix caching, and then nothing is announced). ``lora``:
+        the request's ``(lora_name, lora_int_id)``, announced as vLLM announces its own blocks
+        (a router keeps an adapter's blocks apart from the base model's by that name)."""
         if not self.enabled:
             return
         cs = self.engine.config.chunk_size
@@ -94,9 +109,10 @@ class EventTracker:
                     parent_block_hash=hashes[b0 - 1] if b0 else None,
                     token_ids=tokens[b0 * self.block_size : (b0 + per_chunk) * self.block_size].tolist(),
                     block_size=self.block_size,
-                    lora_id=None,
+                    lora_id=lora[1] if lora is not None else None,
                     medium=MEDIA["cpu"],
-                    lora_name=None,
+                    lora_name=lora[0] if lora is not None else None,
+                    **self._group_fields,
                 )
             )
             with self._lock:
@@ -131,7 +147,9 @@ class EventTracker:
         with self._lock:
             hashes = [h for t in texts for h in self._announced.pop(t, [])]
             if hashes:
-                self._events.append(BlockRemoved(block_hashes=hashes, medium=MEDIA["cpu"]))
+                self._events.append(
+                    BlockRemoved(block_hashes=hashes, medium=MEDIA["cpu"], group_idx=self.group)
+                )
 
     def resync(self) -> None:
         """After a clear: announce the removal of every announced chunk no longer in CPU."""
@@ -192,15 +210,17 @@ class EventTracker:
         for i, (_, ev, media) in enumerate(page):
             for name in media:
                 if holds.get(name, [False] * len(keys))[i]:
-                    out.append(
-                        {
-                            "block_hashes": [_hash_json(h) for h in ev.block_hashes],
-                            "parent_block_hash": _hash_json(ev.parent_block_hash),
-                            "token_ids": ev.token_ids,
-                            "block_size": ev.block_size,
-                            "medium": MEDIA[name],
-                        }
-                    )
+                    held = {
+                        "block_hashes": [_hash_json(h) for h in ev.block_hashes],
+                        "parent_block_hash": _hash_json(ev.parent_block_hash),
+                        "token_ids": ev.token_ids,
+                        "block_size": ev.block_size,
+                        "medium": MEDIA[name],
+                        **self._group_fields,
+                    }
+                    if ev.lora_name is not None:  # an adapter's chunk: the router roots its chain apart
+                        held.update(lora_name=ev.lora_name, lora_id=ev.lora_id)
+                    out.append(held)
         end = cursor + len(page)
         return {"events": out, "next": end if end < total else None, "total": total}
 

@@ -23,6 +23,7 @@ torch's caching allocator). On CPU the streams are no-ops and the same calls run
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -55,6 +56,9 @@ class Transfer:
         self._dtype = dtype
         self._layer_events: list[Event | None] = [None] * len(self.layers)
         self._load_done: Event | None = None
+        self._local = threading.local()
+        self._state_lock = threading.Lock()
+        self._first_taken = False
 
     @property
     def compute(self) -> Stream:
@@ -82,16 +86,31 @@ class Transfer:
         """Gather ``block_ids`` into the host chunk ``out`` ``[L, planes, n, H, D]`` (a pool
         slot); returns once the bytes are in ``out``. Runs on the saver thread only (the
         save staging buffer is that thread's)."""
-        with self.save_stream.use():
-            self.save_stream.wait(after)
+        stream, staging = self._saver_state()
+        with stream.use():
+            stream.wait(after)
             if self.cuda:
-                stage = self._view(self._save_stage, self.layout.shape(out.shape[2]))
-                self.page.gather(self.layers, block_ids, stage)
-                out.copy_(stage, non_blocking=True)
+                stage = self._view(staging, self.layout.shape(out.shape[2]))
+                self.page.gather(self.layers, block_ids, stage)  # one gather kernel per plane
+                out.copy_(stage, non_blocking=True)  # one D2H into the pinned slot
             else:  # CPU: straight into the slot
                 self.page.gather(self.layers, block_ids, out)
-            done = self.save_stream.record()
+            done = stream.record()
         done.synchronize()  # the saver thread waits; the compute stream never does
+
+    def _saver_state(self) -> tuple[Stream, torch.Tensor]:
+        """The calling saver thread's own save stream and device staging chunk (several
+        savers run at once; the first thread uses the ones allocated at start)."""
+        mine = getattr(self._local, "state", None)
+        if mine is None:
+            with self._state_lock:
+                if not self._first_taken:
+                    self._first_taken = True
+                    mine = (self.save_stream, self._save_stage)
+                else:
+                    mine = (Stream(self.device), torch.empty_like(self._save_stage))
+            self._local.state = mine
+        return mine
 
     # -- loads -------------------------------------------------------------------------
     def load(self, items: Sequence[tuple[torch.Tensor, Sequence[int]]], layerwise: bool = True) -> None:
@@ -113,14 +132,31 @@ class Transfer:
                 self._load_layerwise(items)
             else:
                 for chunk, ids in items:
-                    src = chunk
-                    if self.cuda:
-                        src = self._view(self._chunk_stage, tuple(chunk.shape))
-                        src.copy_(chunk, non_blocking=True)
-                    self.page.scatter(src, self.layers, ids)
+                    self.page.scatter(self._staged(chunk), self.layers, ids)
             self._load_done = self.load_stream.record()
         if not layerwise:
             self._layer_events = [self._load_done] * len(self.layers)
+
+    def load_now(self, items: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> Event:
+        """Queue ``chunk -> pages`` for an asynchronous load (its request is not in this
+        step's batch): one H2D into staging and one scatter per chunk on the load stream,
+        ordered after the compute stream's work so far (the blocks may have been another
+        request's). The returned event completes when the pages hold the KV; the host
+        chunks must stay valid until then. Leaves this step's synchronous loads alone."""
+        compute_so_far = self.compute.record()
+        with self.load_stream.use():
+            self.load_stream.wait(compute_so_far)
+            for chunk, ids in items:
+                self.page.scatter(self._staged(chunk), self.layers, ids)
+            return self.load_stream.record()
+
+    def _staged(self, chunk: torch.Tensor) -> torch.Tensor:
+        """``chunk`` on the device: one H2D into the chunk staging buffer (on CUDA)."""
+        if not self.cuda:
+            return chunk
+        src = self._view(self._chunk_stage, tuple(chunk.shape))
+        src.copy_(chunk, non_blocking=True)
+        return src
 
     def _load_layerwise(self, items: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> None:
         preps = [self.page.prepare(self.layers, ids, chunk.shape[2]) for chunk, ids in items]

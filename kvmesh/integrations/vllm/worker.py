@@ -38,19 +38,26 @@ import numpy as np
 import torch
 
 from kvmesh.admin.server import AdminServer, start_admin
-from kvmesh.core.engine import CacheEngine
+from kvmesh.core.engine import CacheEngine, RetrievedChunk
 from kvmesh.core.keys import ChunkKey, as_token_array
+from kvmesh.integrations.vllm import hybrid
+from kvmesh.integrations.vllm.asyncload import LoadJobs, LookupJobs
+from kvmesh.integrations.vllm.asyncsteps import AsyncLoadSteps
 from kvmesh.integrations.vllm.device import Event
+from kvmesh.integrations.vllm.hybrid import GroupStore
 from kvmesh.integrations.vllm.layouts import CpuPackedPages, PageLayout
 from kvmesh.integrations.vllm.metadata import KVMeshConnectorMetadata, LoadSpec, SaveSpec
+from kvmesh.integrations.vllm.prom import StatsGate
 from kvmesh.integrations.vllm.rpc import Handler
 from kvmesh.integrations.vllm.saver import BackgroundSaver
+from kvmesh.integrations.vllm.stepclock import StepClock
 from kvmesh.integrations.vllm.tracker import EventTracker
 from kvmesh.integrations.vllm.transfer import Transfer
 
 Fill = Callable[[int, int, torch.Tensor], None]
 
 log = logging.getLogger(__name__)
+SAVERS = 2  # saver threads on the host-device path
 
 
 def _tokens(ids: Sequence[int]) -> np.ndarray:
@@ -58,7 +65,7 @@ def _tokens(ids: Sequence[int]) -> np.ndarray:
     return as_token_array(np.asarray(ids, dtype=np.int64))
 
 
-class WorkerSide:
+class WorkerSide(AsyncLoadSteps):
     def __init__(
         self,
         engine: CacheEngine,
@@ -67,9 +74,16 @@ class WorkerSide:
         events: bool = True,
         page: PageLayout | None = None,
         layer_names: Sequence[str] = (),
-        layerwise: bool = True,
+        layerwise: bool = False,
+        async_loads: str = "lower",
+        pd_budget_s: float = 0.0,
+        groups: Sequence[GroupStore] = (),
+        main_group: int = 0,
     ) -> None:
         self.engine = engine
+        # A hybrid model's other KV cache groups (hybrid.py); the engine caches the main one.
+        self.groups = list(groups)
+        self._failed_recv: set[str] = set()  # hybrid: loads that fell short (failed receives)
         self.layers = list(layers)
         self.block_size = block_size
         self.page = page if page is not None else CpuPackedPages(block_size)
@@ -88,14 +102,30 @@ class WorkerSide:
         self._saving: set[str] = set()  # reqs that got a SaveSpec: vLLM holds their blocks for us
         self._finishing: set[str] = set()  # finished, waiting for their saves
         self.chunk_size = engine.config.chunk_size
-        self.events = EventTracker(engine, block_size, enabled=events)
+        self.events = EventTracker(
+            engine, block_size, enabled=events, group=main_group if self.groups else None
+        )
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()  # the ledger and counters: the RPC thread shares them
-        self._ledger: dict[str, tuple[int, np.ndarray]] = {}  # req -> (lookup seq, pinned tokens)
+        self._ledger: dict[str, tuple[int, Any]] = {}  # req -> (lookup seq, pins: tokens or hybrid.Pins)
         self._load_errors: set[int] = set()
         self._failed_at: dict[str, int] = {}  # this step: req -> first token whose KV is bad
         self._in_kvmesh: dict[str, int] = {}  # req -> leading tokens loaded from kvmesh
-        self._saver = BackgroundSaver()
+        # Host-device path: saves of different requests run side by side (each thread its
+        # own save stream and staging, transfer.py); vLLM-CPU's snapshot path keeps one.
+        self._saver = BackgroundSaver(workers=SAVERS if self.xfer is not None else 1)
+        # Asynchronous loads (asyncload.py): "lower" = chunks below the cpu tier (and PD pulls)
+        # load beside the steps, cpu hits within their step; "all" = every load; "off" = none.
+        self.async_loads = async_loads
+        self._lookups = LookupJobs(self._lookup_now, self._unpin)
+        self.loads = LoadJobs(
+            engine, engine.config.remote_timeout_s + 1.0, self.release, _tokens, pd_budget_s=pd_budget_s
+        )
+        if self.groups:
+            self.loads.extra_read = lambda spec, arr, stack: hybrid.read(self.groups, spec, arr, stack)
+        # Forward times against scheduled tokens: the engine's prefill rate (loadcost.py).
+        self.clock = StepClock(engine.costs, self.layers[0].device if self.layers else torch.device("cpu"))
+        self.cost_stats = StatsGate(engine.cost_figures)  # vLLM's /metrics (prom.py)
         self.stats_hooks: list[Callable[[], dict[str, Any]]] = []  # merged into stats' connector
         # The admin HTTP API (on unless admin_enabled is false); rank r listens on admin_port + r.
         self.admin: AdminServer | None = start_admin(
@@ -117,17 +147,67 @@ class WorkerSide:
             "wait_for_writes": self.wait_for_writes,
         }
 
-    def lookup(self, req: str, seq: int, tokens: list[int]) -> int:
-        """Leading tokens held in any tier, pinned under ``(req, seq)`` until released."""
+    def lookup(
+        self, req: str, seq: int, tokens: list[int], detail: bool = False, adapter: str | None = None
+    ) -> Any:
+        """Leading tokens held in any tier, pinned under ``(req, seq)`` until released;
+        ``adapter``: a LoRA request's adapter fingerprint (its chunks have their own keys).
+
+        ``detail``: answer ``{"tokens": n, "lower": bool}`` (``lower``: some of them are
+        below the cpu tier, so vLLM should load them asynchronously) within a few
+        milliseconds, or ``{"pending": True}`` while the lookup waits on a slow tier (the
+        scheduler asks again with the same ``seq``)."""
         arr = _tokens(tokens)
-        self.release(req)  # a request looked up again replaces its earlier pins
-        n = self.engine.lookup(arr, pin=True)
+        if not detail:
+            self.release(req)  # a request looked up again replaces its earlier pins
+            return self._record(req, seq, self._lookup_now(arr, adapter))["tokens"]
+        with self._lock:
+            current = self._ledger.get(req)
+        if current is not None and current[0] != seq:
+            self.release(req)  # a request looked up again replaces its earlier pins
+        got = self._lookups.run(req, seq, arr, adapter)
+        if got.pop("pending", False):
+            return {"pending": True}
+        if not got.pop("first"):
+            got.pop("pinned", None)
+            return got  # the same lookup asked again: same answer, pins taken once
+        return self._record(req, seq, got)
+
+    def _lookup_now(self, arr: np.ndarray, adapter: str | None = None) -> dict[str, Any]:
+        if self.groups:
+            # A hybrid model's group engines have no adapter views: the scheduler never sends
+            # a LoRA request's lookup here (SchedulerSide._adapter), and one that came would
+            # find nothing rather than another adapter's KV.
+            if adapter is not None:
+                return {"tokens": 0, "lower": False, "pinned": None}
+            n, pins, below = hybrid.lookup(self.engine, self.groups, arr)
+            lower = below or self.async_loads == "all"
+            return {"tokens": n, "lower": bool(n and lower), "pinned": pins or None}
+        engine = self.engine.for_adapter(adapter)
+        n = engine.lookup(arr, pin=True)
+        lower = self.async_loads == "all"
+        if n and not lower and self.async_loads == "lower":
+            held = engine.keys.keys_for_array(arr[:n])
+            lower = not all(engine.cpu.contains(held))
+        return {"tokens": n, "lower": bool(n and lower), "pinned": (adapter, arr[:n]) if n else None}
+
+    def _unpin(self, pinned: Any) -> None:
+        """Undo a lookup's pins (``pinned``: a hybrid model's group pins, or the adapter and
+        tokens of :meth:`_lookup_now`)."""
+        if isinstance(pinned, list):
+            hybrid.unpin(pinned)
+        else:
+            self.engine.for_adapter(pinned[0]).unpin(pinned[1])
+
+    def _record(self, req: str, seq: int, got: dict[str, Any]) -> dict[str, Any]:
+        n = int(got["tokens"])
+        pinned = got.pop("pinned", None)
         with self._lock:
             self.counters["lookups"] += 1
             self.counters["lookup_hit_tokens"] += n
-            if n:
-                self._ledger[req] = (seq, arr[:n])
-        return n
+            if n and pinned is not None:
+                self._ledger[req] = (seq, pinned)
+        return got
 
     def release(self, req: str, seq: int | None = None) -> bool:
         """Unpin what lookup ``seq`` (any, if ``None``) pinned for ``req``. A release for
@@ -135,9 +215,12 @@ class WorkerSide:
         with self._lock:
             entry = self._ledger.get(req)
             if entry is None or (seq is not None and entry[0] != seq):
+                if entry is None:
+                    self._lookups.release(req, seq)  # one still running unpins by itself
                 return False
             del self._ledger[req]
-        self.engine.unpin(entry[1])
+        self._lookups.release(req, seq)
+        self._unpin(entry[1])
         return True
 
     def stats(self) -> dict[str, Any]:
@@ -149,11 +232,16 @@ class WorkerSide:
         connector["save_waits"] = self._saver.waits
         for hook in self.stats_hooks:
             connector.update(hook())
-        return {"engine": self.engine.stats(), "connector": connector}
+        out = {"engine": self.engine.stats(), "connector": connector, "costs": self.engine.cost_figures()}
+        if self.groups:  # a hybrid model: every other KV cache group's engine, by its tag
+            out["groups"] = {st.group.tag: st.engine.stats() for st in self.groups}
+        return out
 
     def clear(self, tier: str | None = None, force: bool = False) -> dict[str, int]:
         self._saver.drain()  # a save still in flight would land after the clear
         out = self.engine.clear(tier, force=force)
+        for st in self.groups:  # a hybrid model's other groups go with it
+            st.engine.clear(tier, force=force)
         self.events.resync()
         return out
 
@@ -167,28 +255,46 @@ class WorkerSide:
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._saver.drain(timeout):
             return False
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return self.engine.wait_for_writes(left)
+        for engine in [self.engine, *(st.engine for st in self.groups)]:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not engine.wait_for_writes(left):
+                return False
+        return True
 
     # -- one engine step (worker process) ------------------------------------------------
+    def bound(self, meta: KVMeshConnectorMetadata) -> None:
+        """vLLM bound this step's metadata: its forward comes next. vLLM 0.32 calls
+        ``start_load_kv`` *after* the forward when the step has no synchronous loads
+        (``SchedulerOutput.has_sync_kv_loads``), so the step clock starts here; a step with
+        synchronous loads restarts it once they are issued (:meth:`start_step`)."""
+        self.clock.begin(meta.scheduled_tokens, meta.scheduled_requests)
+
     def start_step(self, meta: KVMeshConnectorMetadata) -> None:
         self._close_loads()
         for req, seq in meta.releases:
             self.release(req, seq)
+        loads: list[LoadSpec] = []  # this step's synchronous loads
+        for spec in meta.loads:
+            if spec.load_async:
+                self.loads.submit(spec)  # read beside the steps; copied in a later step
+            else:
+                loads.append(spec)
         if self.xfer is None:
-            for spec in meta.loads:
+            for spec in loads:
                 self._load(spec, None)
+            if loads:  # vLLM runs the forward after this call only when it has sync loads
+                self.clock.begin(meta.scheduled_tokens, meta.scheduled_requests)
             return
         stack = contextlib.ExitStack()  # the retrieved chunks stay held until copied
         items: list[tuple[torch.Tensor, list[int]]] = []
         try:
-            for spec in meta.loads:
+            for spec in loads:
                 self._load(spec, (stack, items))
             self.xfer.load(items, layerwise=self._layerwise)
         except Exception:  # a cache problem must never fail vLLM's step: recompute them all
             log.exception("kvmesh: queueing this step's loads failed; vLLM recomputes them")
             with self._lock:
-                for spec in meta.loads:
+                for spec in loads:
                     self._load_errors.update(spec.block_ids[spec.skip // self.block_size :])
                     self._failed_at[spec.req_id] = spec.skip
                     self._in_kvmesh.pop(spec.req_id, None)
@@ -197,6 +303,8 @@ class WorkerSide:
             self._loads_open = stack
         if not self._layerwise:  # until vLLM is seen calling the layer hooks: wait for all
             self.xfer.wait_all_layers()
+        if loads:  # the forward starts now, not at bind time (see bound)
+            self.clock.begin(meta.scheduled_tokens, meta.scheduled_requests)
 
     def wait_for_layer(self, layer_name: str) -> None:
         """vLLM's ``wait_for_layer_load``: the compute stream waits for this layer's loads."""
@@ -213,33 +321,57 @@ class WorkerSide:
             self._loads_open.close()
             self._loads_open = None
 
+    def _copies(
+        self, spec: LoadSpec, chunks: Sequence[RetrievedChunk]
+    ) -> tuple[list[tuple[torch.Tensor, list[int]]], int]:
+        """``(chunk view, block ids)`` to copy for ``spec`` from the leading ``chunks``, and
+        the tokens they reach."""
+        bs, end = self.block_size, spec.end
+        loaded = 0
+        items: list[tuple[torch.Tensor, list[int]]] = []
+        for c in chunks:
+            if c.start != loaded or loaded >= end:
+                break
+            stop = min(c.end, end)
+            if stop > spec.skip:  # blocks below skip are vLLM's own shared blocks
+                s = max(c.start, spec.skip)
+                view = c.kv[:, :, s - c.start : stop - c.start]
+                items.append((view, spec.block_ids[s // bs : -(-stop // bs)]))
+            loaded = stop
+        return items, loaded
+
     def _load(
         self, spec: LoadSpec, queue: tuple[contextlib.ExitStack, list[tuple[torch.Tensor, list[int]]]] | None
     ) -> None:
-        bs, end = self.block_size, spec.end
         loaded = 0
         try:
             tokens = _tokens(spec.token_ids)
             with contextlib.ExitStack() as local:
                 holder = queue[0] if queue is not None else local
-                chunks = holder.enter_context(self.engine.retrieve_chunks(tokens, max_tokens=len(tokens)))
-                for c in chunks:
-                    if c.start != loaded or loaded >= end:
-                        break
-                    stop = min(c.end, end)
-                    if stop > spec.skip:  # blocks below skip are vLLM's own shared blocks
-                        s = max(c.start, spec.skip)
-                        view = c.kv[:, :, s - c.start : stop - c.start]
-                        ids = spec.block_ids[s // bs : -(-stop // bs)]
-                        if queue is not None:
-                            queue[1].append((view, ids))
-                        else:
-                            self.page.scatter(view, self.layers, ids)
-                    loaded = stop
+                engine = self.engine.for_adapter(spec.adapter)
+                chunks = holder.enter_context(engine.retrieve_chunks(tokens, max_tokens=len(tokens)))
+                t0 = time.perf_counter()  # the reads are done: what follows is the copy into pages
+                items, loaded = self._copies(spec, chunks)
+                if queue is not None:
+                    queue[1].extend(items)
+                else:
+                    for view, ids in items:
+                        self.page.scatter(view, self.layers, ids)
+                if queue is None and loaded > spec.skip:
+                    # the cpu tier's load cost: the copy into vLLM's pages (kvmesh.core.loadcost)
+                    nbytes = (loaded - spec.skip) * self.engine.layout.bytes_per_token
+                    self.engine.costs.observe_load("cpu", nbytes, time.perf_counter() - t0)
         except Exception:
             log.exception("kvmesh: loading request %s failed; vLLM will recompute it", spec.req_id)
+            loaded = 0
         finally:
             self.release(spec.req_id, spec.seq)
+        self._account(spec, loaded)
+
+    def _account(self, spec: LoadSpec, loaded: int) -> None:
+        """Counters, and the blocks vLLM must recompute when ``loaded`` falls short (a
+        synchronous load's step then computes on bad KV past them: nothing saved there)."""
+        bs, end = self.block_size, spec.end
         self._in_kvmesh[spec.req_id] = loaded
         with self._lock:
             if loaded >= end:
@@ -247,8 +379,13 @@ class WorkerSide:
                 self.counters["load_tokens"] += end - spec.skip
                 return
             first = max(loaded, spec.skip)
-            self._load_errors.update(spec.block_ids[first // bs : -(-end // bs)])
-            self._failed_at[spec.req_id] = first
+            if self.groups:  # block ids are per group: vLLM takes a failed receive instead
+                self._failed_recv.add(spec.req_id)
+                first = 0
+            else:
+                self._load_errors.update(spec.block_ids[first // bs : -(-end // bs)])
+            if not spec.load_async:
+                self._failed_at[spec.req_id] = first
             self.counters["load_failures"] += 1
             self.counters["failed_tokens"] += end - first
         log.warning(
@@ -260,6 +397,7 @@ class WorkerSide:
         )
 
     def end_step(self, meta: KVMeshConnectorMetadata) -> None:
+        self.clock.end()
         if self._loads_open is not None and self.xfer is not None and self.xfer.loads_done():
             self._close_loads()  # else at the next step: the host never waits for a copy here
         if self.xfer is not None and meta.saves:
@@ -292,8 +430,10 @@ class WorkerSide:
         if end <= skip:
             return
         arr = _tokens(spec.token_ids[:end])
+        for group_job in hybrid.save(self.groups, spec, arr, skip, bs) if self.xfer is None else ():
+            self._saver.submit(group_job, 0, spec.req_id)  # the other groups' chunks (hybrid.py)
         first = skip // cs
-        keys = self.engine.keys.keys_for_array(arr)[first:]
+        keys = self.engine.for_adapter(spec.adapter).keys.keys_for_array(arr)[first:]
         held = self.engine.cpu.contains(keys)
         if all(held):
             return
@@ -311,7 +451,9 @@ class WorkerSide:
             def from_snapshot(s: int, e: int, out: torch.Tensor) -> None:
                 self.page.gather(snapshot, list(range(s // bs - b0, -(-e // bs) - b0)), out)
 
-            self._saver.submit(lambda: self._store(spec, arr, start, keys[lacking:], from_snapshot), nbytes)
+            self._saver.submit(
+                lambda: self._store(spec, arr, start, keys[lacking:], from_snapshot), nbytes, spec.req_id
+            )
             return
         xfer, after, req = self.xfer, self._after_forward, spec.req_id
 
@@ -331,7 +473,7 @@ class WorkerSide:
         with self._saves_cond:
             self._in_flight[req] += 1
         try:
-            self._saver.submit(job, (end - start) * self.engine.layout.bytes_per_token)
+            self._saver.submit(job, (end - start) * self.engine.layout.bytes_per_token, req)
         except BaseException:
             with self._saves_cond:
                 self._in_flight[req] -= 1
@@ -345,7 +487,7 @@ class WorkerSide:
         cs = self.chunk_size
         first = start // cs
         before = self.engine.cpu.contains(keys)
-        stored = self.engine.store_with(arr, fill, skip_tokens=start)
+        stored = self.engine.for_adapter(spec.adapter).store_with(arr, fill, skip_tokens=start)
         new = [i for i in range(len(keys)) if not before[i] and (first + i + 1) * cs <= stored]
         with self._lock:
             self.counters["saves"] += 1
@@ -354,7 +496,7 @@ class WorkerSide:
         run: list[int] = []
         for i in [*new, -1]:
             if run and (i != run[-1] + 1):
-                self.events.stored(arr, [keys[j] for j in run], first + run[0], spec.block_hashes)
+                self.events.stored(arr, [keys[j] for j in run], first + run[0], spec.block_hashes, spec.lora)
                 run = []
             if i >= 0:
                 run.append(i)
@@ -365,6 +507,12 @@ class WorkerSide:
         reqs = set(req_ids)
         with self._saves_cond:
             return self._saves_cond.wait_for(lambda: not reqs & set(self._in_flight), timeout)
+
+    def take_failed_loads(self) -> set[str]:
+        """Hybrid models: requests whose asynchronous load fell short (vLLM recomputes them)."""
+        with self._lock:
+            failed, self._failed_recv = self._failed_recv, set()
+        return failed
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -388,7 +536,11 @@ class WorkerSide:
     def close(self, timeout: float = 10.0) -> None:
         if self.admin is not None:
             self.admin.stop()
+        self._lookups.close()
+        self.loads.close()
         self._close_loads()
         self._saver.close(timeout)
         self.events.close()
         self.engine.close(timeout)
+        for st in self.groups:
+            st.engine.close(timeout)

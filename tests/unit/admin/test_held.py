@@ -72,3 +72,24 @@ def test_held_pages_what_the_tiers_hold(tmp_path: Path) -> None:
     finally:
         tracker.close()
         engine.close(timeout=10)
+
+
+def test_held_chunks_of_an_adapter_rebuild_under_its_name(tmp_path: Path) -> None:
+    """A restarted router credits an adapter's chunks to that adapter only, not the base model."""
+    cfg = {"chunk_size": CS, "max_local_cpu_size": 16 * CS * LAYOUT.bytes_per_token / 1024**3}
+    engine = CacheEngine(CacheConfig.from_dict(cfg), layout=LAYOUT, model_id="m")
+    tracker = EventTracker(engine, BS)
+    try:
+        toks = np.arange(5000, 5000 + 2 * CS, dtype=np.uint32)
+        view = engine.for_adapter("fp-sql")
+        view.store(toks, torch.zeros(LAYOUT.shape(len(toks))))
+        tracker.stored(toks, view.keys.keys(toks), 0, list(range(len(toks) // BS)), ("sql", 3))
+        page = tracker.held(0, 100)
+        assert {(e["lora_name"], e["lora_id"]) for e in page["events"]} == {("sql", 3)}
+        index = BlockIndex()
+        index.apply("r", EventBatch(0.0, tuple(events_of(page))))
+        assert "r" in index.match(toks, lora_name="sql")
+        assert "r" not in index.match(toks) and "r" not in index.match(toks, lora_name="chat")
+    finally:
+        tracker.close()
+        engine.close(timeout=10)

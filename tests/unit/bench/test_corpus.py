@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from kvmesh.bench.corpus import Corpus
+from kvmesh.bench.common.corpus import Corpus
 
 
 def test_words_follow_zipf_with_a_long_tail() -> None:

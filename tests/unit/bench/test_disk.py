@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvmesh.bench import disk
-from kvmesh.bench.disk_plot import plot
+from kvmesh.bench.disk import bench as disk
+from kvmesh.bench.disk.plot import plot
 from kvmesh.storage.replay import conversation_requests, multi_tenant_requests
 
 

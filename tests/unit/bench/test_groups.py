@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from kvmesh.bench import groups
-from kvmesh.bench.groups import Outcome, Params, Setup
+from kvmesh.bench.common import groups
+from kvmesh.bench.common.groups import Outcome, Params, Setup
 from kvmesh.harness.replicas import Replica
 from kvmesh.router.testing import FakeVLLM
 

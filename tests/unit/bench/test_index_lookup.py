@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvmesh.bench.index_lookup import run
+from kvmesh.bench.router.index_lookup import run
 
 
 def test_lookups_are_timed_while_events_are_ingested() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.bench.overhead import measure
+from kvmesh.bench.router.overhead import measure
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.bench import pd
-from kvmesh.bench.pd_workload import Outcome, PDRequest, make_workload, replay, summarize
+from kvmesh.bench.pd import bench as pd
+from kvmesh.bench.pd.workload import Outcome, PDRequest, make_workload, replay, summarize
 from kvmesh.router.testing import FakeVLLM
 
 
@@ -108,7 +108,7 @@ def test_transfer_measure_small() -> None:
 
 
 def test_threshold_probe_against_fakes(tiny_tokenizer_dir: Path) -> None:
-    from kvmesh.bench.pd_threshold import probe
+    from kvmesh.bench.pd.threshold import probe
 
     slow, fast = FakeVLLM("pd").start(), FakeVLLM("local").start()
     try:

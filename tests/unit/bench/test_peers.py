@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.bench import peers
-from kvmesh.bench.peers import lmcache_server_command, vllm_router_command, with_pythonpath
+from kvmesh.bench.common import peers
+from kvmesh.bench.common.peers import lmcache_server_command, vllm_router_command, with_pythonpath
 from kvmesh.errors import ProcessError
 
 
@@ -39,7 +39,7 @@ def test_lmcache_server_command_is_loopback_with_auto_transfer_mode() -> None:
     assert text.startswith("py -m lmcache.cli.main server --host 127.0.0.1 --port 5555")
     assert "--http-host 127.0.0.1 --http-port 18080" in text
     assert "--supported-transfer-mode auto" in text
-    assert "--chunk-size 256 --eviction-policy LRU" in text
+    assert "--chunk-size 128 --eviction-policy LRU" in text  # kvmesh's shipped chunk size
     assert "--l1-size-gb 1 " in text and "--l1-size-gb 2 " in " ".join(
         lmcache_server_command("p", 1, 2, "s", 2)
     )

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from kvmesh.bench import groups, router
-from kvmesh.bench.groups import Setup, aggregate
-from kvmesh.bench.router import overhead_targets, paired_ratio, workload_targets
+from kvmesh.bench.common import groups
+from kvmesh.bench.common.groups import Setup, aggregate
+from kvmesh.bench.router import bench as router
+from kvmesh.bench.router.bench import overhead_targets, paired_ratio, workload_targets
 
 
 def _row(rt: str, policy: str, cache: str, p90: float) -> dict[str, object]:

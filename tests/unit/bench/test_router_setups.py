@@ -9,10 +9,10 @@ from typing import Any, cast
 
 import pytest
 
-from kvmesh.bench import groups
-from kvmesh.bench import router_setups as rs
-from kvmesh.bench.groups import Setup
-from kvmesh.bench.peers import vllm_router_command
+from kvmesh.bench.common import groups
+from kvmesh.bench.common.groups import Setup
+from kvmesh.bench.common.peers import vllm_router_command
+from kvmesh.bench.router import setups as rs
 
 
 def test_every_vllm_router_policy_runs_over_plain_and_kvmesh_replicas() -> None:
@@ -101,3 +101,35 @@ def test_a_round_over_fake_replicas_runs_every_workload(
     finally:
         for f in fakes:
             f.stop()
+
+
+def test_run_all_probes_capacity_only_in_phases_that_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A subset of setups leaves LMCache's phase empty: it must neither probe a capacity nor
+    fail for want of one (it raised before), while the phase that runs gets its loads."""
+    import contextlib
+
+    from kvmesh.bench.router import costcases as cc
+
+    probed: list[str] = []
+    ran: list[tuple[str, str, int]] = []
+    monkeypatch.setattr(rs, "_group", lambda cache, *a: contextlib.nullcontext([]))
+    monkeypatch.setattr(groups, "idle_floors", lambda alive, params, log: {})
+
+    def probe(replicas: Any, cache: str, *a: Any) -> cc.Capacity:
+        probed.append(cache)
+        return cc.Capacity(4.0, 8.0, 10.0)
+
+    def once(setup: Setup, spec: Any, *a: Any) -> dict[str, Any]:
+        ran.append((setup.name, spec.name, spec.concurrency))
+        return {"hit_rate": 0.5, "ttft_p90_s": 0.1, "errors": 0}
+
+    monkeypatch.setattr(rs, "measure_capacity", probe)
+    monkeypatch.setattr(rs, "run_once", once)
+    chosen = rs.select_setups(["kvmesh:cost", "kvmesh:kvmesh"])
+    specs = cc.with_loads([s for s in rs.workloads(True) if s.name == "default"])
+    runs, failed, _, capacity = rs.run_all(chosen, specs, 1, 40, "m", "w", lambda msg: None)
+    assert all(len(r) == 1 for w in runs.values() for r in w.values())
+    assert not failed and probed == ["kvmesh"] and list(capacity) == ["none+kvmesh"]
+    assert sorted({(s, w, c) for s, w, c in ran}) == sorted(
+        (s.name, w, c) for s in chosen for w, c in (("default@light", 1), ("default@heavy", 6))
+    )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvmesh.bench import scale, scale_ingest
+from kvmesh.bench.scale import bench as scale
+from kvmesh.bench.scale import ingest as scale_ingest
 
 
 def test_index_worker_point(tiny_model: Path) -> None:

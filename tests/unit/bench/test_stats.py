@@ -9,7 +9,7 @@ import statistics
 import numpy as np
 import pytest
 
-from kvmesh.bench.stats import percentile
+from kvmesh.bench.runner import percentile
 
 
 def test_percentile_known_values() -> None:
@@ -51,7 +51,7 @@ def test_percentile_rejects_what_has_no_answer() -> None:
 
 
 def test_replay_summary_p90_uses_it() -> None:
-    from kvmesh.bench.workload import RunResult, Sample
+    from kvmesh.bench.common.workload import RunResult, Sample
 
     ttfts = [0.1 * i for i in range(1, 11)]
     result = RunResult([Sample(t, t, 100, 50, True) for t in ttfts], wall_s=2.0)

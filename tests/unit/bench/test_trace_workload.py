@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.bench.trace_workload import expand, load_conversations, schedule
+from kvmesh.bench.router.trace_workload import expand, load_conversations, schedule
 from kvmesh.errors import ConfigError
 
 

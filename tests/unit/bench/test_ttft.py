@@ -14,8 +14,17 @@ from typing import Any
 
 import pytest
 
-from kvmesh.bench import ttft, ttft_proc, ttft_spec
+from kvmesh.bench.ttft import bench as ttft
+from kvmesh.bench.ttft import proc as ttft_proc
+from kvmesh.bench.ttft import spec as ttft_spec
 from kvmesh.config import CacheConfig
+
+
+@pytest.fixture(autouse=True)
+def _no_quiet_spells(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fake workers have no engine core to settle: the pause before each cycle (for vLLM-CPU's
+    busy-polling core) would only make these tests sleep."""
+    monkeypatch.setattr(ttft, "QUIET_S", 0.0)
 
 
 # -- prompts -----------------------------------------------------------------------------------
@@ -38,7 +47,7 @@ def test_prompt_does_not_depend_on_pythonhashseed() -> None:
     import subprocess
     import sys
 
-    code = "from kvmesh.bench.ttft_spec import make_prompt; print(make_prompt(50, 'warmup', 4096)[:10])"
+    code = "from kvmesh.bench.ttft.spec import make_prompt; print(make_prompt(50, 'warmup', 4096)[:10])"
     outs = {
         subprocess.run(
             [sys.executable, "-c", code],
@@ -85,8 +94,11 @@ def test_parse_setup_variants() -> None:
     assert p("lmcache_mp@256") == ttft_spec.Variant("lmcache_mp", 256, None)
     assert ttft_spec.lmcache_chunk("lmcache_mp") == ttft_spec.PEER_CHUNK == 128
     assert ttft_spec.lmcache_chunk("lmcache_redis@256") == 256
+    assert p("kvmesh_cpu@128-tail:swa") == ttft_spec.Variant("kvmesh_cpu", 128, False, "swa")
+    assert p("recompute:swa").model == "swa"
     for name in ttft_spec.DEFAULT_SETUPS:
         p(name)
+    assert ("recompute:swa", "kvmesh_cpu:swa") in ttft_spec.DEFAULT_PHASES  # the hybrid model's row
 
 
 @pytest.mark.parametrize(
@@ -99,6 +111,8 @@ def test_parse_setup_variants() -> None:
         ("lmcache_mp+tail", "no tail-chunk option"),
         ("kvmesh_cpu@100", "multiple of vLLM's block size"),
         ("kvmesh_cpu@0", "multiple of vLLM's block size"),
+        ("kvmesh_cpu:nope", "unknown model"),
+        ("lmcache_mp:swa", "only recompute and kvmesh setups"),
     ],
 )
 def test_parse_setup_rejects(name: str, match: str) -> None:
@@ -107,11 +121,16 @@ def test_parse_setup_rejects(name: str, match: str) -> None:
 
 
 def test_specs_share_the_fairness_settings(tmp_path: Path) -> None:
-    kw: dict[str, Any] = {"lmcache_port": 5555, "lmcache_http_url": "http://h:1", "redis_url": "redis://h:1"}
+    kw: dict[str, Any] = {"lmcache_port": 5555, "lmcache_http_url": "http://h:1", "redis_url": "redis://h:1",
+                          "model_dirs": {"swa": "/swa"}}  # fmt: skip
     specs = [ttft_spec.build_spec(s, "/m", str(tmp_path), **kw) for s in ttft_spec.DEFAULT_SETUPS]
     for spec in specs:
-        assert spec.llm_args == ttft_spec.FAIR_LLM_ARGS
-        assert spec.llm_args["disable_hybrid_kv_cache_manager"] is True
+        # vLLM's hybrid KV cache manager stays on, but for peers without SupportsHMA only
+        peer = spec.kv_connector in ("ExampleConnector", "LMCacheMPConnector")
+        assert spec.llm_args == {**ttft_spec.FAIR_LLM_ARGS, **(ttft_spec.PEER_NO_HMA if peer else {})}
+        assert "disable_hybrid_kv_cache_manager" not in ttft_spec.FAIR_LLM_ARGS
+        if spec.kv_connector == ttft_spec.KVMESH_CONNECTOR:
+            assert "disable_hybrid_kv_cache_manager" not in spec.llm_args
         assert spec.llm_args["enable_prefix_caching"] is True
         assert spec.drop_page_cache is True
         assert spec.settle_s == specs[0].settle_s
@@ -197,6 +216,46 @@ def test_root_cause_is_the_first_exception_line() -> None:
 
 
 # -- orchestration with canned workers -----------------------------------------------------------
+def test_swa_setups_run_on_the_hybrid_model(tmp_path: Path) -> None:
+    spec = ttft_spec.build_spec("kvmesh_cpu:swa", "/bench", str(tmp_path), model_dirs={"swa": "/swa"})
+    assert spec.model_dir == "/swa" and spec.kv_connector == ttft_spec.KVMESH_CONNECTOR
+    assert "disable_hybrid_kv_cache_manager" not in spec.llm_args  # the hybrid manager stays on
+    assert (
+        ttft_spec.build_spec("recompute:swa", "/bench", str(tmp_path), model_dirs={"swa": "/swa"}).model_dir
+        == "/swa"
+    )
+    with pytest.raises(ValueError, match="needs the directory of the 'swa' model"):
+        ttft_spec.build_spec("kvmesh_cpu:swa", "/bench", str(tmp_path))
+
+
+# A connector stats answer of a hybrid model (the e2e swa scenario's numbers): the full
+# group stored 1,280 tokens (5 chunks of 256 at 2,048 B/token), the sliding group 2 chunks.
+SWA_STATS = {
+    "engine": {"cpu": {"bytes_in": 5 * 524288}},
+    "connector": {"saved_tokens": 1280},
+    "groups": {"g0:sliding_window256": {"cpu": {"bytes_in": 2 * 524288}}},
+}
+
+
+def test_stored_bytes_per_token_against_the_dense_model(tmp_path: Path) -> None:
+    cfg = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+    assert ttft_spec.dense_bytes_per_token(cfg) == 4 * 2 * 2 * 64 * 4
+    assert ttft_spec.stored_bytes_per_token(SWA_STATS) == 2867.2
+    assert ttft_spec.stored_bytes_per_token(None) is None
+    assert ttft_spec.stored_bytes_per_token({"connector": {"saved_tokens": 0}}) is None
+    swa, dense = tmp_path / "swa", tmp_path / "bench"
+    for d in (swa, dense):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+    dense_stats = {"engine": {"cpu": {"bytes_in": 4096 * 256}}, "connector": {"saved_tokens": 256}}
+    notes = {"kvmesh_cpu:swa": {"kvmesh_stats": SWA_STATS}, "kvmesh_cpu": {"kvmesh_stats": dense_stats},
+             "recompute": {"kvmesh_stats": None}}  # fmt: skip
+    models = {"kvmesh_cpu:swa": str(swa), "kvmesh_cpu": str(dense), "recompute": str(dense)}
+    got = ttft.stored_bytes(notes, models)
+    assert set(got["per_setup"]) == {"kvmesh_cpu:swa", "kvmesh_cpu"}
+    assert got["swa_ratio"] == 0.7 and got["dense_ratio"] == 1.0  # the window saves 30 % here
+
+
 class FakeWorker:
     """Stands in for a vLLM worker (no vLLM in unit tests): answers cycles with a reload time
     of ``speed * n / 2000`` s and the tokens a ``block``-token connector reloads."""
@@ -262,6 +321,7 @@ def test_run_interleaves_writes_json_table_and_plot(
     assert saved["env"]["quick"] is True and saved["env"]["trials"] == 3
     assert len(saved["trials"]) == 5 * 2 * 4 and {"loadavg_1m", "t_s", "position"} <= set(saved["trials"][0])
     assert (tmp_path / "ttft.png").stat().st_size > 0
+    assert saved["stored_bytes"] == {"per_setup": {}, "swa_ratio": None, "dense_ratio": None}  # no stats here
     printed = capsys.readouterr().out
     assert "ttft_ms_median" in printed and "kvmesh_cpu@128-tail/recompute" in printed
 
@@ -307,7 +367,7 @@ def test_a_worker_that_dies_is_reported_with_its_root_cause(tmp_path: Path) -> N
 
 
 def test_worker_usage() -> None:
-    from kvmesh.bench import ttft_worker
+    from kvmesh.bench.ttft import worker as ttft_worker
 
     assert ttft_worker.main([]) == 2
 

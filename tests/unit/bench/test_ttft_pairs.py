@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from kvmesh.bench import ttft_pairs
-from kvmesh.bench.ttft_pairs import WARMUP, compute_targets, paired, schedule, summarize
+from kvmesh.bench.ttft import pairs as ttft_pairs
+from kvmesh.bench.ttft.pairs import WARMUP, compute_targets, paired, schedule, summarize
 
 
 def test_schedule_interleaves_rounds_and_alternates_order() -> None:
@@ -120,3 +120,22 @@ def test_unavailable_rows() -> None:
     rows = ttft_pairs.unavailable("lmcache_mp", [500, 2000], "not available: RuntimeError: x")
     assert [r["prompt_tokens"] for r in rows] == [500, 2000]
     assert all(r["ttft_s_median"] is None and r["error"] == "not available: RuntimeError: x" for r in rows)
+
+
+def test_cold_targets_pair_each_kvmesh_miss_with_no_connector_at_every_length() -> None:
+    trials = []
+    for k in range(3):
+        for n, cold in ((500, 0.1), (2000, 0.5)):
+            trials += [
+                _trial("recompute", n, k, 0.1, 0, cold_s=cold),
+                _trial("kvmesh_cpu", n, k, 0.01, n, cold_s=cold * 1.05),
+                _trial("kvmesh_disk", n, k, 0.01, n, cold_s=cold * 1.3),
+            ]
+    got = ttft_pairs.compute_cold_targets(trials, [["recompute", "kvmesh_cpu"], ["kvmesh_disk"]], [500, 2000])
+    assert set(got) == {"kvmesh_cpu/recompute@500", "kvmesh_cpu/recompute@2000"}  # disk: another phase
+    assert got["kvmesh_cpu/recompute@2000"]["median"] == 1.05 and got["kvmesh_cpu/recompute@2000"]["met"]
+    both = ttft_pairs.compute_cold_targets(trials, [["recompute", "kvmesh_cpu", "kvmesh_disk"]], [500])
+    assert (
+        both["kvmesh_disk/recompute@500"]["met"] is False
+        and both["kvmesh_disk/recompute@500"]["median"] == 1.3
+    )

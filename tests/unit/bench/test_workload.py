@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvmesh.bench.workload import Workload, idle_ttfts, replay
+from kvmesh.bench.common.workload import Workload, idle_ttfts, replay
 from kvmesh.errors import ProcessError
 from kvmesh.router.testing import FakeVLLM
 

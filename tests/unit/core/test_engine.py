@@ -328,8 +328,10 @@ def test_pool_full_of_pinned_chunks_skips_and_counts(make: Callable[..., CacheEn
     eng.pin(a)
     assert eng.store(b, kv_for(b)) == 0
     st = eng.stats()
-    assert st["engine"]["skipped_stores"] == 1
-    assert st["cpu"]["skipped_stores"] >= 1
+    # Both chunks of b are dropped (the second is useless without the first), and say why.
+    assert st["engine"]["skipped_stores"] == 2
+    assert st["engine"]["skipped_by_reason"] == {"pool_full": 2}
+    assert st["cpu"]["skipped_by_reason"]["pool_full"] >= 1
     assert eng.lookup(b) == 0
     assert_retrieves(eng, a, 32)
 

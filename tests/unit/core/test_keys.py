@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -12,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import xxhash
 
 from kvmesh.core.keys import ChunkKey, KeyBuilder, KVLayout, as_token_array
 
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[3]
 LAYOUT = KVLayout(2, 2, 8, "float32")
 TOKENS = [(i * 7919) % 50000 for i in range(70)]
 
-# keys.py is pure (numpy + xxhash). The child loads that file alone: importing the ``kvmesh``
+# keys.py is pure (numpy + hashlib). The child loads that file alone: importing the ``kvmesh``
 # package pulls in torch through the engine, which would make four cold starts take seconds.
 _KEYS_SCRIPT = """
 import importlib.util, json, sys
@@ -70,7 +70,7 @@ def test_key_matches_the_documented_hash_chain() -> None:
     """Recompute the first two keys from the module's documented recipe, independently."""
     canon = json.dumps(
         {
-            "v": "kvm1",
+            "v": "kvm2",
             "model": "m",
             "layout": {"num_layers": 2, "num_kv_heads": 2, "head_size": 8, "dtype": "float32"},
             "chunk_size": 4,
@@ -79,13 +79,13 @@ def test_key_matches_the_documented_hash_chain() -> None:
         sort_keys=True,
         separators=(",", ":"),
     ).encode()
-    root = xxhash.xxh3_128(canon).digest()
+    root = hashlib.sha256(canon).digest()
     tokens = [1, 2, 3, 2**32 - 1, 5, 6, 7, 8]
-    h0 = xxhash.xxh3_128(root + np.array(tokens[:4], dtype="<u4").tobytes()).digest()
-    h1 = xxhash.xxh3_128(h0 + np.array(tokens[4:], dtype="<u4").tobytes()).digest()
+    h0 = hashlib.sha256(root + np.array(tokens[:4], dtype="<u4").tobytes()).digest()
+    h1 = hashlib.sha256(h0 + np.array(tokens[4:], dtype="<u4").tobytes()).digest()
     keys = KeyBuilder("m", LAYOUT, 4).keys(tokens)
     ns = root.hex()[:16]
-    assert [k.text for k in keys] == [f"kvm1-{ns}-r0-{h0.hex()}", f"kvm1-{ns}-r0-{h1.hex()}"]
+    assert [k.text for k in keys] == [f"kvm2-{ns}-r0-{h0.hex()}", f"kvm2-{ns}-r0-{h1.hex()}"]
 
 
 @pytest.mark.parametrize(
@@ -196,11 +196,13 @@ def test_parse_rejects_malformed_keys() -> None:
     assert ChunkKey.parse(key.text, 4) == key
     for bad in (
         key.text + "x",
-        key.text.replace("kvm1", "kvm2"),
+        key.text.replace("kvm2", "kvm1"),  # the xxh3-chained version: never read again
+        key.text.replace("kvm2", "kvm3"),
         key.text[:-1],
         key.text.upper(),
         key.text + "-p",
-        "kvm1-zz",
+        "kvm2-zz",
+        key.text[:-32],  # a kvm1-length (128-bit) hash
         "",
     ):
         with pytest.raises(ValueError):

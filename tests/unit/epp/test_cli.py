@@ -67,7 +67,7 @@ def test_endpoint_specs() -> None:
 
 def test_remote_tokenizer_is_refused() -> None:
     from kvmesh.epp.scoring import EndpointPicker
-    from kvmesh.router import RouterConfig
+    from kvmesh.routing.config import RoutingConfig
 
     with pytest.raises(ConfigError, match=r"routing\.tokenizer"):
-        EndpointPicker(EppConfig(routing=RouterConfig(tokenizer="remote")))
+        EndpointPicker(EppConfig(routing=RoutingConfig(tokenizer="remote")))

@@ -9,7 +9,9 @@ the Grafana dashboard may only query metric names the code exports.
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -28,19 +30,27 @@ CRD_SCHEMAS = {
     "HTTPRoute": "httproute-v1.json",
     "ServiceMonitor": "monitoring-v1.json",
     "PodMonitor": "monitoring-v1.json",
+    "ScaledObject": "keda-v1alpha1.json",
 }
 
 
-@pytest.fixture(scope="module")
-def objects() -> list[dict[str, Any]]:
+def render(kustomization: str) -> list[dict[str, Any]]:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("no kubectl (apt-get install kubernetes-client): cannot render the kustomize base")
     out = subprocess.run(
-        [kubectl, "kustomize", str(DEPLOY / "kustomize" / "base")], capture_output=True, text=True, timeout=60
+        [kubectl, "kustomize", str(DEPLOY / "kustomize" / kustomization)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def objects() -> list[dict[str, Any]]:
+    return render("base")
 
 
 def by_kind(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
@@ -55,13 +65,18 @@ def test_every_object_validates(objects: list[dict[str, Any]]) -> None:
     version = kubernetes_validate.latest_version()
     kinds = {o["kind"] for o in objects}
     assert {"Deployment", "ConfigMap", "InferencePool", "Service", "StatefulSet", "HTTPRoute", "Role",
-            "RoleBinding", "ServiceAccount", "ServiceMonitor"} <= kinds  # fmt: skip
+            "RoleBinding", "ServiceAccount", "ServiceMonitor", "NetworkPolicy"} <= kinds  # fmt: skip
     for obj in objects:
-        if obj["kind"] in CRD_SCHEMAS:
-            schema = json.loads((SCHEMAS / CRD_SCHEMAS[obj["kind"]]).read_text())
-            jsonschema.validate(obj, schema)
-        else:
-            kubernetes_validate.validate(obj, version, strict=True)
+        validate(obj, version)
+
+
+def validate(obj: dict[str, Any], version: str) -> None:
+    import kubernetes_validate
+
+    if obj["kind"] in CRD_SCHEMAS:
+        jsonschema.validate(obj, json.loads((SCHEMAS / CRD_SCHEMAS[obj["kind"]]).read_text()))
+    else:
+        kubernetes_validate.validate(obj, version, strict=True)
 
 
 def test_a_broken_object_is_caught() -> None:
@@ -145,16 +160,129 @@ def test_configs_parse_as_kvmesh_parses_them(objects: list[dict[str, Any]]) -> N
         kv["kv_connector"] == "KVMeshConnector"
         and kv["kv_connector_module_path"] == "kvmesh.integrations.vllm"
     )
-    redis_svc = by_kind(objects, "Service", "kvmesh-redis")
-    assert kv["kv_connector_extra_config"]["remote_url"].startswith(
-        f"redis://{redis_svc['metadata']['name']}:6379"
-    )
-    events = json.loads(vcfg["KV_EVENTS_CONFIG"])
+    from kvmesh.config import CacheConfig
+
     pod = by_kind(objects, "Deployment", "kvmesh-vllm")["spec"]["template"]
-    assert events["endpoint"] == f"tcp://*:{pod['metadata']['annotations']['kvmesh.io/kv-events-port']}"
+    env = _env(pod["spec"]["containers"][0])
+    # The connector's config: the ConfigMap's keys with the pod's KVMESH_* variables over them.
+    environ = {k: v.replace("$(REDIS_PASSWORD)", "p" * 64) for k, v in env.items() if isinstance(v, str)}
+    cache = CacheConfig.from_env(environ, base=kv["kv_connector_extra_config"])
+    redis_svc = by_kind(objects, "Service", "kvmesh-redis")
+    assert cache.remote_url == f"redis://kvmesh:{'p' * 64}@{redis_svc['metadata']['name']}:6379/0"
+    assert cache.fleet_key_file == "/etc/kvmesh/fleet/fleet.key"
+    events = json.loads(env["KV_EVENTS_CONFIG"])
+    port = pod["metadata"]["annotations"]["kvmesh.io/kv-events-port"]
+    assert events["endpoint"] == f"tcp://$(POD_IP):{port}"  # the pod's own address, never tcp://*
+    assert list(env).index("POD_IP") < list(env).index("KV_EVENTS_CONFIG")  # defined before use
 
 
-def test_dockerfiles() -> None:
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    """A container's variables in order: the value, or the ``valueFrom`` source."""
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def _mounts(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, str]:
+    """Mount path -> Secret name, for the container's Secret volumes."""
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod["spec"]["volumes"] if "secret" in v}
+    return {m["mountPath"]: secrets[m["name"]] for m in container["volumeMounts"] if m["name"] in secrets}
+
+
+def test_secrets_are_mounted_where_kvmesh_reads_them(objects: list[dict[str, Any]]) -> None:
+    """The fleet key reaches the workers and the EPP; Redis and its clients share one password;
+    the EPP's ext_proc certificate comes from a TLS Secret; nothing secret is in a ConfigMap."""
+    vllm_pod = by_kind(objects, "Deployment", "kvmesh-vllm")["spec"]["template"]
+    epp_pod = by_kind(objects, "Deployment", "kvmesh-epp")["spec"]["template"]
+    for pod in (vllm_pod, epp_pod):
+        c = pod["spec"]["containers"][0]
+        key_file = _env(c)["KVMESH_FLEET_KEY_FILE"]
+        assert _mounts(pod, c)[str(Path(key_file).parent)] == "kvmesh-fleet-key"
+    epp = epp_pod["spec"]["containers"][0]
+    cert_dir = next(a.split("=", 1)[1] for a in epp["args"] if a.startswith("--cert-path="))
+    assert _mounts(epp_pod, epp)[cert_dir] == "kvmesh-epp-tls"
+    assert (
+        "--host=$(POD_IP)" in epp["args"] and _env(epp)["POD_IP"]["fieldRef"]["fieldPath"] == "status.podIP"
+    )
+    redis = by_kind(objects, "StatefulSet", "kvmesh-redis")["spec"]["template"]["spec"]["containers"][0]
+    ref = {"secretKeyRef": {"name": "kvmesh-redis-auth", "key": "password"}}
+    assert _env(redis)["REDIS_PASSWORD"] == ref == _env(vllm_pod["spec"]["containers"][0])["REDIS_PASSWORD"]
+    script = redis["args"][0]
+    assert "--user default off" in script and '">$REDIS_PASSWORD"' in script
+    for cm in (o for o in objects if o["kind"] == "ConfigMap"):
+        assert "password" not in json.dumps(cm).lower() and "@" not in json.dumps(cm["data"])
+
+
+def test_network_policies_admit_only_who_needs_it(objects: list[dict[str, Any]]) -> None:
+    policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "NetworkPolicy"}
+    vllm_pod = by_kind(objects, "Deployment", "kvmesh-vllm")["spec"]["template"]
+    epp_pod = by_kind(objects, "Deployment", "kvmesh-epp")["spec"]["template"]
+    redis_pod = by_kind(objects, "StatefulSet", "kvmesh-redis")["spec"]["template"]
+
+    def admitted(policy: dict[str, Any], port: str) -> list[dict[str, Any]]:
+        """The ``from`` lists of the rules that open ``port`` ([] = from anywhere)."""
+        return [r.get("from", []) for r in policy["ingress"] if any(p["port"] == port for p in r["ports"])]
+
+    def selects(policy: dict[str, Any], pod: dict[str, Any]) -> bool:
+        return policy["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+
+    vllm = next(p for p in policies.values() if selects(p, vllm_pod))
+    port_names = {p["name"] for p in vllm_pod["spec"]["containers"][0]["ports"]}
+    assert {"http", "kv-events"} <= port_names
+    assert admitted(vllm, "http") == [[]]
+    (readers,) = admitted(vllm, "kv-events")  # only pods carrying the reader label
+    assert [
+        r["podSelector"]["matchLabels"].items() <= epp_pod["metadata"]["labels"].items() for r in readers
+    ] == [True]
+    assert not readers[0]["podSelector"]["matchLabels"].items() <= vllm_pod["metadata"]["labels"].items()
+    redis = next(p for p in policies.values() if selects(p, redis_pod))
+    ((src,),) = admitted(redis, "redis")
+    assert src["podSelector"]["matchLabels"].items() <= vllm_pod["metadata"]["labels"].items()
+    assert not src["podSelector"]["matchLabels"].items() <= epp_pod["metadata"]["labels"].items()
+    epp = next(p for p in policies.values() if selects(p, epp_pod))
+    assert {p["port"] for r in epp["ingress"] for p in r["ports"]} == {"grpc", "grpc-health", "metrics"}
+
+
+def test_with_the_documented_secrets_every_object_validates(tmp_path: Path) -> None:
+    """The base plus the three Secrets made as docs/security.md says (kustomize secretGenerator
+    here, kubectl create secret there): they render, validate, and kvmesh reads them."""
+    import kubernetes_validate
+
+    from kvmesh.core.fleetkey import FleetKey
+    from kvmesh.epp.tls import make_certificate
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl (apt-get install kubernetes-client): cannot render the kustomize base")
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    (overlay / "fleet.key").write_text(FleetKey.generate() + "\n")
+    cert, key = make_certificate(["kvmesh-epp"])
+    (overlay / "tls.crt").write_bytes(cert)
+    (overlay / "tls.key").write_bytes(key)
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(DEPLOY / "kustomize" / "base", overlay)],
+        "generatorOptions": {"disableNameSuffixHash": True},
+        "secretGenerator": [
+            {"name": "kvmesh-fleet-key", "files": ["fleet.key"]},
+            {"name": "kvmesh-redis-auth", "literals": ["password=" + "ab" * 32]},
+            {"name": "kvmesh-epp-tls", "type": "kubernetes.io/tls", "files": ["tls.crt", "tls.key"]},
+        ],
+    }))  # fmt: skip
+    out = subprocess.run(
+        [kubectl, "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(overlay)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    objects = [d for d in yaml.safe_load_all(out.stdout) if d]
+    version = kubernetes_validate.latest_version()
+    secrets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Secret"}
+    assert set(secrets) == {"kvmesh-fleet-key", "kvmesh-redis-auth", "kvmesh-epp-tls"}
+    for obj in secrets.values():
+        kubernetes_validate.validate(obj, version, strict=True)
+    key_file = tmp_path / "fleet.key"
+    key_file.write_bytes(base64.b64decode(secrets["kvmesh-fleet-key"]["data"]["fleet.key"]))
+    assert FleetKey.load(key_file).key_id  # what KVMESH_FLEET_KEY_FILE will name
+
     epp = (DEPLOY / "docker" / "Dockerfile.epp").read_text()
     assert '".[epp]"' in epp and 'ENTRYPOINT ["kvmesh"]' in epp and "EXPOSE 9002 9003 9090" in epp
     import tomllib
@@ -168,23 +296,10 @@ def test_dockerfiles() -> None:
 
 
 def exported_names() -> set[str]:
-    """Every sample name kvmesh's own exporters produce (EPP, router, tiers)."""
-    from prometheus_client import CollectorRegistry
+    """Every sample name kvmesh's own exporters produce (the list the metrics reference uses)."""
+    from kvmesh.docsgen.metrics_ref import exported_names as names
 
-    from kvmesh.epp.metrics import EppMetrics
-    from kvmesh.metrics import TierMetrics, prometheus_collector
-    from kvmesh.router.metrics import RouterMetrics
-
-    names: set[str] = set()
-    epp, router = EppMetrics(), RouterMetrics()
-    tiers = CollectorRegistry()
-    tiers.register(prometheus_collector({"cpu": TierMetrics("cpu")}))
-    for reg in (epp.registry, router.registry, tiers):
-        for fam in reg.collect():
-            names.add(fam.name)
-            for suffix in ("_total", "_bucket", "_sum", "_count", "_created"):
-                names.add(fam.name + suffix)
-    return names
+    return names()
 
 
 def test_dashboard_queries_only_exported_metrics() -> None:
@@ -218,3 +333,35 @@ def _vllm_metrics_source() -> str | None:
         return None
     root = Path(next(iter(spec.submodule_search_locations))) / "v1" / "metrics"
     return "".join(p.read_text(errors="replace") for p in root.glob("*.py"))
+
+
+@pytest.mark.parametrize("overlay", ["autoscale-keda", "autoscale-hpa"])
+def test_autoscaling_overlays_scale_the_workers_on_kvmesh_signals(overlay: str) -> None:
+    """deploy/kustomize/autoscale-*: the base plus an autoscaler of the vLLM Deployment on the
+    cost model's fleet gauges, with the EPP on policy cost (which serves them)."""
+    import kubernetes_validate
+
+    from kvmesh.epp.config import EppConfig
+
+    objs = render(overlay)
+    version = kubernetes_validate.latest_version()
+    for obj in objs:
+        validate(obj, version)
+    data = by_kind(objs, "ConfigMap", "kvmesh-epp-config")["data"]["epp.yaml"]
+    assert EppConfig.from_dict(yaml.safe_load(data)).routing.policy == "cost"
+    workers = by_kind(objs, "Deployment", "kvmesh-vllm")["metadata"]["name"]
+    ours = exported_names()
+    if overlay == "autoscale-keda":
+        spec = by_kind(objs, "ScaledObject")["spec"]
+        assert spec["scaleTargetRef"]["name"] == workers
+        queries = [t["metadata"]["query"] for t in spec["triggers"]]
+        names = {n for q in queries for n in re.findall(r"\b(kvmesh_[a-z_]+)", q)}
+    else:
+        spec = by_kind(objs, "HorizontalPodAutoscaler")["spec"]
+        assert (spec["scaleTargetRef"]["kind"], spec["scaleTargetRef"]["name"]) == ("Deployment", workers)
+        names = {m["external"]["metric"]["name"] for m in spec["metrics"]}
+        rules = yaml.safe_load((DEPLOY / "kustomize" / overlay / "prometheus-adapter-rules.yaml").read_text())
+        served = {r["name"]["as"] for r in yaml.safe_load(rules["data"]["config.yaml"])["externalRules"]}
+        assert names <= served  # the adapter serves every metric the HPA asks for
+    assert names == {"kvmesh_router_fleet_predicted_ttft_seconds", "kvmesh_router_fleet_kv_usage_ratio"}
+    assert names <= ours

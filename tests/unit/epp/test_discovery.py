@@ -20,7 +20,7 @@ from aiohttp import web
 from kvmesh.epp.config import KubeConfig
 from kvmesh.epp.discovery import KubeDiscovery, PodTracker, pod_endpoints, pool_selector
 from kvmesh.errors import ConfigError
-from kvmesh.router.config import ReplicaConfig
+from kvmesh.routing.config import ReplicaConfig
 
 KUBE = Path(__file__).parent / "kube"
 
@@ -178,16 +178,16 @@ def test_discovered_pods_become_routable_endpoints_of_a_running_epp(tmp_path: Pa
 
     from kvmesh.epp.config import EppConfig
     from kvmesh.epp.server import EppThread
-    from kvmesh.router import RouterConfig
     from kvmesh.router.testing import FakeVLLM
+    from kvmesh.routing.config import RoutingConfig
 
     fake = FakeVLLM("d0").start()
     port = int(fake.url.rsplit(":", 1)[1])
     pod = json.loads(json.dumps(load("pods-list.json")["items"][0]))
     pod["status"]["podIP"] = "127.0.0.1"
     pod["metadata"]["annotations"] = {}
-    cfg = EppConfig(routing=RouterConfig(health_interval_s=0.2), host="127.0.0.1", grpc_port=0, health_port=0,
-                    metrics_port=0)  # fmt: skip
+    cfg = EppConfig(routing=RoutingConfig(health_interval_s=0.2), host="127.0.0.1", grpc_port=0,
+                    health_port=0, metrics_port=0)  # fmt: skip
     epp = EppThread(cfg).start()
     try:
         picker = epp.picker
@@ -198,7 +198,7 @@ def test_discovered_pods_become_routable_endpoints_of_a_running_epp(tmp_path: Pa
             assert time.monotonic() < deadline, "the discovered endpoint never became healthy"
             time.sleep(0.05)
         got = asyncio.run_coroutine_threadsafe(picker.decide(b'{"prompt": "hi"}'), epp._loop).result(5)  # type: ignore[arg-type]
-        assert got.endpoints == [f"127.0.0.1:{port}"]  # type: ignore[union-attr]
+        assert got.ranked == [f"127.0.0.1:{port}"]  # type: ignore[union-attr]
         epp.call(lambda: tracker.apply("DELETED", pod))
         assert epp.call(picker.endpoints) == [] and not epp.call(picker.ready)
     finally:

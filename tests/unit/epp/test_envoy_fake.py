@@ -18,10 +18,10 @@ from kvmesh.epp.config import EppConfig
 from kvmesh.epp.scoring import endpoint_name
 from kvmesh.epp.server import EppThread
 from kvmesh.errors import ProcessError
-from kvmesh.harness.envoy import SUBSET_TEST_HEADER, Envoy, envoy_binary
+from kvmesh.harness.envoy import SUBSET_TEST_HEADER, Envoy, envoy_binary, make_epp_tls
 from kvmesh.harness.ports import free_port
-from kvmesh.router import ReplicaConfig, RouterConfig
 from kvmesh.router.testing import FakeVLLM, write_test_tokenizer
+from kvmesh.routing.config import ReplicaConfig, RoutingConfig
 
 try:
     envoy_binary()
@@ -34,20 +34,24 @@ class Setup:
         self.fakes = [FakeVLLM(f"f{i}").start() for i in range(2)]
         self.names = [endpoint_name(f.url) for f in self.fakes]
         tok = write_test_tokenizer(tmp / "tok")
-        routing = RouterConfig(
+        routing = RoutingConfig(
             model=str(tok),
             replicas=tuple(ReplicaConfig(url=f.url) for f in self.fakes),
             health_interval_s=0.2,
+            replica_header=True,  # these tests compare the EPP's pick with the endpoint that served
         )
+        # ext_proc over TLS, which Envoy verifies (the EPP's default is TLS).
+        self.tls = make_epp_tls(tmp)
         self.cfg = EppConfig(
             routing=routing, host="127.0.0.1", grpc_port=free_port(), health_port=free_port(), metrics_port=0,
-            max_body_bytes=1 << 20,
+            max_body_bytes=1 << 20, cert_path=str(self.tls.cert_dir),
         )  # fmt: skip
         self.epp: EppThread | None = None
         self.start_epp()
         self.envoy = Envoy(
-            self.cfg.grpc_port, self.names, tmp, epp_health_port=self.cfg.health_port, message_timeout_s=5
-        ).start()
+            self.cfg.grpc_port, self.names, tmp, epp_health_port=self.cfg.health_port, message_timeout_s=5,
+            epp_tls=self.tls,
+        ).start()  # fmt: skip
         wait_routed(self)
 
     def start_epp(self) -> None:
@@ -160,21 +164,62 @@ def test_epp_down_fail_open_serves_fail_close_errors_then_resumes(setup: Setup) 
     wait_routed(setup)
 
 
-def test_response_body_mode_none_still_routes_accounts_and_releases(setup: Setup, tmp_path: Path) -> None:
-    """With the response body kept away from the EPP (one round trip less per chunk), a
-    stream is still routed, accounted to the served endpoint and released when it ends."""
+def _states(setup: Setup) -> list[tuple[int, int]]:
+    """Per endpoint: (requests in flight, requests before their first byte), on the EPP."""
+    epp = setup.epp
+    assert epp is not None
+    return epp.call(lambda: [(r.state.in_flight, r.state.pending) for r in epp.picker.pool.replicas.values()])
+
+
+def _stream_and_watch(setup: Setup, url: str) -> list[list[tuple[int, int]]]:
+    """One slow stream (headers at once, first chunk after 0.6 s, then ten every 0.1 s),
+    with the EPP's accounting sampled while it runs."""
+    for f in setup.fakes:
+        f.prefill_s, f.chunks, f.chunk_delay_s = 0.6, 10, 0.1
+    seen: list[list[tuple[int, int]]] = []
+    try:
+        with (
+            httpx.Client(timeout=10) as c,
+            c.stream("POST", url, json=body("watch me " * 20, stream=True)) as r,
+        ):
+            assert r.status_code == 200
+            for _ in r.iter_raw():
+                seen.append(_states(setup))
+    finally:
+        for f in setup.fakes:
+            f.prefill_s, f.chunks, f.chunk_delay_s = 0.0, 3, 0.0
+    deadline = time.monotonic() + 5
+    while any(n for n, _ in _states(setup)):
+        assert time.monotonic() < deadline, "the request was never released"
+        time.sleep(0.05)
+    return seen
+
+
+def test_by_default_response_bodies_bypass_the_epp_and_the_observer_reports_the_first_byte(
+    setup: Setup,
+) -> None:
+    """The default wiring keeps the response body away from the EPP (no chunk waits for it);
+    the first-byte observer still settles the request's prefill when its first chunk passes,
+    while the request stays counted in flight until it ends."""
+    seen = _stream_and_watch(setup, setup.envoy.url("fail_close") + "/v1/completions")
+    during = [s for s in seen[1:-1] if any(n for n, _ in s)]
+    assert len(during) >= 3, seen
+    # after the first chunk: in flight on one endpoint, no prefill pending anywhere
+    assert all(sum(n for n, _ in s) == 1 and not any(p for _, p in s) for s in during), seen
+
+
+def test_full_duplex_response_bodies_still_route_account_and_release(setup: Setup, tmp_path: Path) -> None:
+    """A gateway that streams response bodies through the EPP (GIE's default) still works:
+    every chunk is echoed, the first one settles the prefill."""
     envoy = Envoy(setup.cfg.grpc_port, setup.names, tmp_path, epp_health_port=setup.cfg.health_port,
-                  response_body_mode="NONE").start()  # fmt: skip
+                  response_body_mode="FULL_DUPLEX_STREAMED", epp_tls=setup.tls).start()  # fmt: skip
     try:
         url = envoy.url("fail_close") + "/v1/completions"
-        r = httpx.post(url, json=body("no body echo " * 20, stream=True), timeout=10)
+        r = httpx.post(url, json=body("echo " * 20, stream=True), timeout=10)
         assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
         assert r.headers["x-kvmesh-endpoint"] == r.headers["x-gateway-destination-endpoint-served"]
-        assert setup.epp is not None
-        epp = setup.epp
-        deadline = time.monotonic() + 5
-        while any(epp.call(lambda: [rep.state.in_flight for rep in epp.picker.pool.replicas.values()])):
-            assert time.monotonic() < deadline, "the request was never released"
-            time.sleep(0.05)
+        seen = _stream_and_watch(setup, url)
+        during = [s for s in seen[1:-1] if any(n for n, _ in s)]
+        assert during and all(not any(p for _, p in s) for s in during), seen
     finally:
         envoy.stop()

@@ -26,8 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.epp.config import EppConfig
 from kvmesh.epp.scoring import endpoint_name
 from kvmesh.epp.server import EXT_PROC_SERVICE, EppThread
-from kvmesh.router import ReplicaConfig, RouterConfig
 from kvmesh.router.testing import FakeVLLM, write_test_tokenizer
+from kvmesh.routing.config import ReplicaConfig, RoutingConfig
 
 FULL = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
@@ -46,12 +46,16 @@ def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_epp(fakes: list[FakeVLLM], tok_dir: Path, **kw: Any) -> EppThread:
-    routing = RouterConfig(
+    routing = RoutingConfig(
         model=str(tok_dir),
-        replicas=tuple(ReplicaConfig(url=f.url) for f in fakes),
+        replicas=kw.pop("replicas", None) or tuple(ReplicaConfig(url=f.url) for f in fakes),
         health_interval_s=0.2,
         speculative_ttl_s=kw.pop("speculative_ttl_s", 2.0),
+        replica_header=kw.pop("replica_header", True),
+        policy=kw.pop("policy", "kvmesh"),
     )
+    # The protocol in plaintext; its TLS (the default) is tested behind Envoy (test_envoy_fake.py).
+    kw.setdefault("secure_serving", False)
     cfg = EppConfig(routing=routing, host="127.0.0.1", grpc_port=0, health_port=0, metrics_port=0, **kw)
     epp = EppThread(cfg).start()
     deadline = time.monotonic() + 10
@@ -326,3 +330,53 @@ def test_buffered_mode_acknowledges_headers_and_routes_on_the_body(epp: EppThrea
         .string_value
     )
     s.close()
+
+
+def test_speculative_entries_expire_on_a_timer_without_another_request(
+    fakes: list[FakeVLLM], tok_dir: Path
+) -> None:
+    """As in the router: a speculative entry is removed when its ttl is up, not by the next
+    match (which would pay for it on its request's critical path)."""
+    e = make_epp(fakes, tok_dir, speculative_ttl_s=0.3)
+    try:
+        _, s = route(e, completion("speculative entries of the epp expire " * 30))
+        s.close()
+        index = e.picker.index
+        # stats() expires nothing itself: only the timer can empty the table
+        deadline = time.monotonic() + 2
+        while e.call(lambda: index.stats()["speculative_blocks"]) == 0:
+            assert time.monotonic() < deadline, "no speculative entry was made"
+            time.sleep(0.02)
+        deadline = time.monotonic() + 3
+        while e.call(lambda: index.stats()["speculative_blocks"]) > 0:
+            assert time.monotonic() < deadline, "the speculative entries outlived their ttl"
+            time.sleep(0.02)
+    finally:
+        e.stop()
+
+
+def test_cost_policy_counts_each_request_and_learns_from_its_first_byte(
+    fakes: list[FakeVLLM], tok_dir: Path
+) -> None:
+    """policy cost in the EPP: sent / first byte / finished reach the model as in the router."""
+    e = make_epp(fakes, tok_dir, policy="cost")
+    try:
+        costs = e.picker.costs
+        assert costs is not None
+        for i in range(3):
+            (h, _), s = route(e, completion(f"cost {i} " * 20, stream=True))
+            primary = dest(h)[0]
+            assert costs.model.describe()[primary]["ledger"]["pending"] == 1
+            s.send(*response_msgs(primary))
+            s.recv(2)
+            s.close()
+        deadline = time.monotonic() + 5
+        while sum(f["observations"] for f in costs.model.describe().values()) < 3:
+            assert time.monotonic() < deadline, "first bytes never reached the cost model"
+            time.sleep(0.02)
+        ledgers = [f["ledger"] for f in costs.model.describe().values()]
+        assert all(led["pending"] == 0 and led["in_flight"] == 0 for led in ledgers)
+        assert len(costs.records) == 3
+        assert "cost" in e.picker.describe()
+    finally:
+        e.stop()

@@ -86,7 +86,7 @@ def test_map_shape_hand_built_ignores_unknown_fields_and_types() -> None:
     assert isinstance(stored, BlockStored)
     assert stored.lora_name == "adapter" and stored.group_idx == 0
     assert stored.extra_keys == (("salt", ("mm", 3)),)
-    assert removed == BlockRemoved((b"ab",), "GPU")
+    assert removed == BlockRemoved((b"ab",), "GPU", locality="LOCAL")
 
 
 def test_offloading_placeholder_store_decodes() -> None:
@@ -127,9 +127,19 @@ VLLM_PAYLOAD_2 = bytes.fromhex(
     "55a967726f75705f69647801a96f776e657273686970a178c0"
 )
 BATCH_2_STORED = BlockStored(
-    (1,), None, (4, 5), 2, 3, None, "lora-a", extra_keys=(("lora-a", "salt"),), group_idx=1
+    (1,),
+    None,
+    (4, 5),
+    2,
+    3,
+    None,
+    "lora-a",
+    extra_keys=(("lora-a", "salt"),),
+    group_idx=1,
+    locality="LOCAL",
+    kv_cache_spec_kind="full_attention",  # the group's kind: the router indexes full attention only
 )
-BATCH_2_REMOVED = BlockRemoved((1,), "CPU", group_idx=1)
+BATCH_2_REMOVED = BlockRemoved((1,), "CPU", group_idx=1, ownership="x")  # vLLM 0.32's medium qualifiers
 
 
 def _vllm_batches() -> tuple[Any, Any]:

@@ -82,7 +82,9 @@ def test_replica_command_gets_the_extra_arguments() -> None:
     r = Replica("/m", port=1234, extra_args=["--enable-scale-out"])
     cmd = r.command()
     assert cmd[-1] == "--enable-scale-out"
-    assert "--disable-hybrid-kv-cache-manager" in cmd  # the fairness settings stay
+    assert "--enable-prefix-caching" in cmd  # the fairness settings stay
+    # kvmesh implements SupportsHMA: vLLM's hybrid KV cache manager stays on (#26)
+    assert "--disable-hybrid-kv-cache-manager" not in cmd
     assert cmd[cmd.index("--port") + 1] == "1234" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert "--kv-events-config" not in cmd and "--kv-transfer-config" not in cmd
 

@@ -67,7 +67,7 @@ def test_bad_arguments_name_the_valid_values() -> None:
 def test_written_files_load_in_transformers_and_the_router(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from kvmesh.router.tokenize import PromptTokenizer
+    from kvmesh.routing.tokenize import PromptTokenizer
 
     out = write_tokenizer_files(train_bpe(_texts(), 500, bos="<s>"), tmp_path / "tok", max_len=1024)
     cfg = json.loads((out / "tokenizer_config.json").read_text())

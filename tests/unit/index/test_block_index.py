@@ -72,13 +72,15 @@ def test_orphans_and_bad_events_are_counted_not_indexed() -> None:
     idx = BlockIndex()
     idx.apply("a", stored([5], TOKENS[16:32], parent=4))
     idx.apply("a", stored([1, 2], TOKENS[:20]))  # token count does not fit
-    idx.apply("a", stored([1], TOKENS[:16], medium="TAPE"))
+    for i, medium in enumerate(("X1", "X2", "X3", "X4")):  # four media kept by their names ...
+        idx.apply("b", stored([10 + i], TOKENS[:16], medium=medium))
+    idx.apply("a", stored([1], TOKENS[:16], medium="TAPE"))  # ... and no room for a fifth
     idx.apply("a", stored([1], TOKENS[:16], group_idx=1))
     idx.apply("a", stored([1], (), bs=0, medium="CPU"))  # vLLM offloading placeholder
     stats = idx.stats()
     counted = ("orphans", "invalid", "unknown_medium", "ignored_group", "placeholders")
     assert [stats[k] for k in counted] == [1, 1, 1, 1, 1]
-    assert len(idx) == 0 and idx.match(TOKENS) == {}
+    assert len(idx) == 1 and set(idx.match(TOKENS)) == {"b"}
 
 
 def test_remote_is_shared_by_every_registered_replica() -> None:
@@ -279,3 +281,40 @@ def test_concurrent_events_and_lookups() -> None:
     r.join()
     assert errors == []
     assert len(idx) <= 500
+
+
+def test_media_without_an_alias_are_kept_by_name_and_ranked_below_the_replicas_own() -> None:
+    """A publisher's medium with no alias is indexed under its name; a replica's best medium
+    on a block is its own GPU, CPU, disk, then a named local medium, then a named one on
+    another host (whatever order they came in), then the shared tier."""
+    idx = BlockIndex()
+    idx.apply("b", stored([1, 2], TOKENS[:32], medium="nvme_of"))  # the medium's name is case-blind
+    idx.apply("b", stored([1], TOKENS[:16], medium="DISK"))
+    idx.apply("a", stored([1, 2], TOKENS[:32], medium="STORAGE:REMOTE"))  # met after NVME_OF
+    idx.apply("a", stored([1], TOKENS[:16], medium="NVME_OF"))
+    got = {n: [(s, e, getattr(m, "name", m)) for s, e, m in r] for n, r in ranges(idx).items()}
+    assert got == {
+        "a": [(0, 16, "NVME_OF"), (16, 32, "STORAGE:REMOTE")],
+        "b": [(0, 16, "DISK"), (16, 32, "NVME_OF")],
+    }
+    assert idx.media.named == ("NVME_OF", "STORAGE:REMOTE") and idx.stats()["unknown_medium"] == 0
+    idx.apply("a", removed([1], "NVME_OF"))  # removing one medium leaves the other
+    assert [(s, e, m.name) for s, e, m in ranges(idx)["a"]] == [(0, 32, "STORAGE:REMOTE")]
+    # vLLM 0.32's qualifiers: a tier of another host or a secondary tier is not this replica's disk
+    idx.apply("c", stored([1], TOKENS[:16], medium="STORAGE", locality="REMOTE", ownership="obj"))
+    assert [m.name for _, _, m in ranges(idx)["c"]] == ["STORAGE:REMOTE/obj"]
+
+
+def test_a_sliding_window_group_never_counts_as_a_prefix() -> None:
+    # vLLM 0.32 tags stores with their group's kind: kvmesh's swa model has group 0 = sliding
+    # window (window 32 here) and group 1 = full attention. Only group 1 names a prefix.
+    idx = BlockIndex()
+    swa = {"group_idx": 0, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 32}
+    idx.apply("a", stored([1, 2, 3], TOKENS[:48], **swa))
+    assert ranges(idx) == {} and idx.stats()["ignored_group"] == 1
+    idx.apply("a", stored([11, 12], TOKENS[:32], group_idx=1, kv_cache_spec_kind="full_attention"))
+    assert ranges(idx) == {"a": ((0, 32, G),)}
+    idx.apply("a", removed([1, 2, 3]))  # group 0's removals (group_idx None = 0) leave group 1 alone
+    assert ranges(idx) == {"a": ((0, 32, G),)}
+    idx.apply("a", EventBatch(0.0, (BlockRemoved((12,), None, 1),)))  # the full group's own removal
+    assert ranges(idx) == {"a": ((0, 16, G),)}

@@ -213,7 +213,7 @@ def test_lookup_takes_the_min_over_tp_ranks_and_counts_rpc_failures() -> None:
 def test_uncacheable_requests_are_neither_looked_up_nor_saved() -> None:
     rank = FakeRank()
     s = SchedulerSide(256, BS, [rank])
-    r = request("lora", 1025, lora_request=object())
+    r = request("mm", 1025, mm_features=[object()])
     assert s.lookup(r, 0) == 0 and not rank.calls
     meta = s.build_meta(sched_out(new=[(r, list(range(9)), 0, 1025)]))
     assert meta.saves == []

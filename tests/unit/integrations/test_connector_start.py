@@ -53,6 +53,7 @@ def _connector(tmp_path: Path, mla: bool, layout: str, cache_dtype: str = "auto"
     )
     c.block_size, c.engine_id, c.dp_rank = BS, "unit", 0
     c._worker = c._server = c._pd = None
+    c.pd_mode = "off"  # kv_both without a fleet key
     c._kv_transfer_config = SimpleNamespace(is_kv_producer=False, kv_port=0)
     c._clients = []
     return c

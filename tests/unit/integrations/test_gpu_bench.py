@@ -4,6 +4,7 @@ vLLM's layouts, their checks run (on CPU tensors), and without CUDA they skip cl
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 import torch
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvmesh.bench import gpu
+from kvmesh.bench.gpu import bench as gpu
 from kvmesh.cli import main
 from tests.unit.integrations.vllm_pages import DTYPES, vllm_layers
 
@@ -44,7 +45,8 @@ def test_bench_gpu_skips_without_cuda(tmp_path: Path, capsys: pytest.CaptureFixt
     out = tmp_path / "gpu.json"
     assert main(["bench", "gpu", "--quick", "--json", str(out)]) == 0
     assert "skipped: no CUDA device" in capsys.readouterr().out
-    assert json.loads(out.read_text()) == {"skipped": "no CUDA device"}
+    data = json.loads(out.read_text())
+    assert data["skipped"] == "no CUDA device" and data["provenance"]["suite"] == "gpu"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA skip")
@@ -58,4 +60,26 @@ def test_gpu_check_script_imports_no_vllm() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+    assert "skipped: no CUDA device" in done.stdout
+
+
+def test_gpu_check_runs_on_a_bare_gpu_machine_without_cuda() -> None:
+    """scripts/gpu_check.py with only torch, numpy, xxhash and msgpack (pydantic, zstandard,
+    msgspec, blake3, yaml and vLLM made unimportable): runs to completion, says no CUDA."""
+    code = (
+        "import sys, importlib.abc, runpy\n"
+        "BLOCK = {'pydantic', 'zstandard', 'msgspec', 'blake3', 'vllm', 'yaml'}\n"
+        "class B(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in BLOCK:\n"
+        "            raise ImportError(name + ' is not on a bare GPU machine')\n"
+        "sys.meta_path.insert(0, B())\n"
+        "sys.argv = ['gpu_check.py']\n"
+        "runpy.run_path('scripts/gpu_check.py', run_name='__main__')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
     assert "skipped: no CUDA device" in done.stdout

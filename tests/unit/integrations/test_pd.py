@@ -1,6 +1,7 @@
-"""The connector's prefill/decode halves (pd.py) without vLLM: two real engines, the
-producer's transfer server on loopback, a shared fs tier for the fallback; and the
-scheduler side's handshake over fake ranks (they record calls; no RPC socket)."""
+"""The connector's prefill/decode halves (pd.py) without vLLM: two real engines holding one
+fleet key, the producer's transfer server on loopback, a shared fs tier for the fallback;
+and the scheduler side's handshake over fake ranks (they record calls; no RPC socket).
+Forged parameters and other attacks are in tests/security/."""
 
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ import pytest
 import torch
 
 from kvmesh.core.engine import CacheEngine
+from kvmesh.core.fleetkey import FleetKey
 from kvmesh.core.keys import KVLayout
+from kvmesh.errors import ConfigError
+from kvmesh.harness.connector import fleet_key_file
 from kvmesh.integrations.vllm.options import ConnectorOptions
-from kvmesh.integrations.vllm.pd import PdWorker, remote_prefill, response_params, wants_export
+from kvmesh.integrations.vllm.pd import PdWorker, pd_mode, remote_prefill, response_params, wants_export
+from kvmesh.integrations.vllm.pd_params import verify_params
 from kvmesh.integrations.vllm.scheduler import SchedulerSide
 
 LAYOUT = KVLayout(2, 2, 8, torch.float32)
@@ -25,9 +30,13 @@ BS = 128
 
 
 def options(**extra: Any) -> ConnectorOptions:
-    return ConnectorOptions.from_extra_config(
-        {"chunk_size": CS, "max_local_cpu_size": 0.01, "admin_enabled": False, **extra}, environ={}
-    )
+    base = {
+        "chunk_size": CS,
+        "max_local_cpu_size": 0.01,
+        "admin_enabled": False,
+        "fleet_key_file": fleet_key_file(),
+    }
+    return ConnectorOptions.from_extra_config({**base, **extra}, environ={})
 
 
 def engine(opts: ConnectorOptions, model: str = "m") -> CacheEngine:
@@ -56,7 +65,7 @@ def pair(tmp_path: Path) -> Iterator[tuple[PdWorker, PdWorker]]:
 def handshake(prod: PdWorker, req: str, toks: list[int]) -> dict[str, Any]:
     answer = prod.export(req, toks)
     assert answer is not None
-    return response_params("engine-p", [answer])
+    return response_params("engine-p", [answer], key=prod.key, ttl_s=30)
 
 
 def test_export_pins_then_pull_loads_and_unpins(pair: tuple[PdWorker, PdWorker]) -> None:
@@ -65,7 +74,9 @@ def test_export_pins_then_pull_loads_and_unpins(pair: tuple[PdWorker, PdWorker])
     prod.engine.store(toks, kv)
     params = handshake(prod, "p-1", toks)
     assert params["do_remote_prefill"] and params["remote_port"] == prod.server.port  # type: ignore[union-attr]
-    assert params["kvmesh"]["num_tokens"] == 4 * CS and len(params["kvmesh"]["keys"]) == 4
+    ours = params["kvmesh"]
+    assert ours["num_tokens"] == 4 * CS and len(ours["keys"]) == 4 and ours["sig"] and ours["expires"]
+    assert len(ours["transfer_id"]) >= 32 and ours["transfer_id"] != "p-1"  # not vLLM's request id
     assert prod.stats()["pd_pinned_requests"] == 1 and prod.engine.cpu.pinned_count() == 4
     got = cons.pull("d-1", toks, params)
     assert got["reason"] is None and got["tokens"] == 4 * CS
@@ -104,6 +115,74 @@ def test_nothing_anywhere_is_a_recompute(pair: tuple[PdWorker, PdWorker]) -> Non
     assert cons.engine.lookup(toks) == 0
 
 
+def test_pd_modes_need_a_key_or_the_opt_in() -> None:
+    keyless = options(fleet_key_file=None)
+    for role in ("kv_producer", "kv_consumer"):
+        with pytest.raises(ConfigError, match=r"fleet_key_file .* pd_allow_insecure: true"):
+            pd_mode(keyless, role)
+    assert pd_mode(keyless, "kv_both") == "off"
+    assert pd_mode(options(fleet_key_file=None, pd_allow_insecure=True), "kv_producer") == "insecure"
+    assert pd_mode(options(), "kv_consumer") == "signed"
+    off = PdWorker(engine(keyless), keyless, produce=True, port=0)  # kv_both without a key
+    try:
+        assert off.server is None and off.export("r", list(range(CS))) is None
+        params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1, "kvmesh": {}}
+        assert off.pull("d", list(range(CS)), params)["reason"] == "pd_off"
+    finally:
+        off.close()
+        off.engine.close()
+
+
+def test_insecure_opt_in_hands_over_unsigned(tmp_path: Path) -> None:
+    opts = options(fleet_key_file=None, pd_allow_insecure=True)
+    prod = PdWorker(engine(opts), opts, produce=True, port=0)
+    cons = PdWorker(engine(opts), opts, produce=False, port=0)
+    try:
+        toks, kv = prompt(2 * CS)
+        prod.engine.store(toks, kv)
+        params = handshake(prod, "p", toks)
+        assert "sig" not in params["kvmesh"]
+        assert cons.pull("d", toks, params)["reason"] is None and torch.equal(
+            cons.engine.retrieve(toks)[1], kv
+        )
+    finally:
+        for w in (prod, cons):
+            w.close()
+            w.engine.close()
+
+
+def test_params_signature_covers_address_keys_and_expiry() -> None:
+    key = FleetKey([b"k" * 32])
+    ans = {
+        "transfer_id": "t" * 32,
+        "keys": ["a", "b"],
+        "num_tokens": 256,
+        "model_fingerprint": "f",
+        "host": "h",
+        "port": 9,
+    }
+    good = response_params("e", [ans], key=key, ttl_s=60, now=1000.0)
+    assert verify_params(good, key, now=1001.0).host == "h"  # type: ignore[union-attr]
+    assert verify_params(good, key, now=1061.0) == "params_expired"
+    assert verify_params(good, FleetKey([b"z" * 32]), now=1001.0) == "params_bad_signature"
+    unsigned = response_params("e", [ans])
+    assert verify_params(unsigned, key) == "params_unsigned"
+    assert verify_params(unsigned, None).transfer_id == "t" * 32  # type: ignore[union-attr]
+    for change in (
+        {"remote_host": "evil"},
+        {"remote_port": 1},
+        {"kvmesh": {**good["kvmesh"], "ports": [1]}},
+        {"kvmesh": {**good["kvmesh"], "keys": ["a"]}},
+        {"kvmesh": {**good["kvmesh"], "transfer_id": "x" * 32}},
+        {"kvmesh": {**good["kvmesh"], "expires": good["kvmesh"]["expires"] + 3600}},
+    ):
+        assert verify_params({**good, **change}, key, now=1001.0) == "params_bad_signature", change
+    extra = {**good, "remote_prefill_cached_tokens": 128}  # vLLM's own addition is not covered
+    assert verify_params(extra, key, now=1001.0).ports == (9,)  # type: ignore[union-attr]
+    assert verify_params({**unsigned, "remote_host": 5}, None) == "params_malformed"
+    assert verify_params({"kvmesh": "x"}, key) == "params_malformed"
+
+
 def test_other_model_keys_are_refused_and_the_producer_unpinned(tmp_path: Path) -> None:
     popts, copts = options(), options()
     prod = PdWorker(engine(popts, "weights-a"), popts, produce=True, port=0)
@@ -139,7 +218,7 @@ class PdRank:
     def call(self, op: str, **args: Any) -> Any:
         self.calls.append((op, args))
         if op == "pd_export":
-            return self.answer
+            return None if self.answer is None else {**self.answer, "transfer_id": args["transfer_id"]}
         if op == "lookup":
             return len(args["tokens"])
         return {"tokens": 0, "reason": None}
@@ -159,33 +238,38 @@ def req(req_id: str, n: int, params: dict[str, Any] | None) -> SimpleNamespace:
 
 
 def test_prefill_half_exports_vllm_style_params() -> None:
-    answer = {
-        "request_id": "r",
-        "keys": ["k"],
-        "num_tokens": 256,
-        "model_fingerprint": "f",
-        "host": "h",
-        "port": 9,
-    }
+    answer = {"keys": ["k"], "num_tokens": 256, "model_fingerprint": "f", "host": "h", "port": 9}
     rank = PdRank(answer)
-    s = SchedulerSide(CS, BS, [rank], pd_ranks=[rank], engine_id="eng")
+    key = FleetKey([b"k" * 32])
+    s = SchedulerSide(CS, BS, [rank], pd_ranks=[rank], engine_id="eng", pd_key=key, pd_ttl_s=30)
     assert s.export(req("a", 300, None)) is None  # not a prefill half
     params = s.export(req("r", 300, {"do_remote_decode": True}))
+    assert params is not None
+    op, args = rank.calls[-1]
+    assert op == "pd_export" and args["req"] == "r" and args["tokens"] == list(range(256))  # whole chunks
+    tid = args["transfer_id"]
+    assert len(tid) >= 32 and tid != "r"
+    ours = params.pop("kvmesh")
     assert params == {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_host": "h",
         "remote_port": 9,
         "remote_engine_id": "eng",
-        "kvmesh": {
-            "request_id": "r",
-            "keys": ["k"],
-            "num_tokens": 256,
-            "model_fingerprint": "f",
-            "ports": [9],
-        },
     }
-    assert rank.calls[-1] == ("pd_export", {"req": "r", "tokens": list(range(256))})  # whole chunks
+    sig, expires = ours.pop("sig"), ours.pop("expires")
+    assert ours == {
+        "v": 1,
+        "transfer_id": tid,
+        "keys": ["k"],
+        "num_tokens": 256,
+        "model_fingerprint": "f",
+        "ports": [9],
+    }
+    assert time.time() + 25 < expires <= time.time() + 31
+    assert (
+        verify_params({**params, "kvmesh": {**ours, "sig": sig, "expires": expires}}, key).transfer_id == tid
+    )  # type: ignore[union-attr]
     assert (
         SchedulerSide(CS, BS, [PdRank(None)], pd_ranks=[PdRank(None)]).export(
             req("r", 300, {"do_remote_decode": True})

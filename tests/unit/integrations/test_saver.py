@@ -77,3 +77,34 @@ def test_drain_times_out_and_close_finishes_queued_jobs() -> None:
     assert done == [1]
     with pytest.raises(ClosedError, match="closed"):
         saver.submit(lambda: None, 1)
+
+
+def test_concurrent_savers_keep_each_requests_order_and_run_requests_side_by_side() -> None:
+    """A request's saves stay in order; another request's save is not held behind a slow one
+    (before, one serial saver made every save wait for the slowest)."""
+    saver = BackgroundSaver(workers=2)
+    gate = threading.Event()
+    done: list[str] = []
+    keys = ["a", "b"]
+    while len({hash_slot(k) for k in keys}) < 2:  # two requests on different threads
+        keys[1] += "x"
+    try:
+        saver.submit(lambda: (gate.wait(5), done.append("a0")), 10, keys[0])
+        saver.submit(lambda: done.append("a1"), 10, keys[0])
+        saver.submit(lambda: done.append("b0"), 10, keys[1])
+        deadline = time.monotonic() + 5
+        while "b0" not in done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert done == ["b0"]  # ran while request a's first save was stuck
+        gate.set()
+        assert saver.drain(5)
+        assert done == ["b0", "a0", "a1"]
+    finally:
+        gate.set()
+        saver.close()
+
+
+def hash_slot(key: str) -> int:
+    import zlib
+
+    return zlib.crc32(key.encode()) % 2

@@ -13,7 +13,11 @@ import torch
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from kvmesh import CacheEngine, KVLayout
+from kvmesh.events import BlockStored as Stored
+from kvmesh.events import EventBatch
+from kvmesh.index import BlockIndex
 from kvmesh.integrations.vllm.tracker import EventTracker
+from kvmesh.router.rebuild import events_of
 
 BS = 16
 CS = 32  # two vLLM blocks per chunk
@@ -159,3 +163,24 @@ def test_a_write_that_lands_on_disk_is_announced_with_medium_disk(tmp_path: Path
         assert not tr._thread.is_alive()
     finally:
         engine.close()
+
+
+def test_a_hybrid_models_events_name_the_full_attention_group(engine: CacheEngine) -> None:
+    # kvmesh's swa model: group 1 is full attention (group 0 a sliding window); a router
+    # indexes only full-attention stores (kvmesh/index/block_index.py), so they say so.
+    tr = EventTracker(engine, BS, group=1)
+    toks = _tokens(0, CS)
+    _store(engine, tr, toks, [1, 2])
+    (ev,) = tr.take()
+    assert (ev.group_idx, ev.kv_cache_spec_kind, ev.medium) == (1, "full_attention", "CPU")
+    held = events_of(tr.held(0, 10))  # what a restarted router reads back
+    assert [(e.group_idx, e.kv_cache_spec_kind) for e in held] == [(1, "full_attention")]
+    idx = BlockIndex()
+    swa = {"group_idx": 0, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 64}
+    idx.apply("r", EventBatch(0.0, (Stored((7, 8), None, tuple(toks.tolist()), BS, **swa),)))  # type: ignore[arg-type]
+    idx.apply("r", EventBatch(0.0, tuple(held)))
+    assert idx.match(toks.tolist())["r"].tokens == CS  # kvmesh's chunk counts, the window's does not
+    engine.clear("cpu")
+    tr.resync()
+    assert tr.take() == [BlockRemoved(block_hashes=[1, 2], medium="CPU", group_idx=1)]
+    tr.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -31,13 +32,20 @@ CS = 32  # chunk = 2 blocks
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 
 
-def _worker(mla: bool = False, layout: KVCacheLayout = KVCacheLayout.LBNHC) -> WorkerSide:
+def _worker(
+    mla: bool = False,
+    layout: KVCacheLayout = KVCacheLayout.LBNHC,
+    layerwise: bool = True,
+    async_loads: str = "lower",
+) -> WorkerSide:
     heads, d = (1, 24) if mla else (2, 8)
     layers = vllm_layers(3, 24, BS, heads, d, torch.bfloat16, layout, mla=mla, seed=5)
     kv = KVLayout(3, 1, d, torch.bfloat16, kv_planes=1) if mla else KVLayout(3, heads, d, torch.bfloat16)
     engine = CacheEngine({"chunk_size": CS, "max_local_cpu_size": 0.01}, layout=kv, model_id="dev")
     page = LatentPages(BS) if mla else KVPages(BS)
-    return WorkerSide(engine, layers, BS, page=page, layer_names=NAMES)
+    return WorkerSide(
+        engine, layers, BS, page=page, layer_names=NAMES, layerwise=layerwise, async_loads=async_loads
+    )
 
 
 @pytest.fixture(params=[False, True], ids=["flash_attn", "mla"])
@@ -84,6 +92,33 @@ def test_save_then_layerwise_load_reproduces_the_logical_kv(worker: WorkerSide) 
     assert torch.equal(_logical(worker, again, 3 * CS), want)
 
 
+@pytest.mark.parametrize("mla", [False, True], ids=["flash_attn", "mla"])
+def test_async_load_on_the_device_path_is_queued_then_named(mla: bool) -> None:
+    """The host-device path of an asynchronous load (Transfer.load_now: H2D + one scatter per
+    chunk on the load stream, named once its event completed), on CPU tensors with no-op
+    streams; ``async_loads: all`` sends this cpu hit through it."""
+    w = _worker(mla=mla, layerwise=False, async_loads="all")
+    try:
+        tokens = list(range(300, 300 + 3 * CS))
+        src = [3, 9, 1, 17, 5, 0]
+        want = _logical(w, src, 3 * CS)
+        w.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", tokens, src, 0)]))
+        assert w.wait_for_writes(10) and w.finished({"a"}) == {"a"}
+        assert w.lookup("b", 1, tokens, detail=True) == {"tokens": 3 * CS, "lower": True}
+        dst = [20, 21, 22, 23, 10, 11]
+        w.start_step(KVMeshConnectorMetadata(loads=[LoadSpec("b", 1, tokens, dst, 0, load_async=True)]))
+        deadline = time.monotonic() + 10
+        named: set[str] = set()
+        while not named and time.monotonic() < deadline:
+            named = w.finished_loading(set())
+            time.sleep(0.01)
+        assert named == {"b"} and w.take_load_errors() == set()
+        assert torch.equal(_logical(w, dst, 3 * CS), want)
+        assert w.engine.stats()["cpu"]["pinned"] == 0
+    finally:
+        w.close()
+
+
 def test_blocks_are_held_until_the_save_has_read_them(worker: WorkerSide) -> None:
     """A save that runs after its step never reads a block vLLM has since reused: vLLM
     frees the blocks only once ``finished`` reports the request, after the copy."""
@@ -108,7 +143,7 @@ def test_blocks_are_held_until_the_save_has_read_them(worker: WorkerSide) -> Non
 
 def test_a_preempted_requests_saves_complete_before_the_next_forward(worker: WorkerSide) -> None:
     gate = threading.Event()
-    worker._saver.submit(gate.wait, 0)
+    worker._saver.submit(gate.wait, 0, "p")  # ahead of p's saves, on their thread
     tokens = list(range(900, 900 + CS))
     worker.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("p", tokens, [7, 8], 0)]))
     assert not worker.wait_for_preempted(["p"], timeout=0.2)  # still queued
@@ -244,14 +279,16 @@ def test_layerwise_off_ignores_the_layer_hooks() -> None:
 
 
 def test_connector_asks_for_piecewise_graphs_only_for_layerwise_loads() -> None:
-    assert KVMeshConnector.requires_piecewise_for_cudagraph({})
+    # The default (whole-chunk loads) keeps vLLM's full CUDA graphs.
+    assert not KVMeshConnector.requires_piecewise_for_cudagraph({})
     assert not KVMeshConnector.requires_piecewise_for_cudagraph({"layerwise_load": False})
+    assert KVMeshConnector.requires_piecewise_for_cudagraph({"layerwise_load": True})
 
 
 def test_layerwise_load_option_is_a_bool() -> None:
     from kvmesh.integrations.vllm.options import ConnectorOptions
 
-    assert ConnectorOptions.from_extra_config({}, environ={}).layerwise_load is True
+    assert ConnectorOptions.from_extra_config({}, environ={}).layerwise_load is False
     assert ConnectorOptions.from_extra_config({"layerwise_load": False}, environ={}).layerwise_load is False
     with pytest.raises(ConfigError, match="layerwise_load must be true or false"):
         ConnectorOptions.from_extra_config({"layerwise_load": "yes"}, environ={})

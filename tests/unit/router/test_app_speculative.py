@@ -12,9 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvmesh.router import ReplicaConfig, RouterConfig
+from kvmesh.router import RouterConfig
 from kvmesh.router.server import Router
 from kvmesh.router.testing import _WORDS, FakeVLLM
+from kvmesh.routing.config import ReplicaConfig
 
 
 @pytest.fixture
@@ -26,6 +27,7 @@ def router(tok_dir: Path) -> Iterator[Router]:
         port=0,
         health_interval_s=0.2,
         speculative_ttl_s=0.3,
+        replica_header=True,  # the tests read which replica answered
     )
     r = Router(cfg).start()
     try:

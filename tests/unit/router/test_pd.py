@@ -20,11 +20,12 @@ import pytest
 from aiohttp import web
 
 from kvmesh.errors import ConfigError
-from kvmesh.router import ReplicaConfig, RouterConfig
+from kvmesh.router import RouterConfig
 from kvmesh.router.cli import add_router_parser, config_from_args
 from kvmesh.router.pd import decode_body, prefill_body
 from kvmesh.router.server import Router
 from kvmesh.router.testing import _WORDS, FakeVLLM
+from kvmesh.routing.config import ReplicaConfig
 
 PARAMS = {
     "do_remote_prefill": True,
@@ -82,23 +83,28 @@ def fakes() -> Iterator[dict[str, PDFake]]:
 MakeRouter = Callable[..., Router]
 
 
+def pd_config(tok_dir: Path, fakes: dict[str, PDFake], **pd: Any) -> RouterConfig:
+    """A ``--pd`` router over the producer ``p`` and the consumer ``d``."""
+    return RouterConfig(
+        model=str(tok_dir),
+        replicas=(
+            ReplicaConfig(url=fakes["p"].url, name="p", role="prefill"),
+            ReplicaConfig(url=fakes["d"].url, name="d", role="decode"),
+        ),
+        port=0,
+        health_interval_s=0.2,
+        metrics_interval_s=0.05,
+        pd={"enabled": True, "pd_threshold_tokens": 64, **pd},
+        replica_header=True,  # the tests read which replica answered
+    )
+
+
 @pytest.fixture
 def make_router(tok_dir: Path, fakes: dict[str, PDFake]) -> Iterator[MakeRouter]:
     started: list[Router] = []
 
     def make(**pd: Any) -> Router:
-        cfg = RouterConfig(
-            model=str(tok_dir),
-            replicas=(
-                ReplicaConfig(url=fakes["p"].url, name="p", role="prefill"),
-                ReplicaConfig(url=fakes["d"].url, name="d", role="decode"),
-            ),
-            port=0,
-            health_interval_s=0.2,
-            metrics_interval_s=0.05,
-            pd={"enabled": True, "pd_threshold_tokens": 64, **pd},
-        )
-        router = Router(cfg).start()
+        router = Router(pd_config(tok_dir, fakes, **pd)).start()
         started.append(router)
         return router
 

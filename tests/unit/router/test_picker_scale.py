@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from kvmesh.index import BlockIndex
-from kvmesh.router.picker import _tie_break, build_picker
-from kvmesh.router.scorers import ReplicaState, RoutingRequest, prompt_key
+from kvmesh.routing.picker import _tie_break, build_picker
+from kvmesh.routing.scorers import ReplicaState, RoutingRequest, prompt_key
 
 
 def states(n: int) -> list[ReplicaState]:

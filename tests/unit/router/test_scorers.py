@@ -12,10 +12,11 @@ import pytest
 from kvmesh.errors import ConfigError
 from kvmesh.events import BlockStored
 from kvmesh.index import BlockIndex
-from kvmesh.router.config import POLICIES, ReplicaConfig, RouterConfig, Weights
-from kvmesh.router.picker import build_picker
-from kvmesh.router.pool import parse_vllm_gauges
-from kvmesh.router.scorers import (
+from kvmesh.router.config import RouterConfig
+from kvmesh.routing.config import POLICIES, ReplicaConfig, Weights
+from kvmesh.routing.health import parse_vllm_gauges
+from kvmesh.routing.picker import build_picker
+from kvmesh.routing.scorers import (
     KVUtilScorer,
     PrefillScorer,
     PrefixScorer,
@@ -23,10 +24,10 @@ from kvmesh.router.scorers import (
     ReplicaState,
     RoutingRequest,
     SessionScorer,
-    SessionTable,
     prefill_cost,
     prompt_key,
 )
+from kvmesh.routing.sessions import SessionTable
 
 _engine_hash = itertools.count(1)
 
@@ -235,7 +236,7 @@ def test_session_affinity_wins_ties(index: BlockIndex) -> None:
 
 
 def test_policies_by_name(index: BlockIndex) -> None:
-    assert set(POLICIES) == {"kvmesh", "prefix", "least-loaded", "round-robin", "random"}
+    assert set(POLICIES) == {"kvmesh", "cost", "prefix", "least-loaded", "round-robin", "random"}
     reps = states("a", "b", "c", a=5, b=0, c=9)
     req = request(prompt(30))
     assert build_picker("least-loaded").pick(req, reps).replica == "b"

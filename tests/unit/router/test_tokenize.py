@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 from kvmesh.errors import TokenizeError
 from kvmesh.harness.tokenizer import Family, train_bpe
 from kvmesh.router.testing import _WORDS
-from kvmesh.router.tokenize import PromptTokenizer
+from kvmesh.routing.tokenize import PromptTokenizer
 
 ROOT = Path(__file__).resolve().parents[3]
 

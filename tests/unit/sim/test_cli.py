@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from kvmesh.cli import main
 
 # The bench router run the vllm-cpu-tiny profile was fitted to (a later run is not it).
-MEASURED = Path(__file__).resolve().parents[3] / "docs" / "bench" / "sim-calibration-router.json"
+MEASURED = Path(__file__).resolve().parents[3] / "docs" / "history" / "sim-calibration-router.json"
 
 
 def test_validate_matches_the_measured_two_replica_run(tmp_path: Path, tiny_model: Path) -> None:
@@ -34,14 +36,39 @@ def test_run_writes_results_targets_and_a_plot(tmp_path: Path) -> None:
         )
     trace.write_text("\n".join(lines) + "\n")
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    argv = ["sim", "run", "--trace", str(trace), "--replicas", "4", "--policies", "kvmesh,round-robin,oracle"]
-    argv += ["--gpu-blocks", "20", "--no-progress", "--json", str(out), "--plot", str(png)]
+    argv = ["sim", "run", "--trace", str(trace), "--replicas", "4", "--policies"]
+    argv += ["kvmesh,round-robin,least-loaded,infinite-cache", "--gpu-blocks", "20", "--cpu-blocks", "10"]
+    argv += ["--no-progress", "--json", str(out), "--plot", str(png)]
     assert main(argv) == 0
     report = json.loads(out.read_text())
-    assert {(r["policy"], r["fleet"]) for r in report["results"]} >= {
-        ("kvmesh", "kvmesh"),
-        ("round-robin", "plain"),
-    }
+    assert report["provenance"]["commit"] and report["provenance"]["suite"] == "sim run"
+    assert "commit" not in report  # only the runner's provenance, never a label of its own
+    rows = {(r["policy"], r["fleet"]): r for r in report["results"]}
+    assert set(rows) >= {("kvmesh", "kvmesh"), ("kvmesh", "plain"), ("round-robin", "plain")}
+    # The shared tier is half the trace's working set (5 tenants x 6 blocks + 120 own ones),
+    # and both sizes are in the JSON.
+    assert report["config"]["unique_blocks"] == 150 and report["config"]["shared_blocks"] == 75
     t = report["targets"]["4"]
-    assert t["hit_vs_oracle"] > 0.9 and "ttft_p99_vs_best_other_on_plain" in t
+    # Like for like: each fleet's kvmesh row against the best other policy on that same fleet.
+    for fleet in ("plain", "kvmesh"):
+        vs = t[f"ttft_p99_vs_best_other_on_{fleet}"]
+        assert vs["kvmesh_ttft_p99_s"] == rows[("kvmesh", fleet)]["ttft_p99_s"]
+        assert vs["best"] in ("round-robin", "least-loaded")
+        assert vs["best_ttft_p99_s"] == min(
+            rows[(p, fleet)]["ttft_p99_s"] for p in ("round-robin", "least-loaded")
+        )
+        hit = t[f"hit_vs_bound_on_{fleet}"]
+        assert hit["kvmesh"] == rows[("kvmesh", fleet)]["hit_ratio"] <= hit["bound"]
+    # No policy beats the bound: its ceiling is (840 - 150) blocks of 512 over the prompts.
+    b = report["bounds"]["4"]
+    assert (
+        b["hit_ratio_max"] == round((840 - 150) * 512 / (120 * 512 * 7), 4)
+        and report["bound_violations"] == {}
+    )
+    assert all(r["hit_ratio"] <= b["hit_ratio_max"] for r in report["results"])
     assert png.stat().st_size > 10_000
+
+
+def test_speed_records_its_provenance_and_takes_no_hand_typed_commit(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["sim", "speed", "--commit", "abc1234"])

@@ -2,8 +2,11 @@
 
 ``data/picks.json`` holds the replica every request went to under each router policy on
 seeded workloads, recorded with the per-replica (dict) scorers before they were vectorised
-(commit b039ddc). The fleet, the index and the scorers are all deterministic, so any
-difference in one decision changes what follows: equal lists mean equal decisions.
+(commit b039ddc), and recorded again when the simulator moved onto the routing core's
+dispatcher (which, as the router always did, adds no speculative entry for a prompt whose
+whole blocks the index already has on the picked replica's GPU; the lists were otherwise
+equal). The fleet, the index and the scorers are all deterministic, so any difference in
+one decision changes what follows: equal lists mean equal decisions.
 Re-record (only for a deliberate change of policy): ``python tests/unit/sim/test_picks.py``.
 """
 

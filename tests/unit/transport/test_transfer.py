@@ -1,7 +1,8 @@
 """The direct KV transfer over real loopback sockets: a producer engine's TransferServer,
-a consumer engine pulling from it, pins held until confirm or timeout. Faults are injected
-by a forwarding proxy (it flips a byte or cuts the stream), a silent listener, and a
-producer in a child process killed mid-transfer."""
+a consumer engine pulling from it, pins held until confirm or timeout, both ends holding a
+fleet key (and, in one test, neither: the insecure opt-in). Faults are injected by a
+forwarding proxy (it flips a byte or cuts the stream), a silent listener, and a producer in
+a child process killed mid-transfer. Attacks on the server are in tests/security/."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ import pytest
 import torch
 
 from kvmesh.core.engine import CacheEngine
-from kvmesh.core.keys import KVLayout
+from kvmesh.core.fleetkey import FleetKey
+from kvmesh.core.keys import ChunkKey, KVLayout
 from kvmesh.transport import PinLedger, TransferServer, confirm, pull
-from kvmesh.transport.client import CORRUPT, DISCONNECTED, MISSING, TIMEOUT, UNREACHABLE, ping
+from kvmesh.transport.client import AUTH_FAILED, CORRUPT, DISCONNECTED, MISSING, TIMEOUT, UNREACHABLE, ping
+from kvmesh.transport.wire import frame
 
 LAYOUT = KVLayout(2, 2, 8, torch.float32)
 CS = 16
@@ -29,6 +32,11 @@ CFG = {"chunk_size": CS, "max_local_cpu_size": 0.01, "admin_enabled": False}
 
 
 BIG = KVLayout(4, 8, 64, torch.float32)  # 256 KiB chunks: a stream larger than socket buffers
+KEY = FleetKey([b"unit-test fleet key, 32 bytes or more"])
+
+
+def keys_of(eng: CacheEngine, toks: np.ndarray) -> list[ChunkKey]:
+    return eng.keys.keys_for_array(toks.astype(np.uint32))
 
 
 def make_engine(layout: KVLayout = LAYOUT, gb: float = 0.01) -> CacheEngine:
@@ -45,7 +53,7 @@ def prompt(n_chunks: int, seed: int = 1, layout: KVLayout = LAYOUT) -> tuple[np.
 def producer() -> Iterator[tuple[CacheEngine, PinLedger, TransferServer]]:
     eng = make_engine()
     pins = PinLedger(eng, timeout_s=30.0)
-    srv = TransferServer(eng, pins, "127.0.0.1", 0).start()
+    srv = TransferServer(eng, pins, "127.0.0.1", 0, key=KEY).start()
     yield eng, pins, srv
     srv.close()
     pins.close()
@@ -66,9 +74,7 @@ def test_pull_copies_verified_chunks_and_confirm_unpins(producer, consumer) -> N
     keys = eng.keys.keys_for_array(toks.astype(np.uint32))
     pins.hold("r1", keys)
     assert eng.cpu.pinned_count() == 8
-    res = pull(
-        consumer, "127.0.0.1", srv.port, "r1", consumer.keys.keys_for_array(toks.astype(np.uint32)), toks
-    )
+    res = pull(consumer, "127.0.0.1", srv.port, "r1", keys_of(consumer, toks), toks, key=KEY)
     assert res.reason is None and res.chunks == 8 and res.tokens == 8 * CS
     assert res.nbytes == 8 * CS * LAYOUT.bytes_per_token
     n, got = consumer.retrieve(toks)
@@ -78,27 +84,34 @@ def test_pull_copies_verified_chunks_and_confirm_unpins(producer, consumer) -> N
 
 
 def test_pull_skips_chunks_already_held(producer, consumer) -> None:  # type: ignore[no-untyped-def]
-    eng, _, srv = producer
+    eng, pins, srv = producer
     toks, kv = prompt(6)
     eng.store(toks, kv)
+    pins.hold("r", keys_of(eng, toks))
     consumer.store(toks[: 2 * CS], kv[:, :, : 2 * CS].contiguous())
-    keys = consumer.keys.keys_for_array(toks.astype(np.uint32))
-    res = pull(consumer, "127.0.0.1", srv.port, "r", keys[2:], toks, first=2)
+    keys = keys_of(consumer, toks)
+    res = pull(consumer, "127.0.0.1", srv.port, "r", keys[2:], toks, first=2, key=KEY)
     assert res.reason is None and res.chunks == 4 and res.tokens == 6 * CS
     assert torch.equal(consumer.retrieve(toks)[1], kv)
 
 
 def test_missing_chunk_ends_the_prefix(producer, consumer) -> None:  # type: ignore[no-untyped-def]
-    eng, _, srv = producer
+    eng, pins, srv = producer
     toks, kv = prompt(6)
     eng.store(toks, kv)
     eng.clear("cpu", tokens=toks[: 4 * CS], force=True)  # drops chunks 0..3 of 6
     eng.store(toks[: 2 * CS], kv[:, :, : 2 * CS].contiguous())  # chunks 0,1 back; 2,3 missing
-    res = pull(
-        consumer, "127.0.0.1", srv.port, "r", consumer.keys.keys_for_array(toks.astype(np.uint32)), toks
-    )
+    pins.hold("r", keys_of(eng, toks))
+    res = pull(consumer, "127.0.0.1", srv.port, "r", keys_of(consumer, toks), toks, key=KEY)
     assert res.reason == MISSING and res.chunks == 2 and res.tokens == 2 * CS
     assert consumer.lookup(toks) == 2 * CS
+    # A transfer id nothing is held under gets nothing, whatever the pool holds.
+    other = make_engine()
+    try:
+        res = pull(other, "127.0.0.1", srv.port, "unknown", keys_of(other, toks[: 2 * CS]), toks, key=KEY)
+        assert res.reason == MISSING and res.chunks == 0 and other.lookup(toks) == 0
+    finally:
+        other.close()
 
 
 def test_producer_gone_is_unreachable_fast(consumer) -> None:  # type: ignore[no-untyped-def]
@@ -108,37 +121,38 @@ def test_producer_gone_is_unreachable_fast(consumer) -> None:  # type: ignore[no
     s.close()  # nothing listens there now
     toks, _ = prompt(2)
     t0 = time.monotonic()
-    res = pull(consumer, "127.0.0.1", port, "r", consumer.keys.keys_for_array(toks.astype(np.uint32)), toks)
+    res = pull(consumer, "127.0.0.1", port, "r", keys_of(consumer, toks), toks, key=KEY)
     assert res.reason == UNREACHABLE and res.tokens == 0
     assert time.monotonic() - t0 < 1.0
-    assert not ping("127.0.0.1", port)
+    assert not ping("127.0.0.1", port, key=KEY)
 
 
-def test_hung_producer_costs_at_most_the_timeout(consumer) -> None:  # type: ignore[no-untyped-def]
-    """A listener that accepts and never answers (fault injection)."""
+def test_hung_producer_costs_at_most_the_handshake_budget(consumer) -> None:  # type: ignore[no-untyped-def]
+    """A listener that accepts and never answers (fault injection): the handshake's budget
+    (connect_timeout_s), not the whole fetch timeout."""
     lst = socket.socket()
     lst.bind(("127.0.0.1", 0))
     lst.listen(1)
     toks, _ = prompt(2)
+    port = lst.getsockname()[1]
     t0 = time.monotonic()
-    res = pull(
-        consumer,
-        "127.0.0.1",
-        lst.getsockname()[1],
-        "r",
-        consumer.keys.keys_for_array(toks.astype(np.uint32)),
-        toks,
-        timeout_s=0.5,
-    )
+    res = pull(consumer, "127.0.0.1", port, "r", keys_of(consumer, toks), toks, timeout_s=5.0, key=KEY)
     took = time.monotonic() - t0
-    lst.close()
     assert res.reason == TIMEOUT and res.tokens == 0
-    assert 0.4 < took < 1.5
+    assert 0.9 < took < 2.0
+    t0 = time.monotonic()  # without a key (insecure) only the fetch timeout bounds it
+    res = pull(consumer, "127.0.0.1", port, "r", keys_of(consumer, toks), toks, timeout_s=0.5)
+    lst.close()
+    assert res.reason == TIMEOUT and 0.4 < time.monotonic() - t0 < 1.5
+
+
+END = frame({"t": "end"})
 
 
 class Proxy:
     """Forwards one connection to the producer; from byte ``at`` of the reply stream it
-    either flips one byte (``mode="flip"``) or cuts the connection (``"cut"``)."""
+    either flips one byte (``mode="flip"``) or cuts the connection (``"cut"``); or it cuts
+    the connection where the producer's end-of-stream marker would pass (``"cut_end"``)."""
 
     def __init__(self, port: int, at: int, mode: str) -> None:
         self.target, self.at, self.mode = port, at, mode
@@ -162,7 +176,10 @@ class Proxy:
         seen = 0
         try:
             while data := src.recv(65536):
-                if reply and seen + len(data) > self.at >= seen:
+                if reply and self.mode == "cut_end" and data.endswith(END):
+                    dst.sendall(data[: -len(END)])
+                    raise OSError("cut")
+                if reply and self.mode != "cut_end" and seen + len(data) > self.at >= seen:
                     if self.mode == "cut":
                         dst.sendall(data[: self.at - seen])
                         raise OSError("cut")
@@ -188,18 +205,12 @@ def test_corrupt_or_cut_stream_keeps_only_verified_chunks(producer, consumer, mo
     eng, pins, srv = producer
     toks, kv = prompt(4)
     eng.store(toks, kv)
-    pins.hold("r", eng.keys.keys_for_array(toks.astype(np.uint32)))
+    pins.hold("r", keys_of(eng, toks))
     chunk_bytes = CS * LAYOUT.bytes_per_token
     proxy = Proxy(srv.port, at=int(2.5 * (chunk_bytes + 600)), mode=mode)  # inside chunk 2's payload-ish
     try:
         res = pull(
-            consumer,
-            "127.0.0.1",
-            proxy.port,
-            "r",
-            consumer.keys.keys_for_array(toks.astype(np.uint32)),
-            toks,
-            timeout_s=2.0,
+            consumer, "127.0.0.1", proxy.port, "r", keys_of(consumer, toks), toks, timeout_s=2.0, key=KEY
         )
     finally:
         proxy.close()
@@ -214,14 +225,35 @@ def test_corrupt_or_cut_stream_keeps_only_verified_chunks(producer, consumer, mo
         assert pins.stats()["pd_pinned_requests"] == 0
 
 
+def test_a_stream_cut_after_its_last_chunk_is_a_whole_pull_confirmed_anew(producer, consumer) -> None:  # type: ignore[no-untyped-def]
+    """Every chunk arrived and verified, then the connection broke before the end marker:
+    nothing is missing (not a fallback), and the confirm goes over a fresh connection."""
+    eng, pins, srv = producer
+    toks, kv = prompt(4)
+    eng.store(toks, kv)
+    pins.hold("r", keys_of(eng, toks))
+    proxy = Proxy(srv.port, at=0, mode="cut_end")
+    try:
+        res = pull(
+            consumer, "127.0.0.1", proxy.port, "r", keys_of(consumer, toks), toks, timeout_s=2.0, key=KEY
+        )
+    finally:
+        proxy.close()
+    assert res.reason is None and res.chunks == 4 and res.confirmed is True, res
+    assert torch.equal(consumer.retrieve(toks)[1], kv)
+    assert pins.stats()["pd_pinned_requests"] == 0 and pins.stats()["pd_pins_confirmed"] == 1
+
+
 def test_other_model_keys_are_missing_not_loaded(producer) -> None:  # type: ignore[no-untyped-def]
-    eng, _, srv = producer
+    eng, pins, srv = producer
     toks, kv = prompt(2)
     eng.store(toks, kv)
+    pins.hold("r", keys_of(eng, toks))
     other = CacheEngine(dict(CFG), layout=LAYOUT, model_id="other-weights")
     try:
-        res = pull(other, "127.0.0.1", srv.port, "r", other.keys.keys_for_array(toks.astype(np.uint32)), toks)
+        res = pull(other, "127.0.0.1", srv.port, "r", keys_of(other, toks), toks, key=KEY)
         assert res.reason == MISSING and res.tokens == 0 and other.lookup(toks) == 0
+        assert pins.stats()["pd_pinned_requests"] == 0  # confirmed all the same: the producer is alive
     finally:
         other.close()
 
@@ -232,7 +264,7 @@ def test_pins_expire_after_the_timeout() -> None:
     try:
         toks, kv = prompt(3)
         eng.store(toks, kv)
-        pins.hold("r", eng.keys.keys_for_array(toks.astype(np.uint32)))
+        pins.hold("r", keys_of(eng, toks))
         assert eng.cpu.pinned_count() == 3
         time.sleep(0.6)
         assert eng.cpu.pinned_count() == 0
@@ -248,7 +280,9 @@ def _serve_forever(port_q: mp.Queue, n_chunks: int) -> None:  # child process
     eng = make_engine(BIG, 0.05)
     toks, kv = prompt(n_chunks, layout=BIG)
     eng.store(toks, kv)
-    srv = TransferServer(eng, PinLedger(eng, 30.0), "127.0.0.1", 0).start()
+    pins = PinLedger(eng, 30.0)
+    pins.hold("r", keys_of(eng, toks))
+    srv = TransferServer(eng, pins, "127.0.0.1", 0, key=KEY).start()
     port_q.put(srv.port)
     time.sleep(60)
 
@@ -264,7 +298,7 @@ def test_producer_killed_mid_transfer() -> None:
     try:
         port = q.get(timeout=60)
         toks, kv = prompt(n, layout=BIG)
-        keys = consumer.keys.keys_for_array(toks.astype(np.uint32))
+        keys = keys_of(consumer, toks)
         # Read slowly: kill the producer after the first chunk arrived.
         orig_put = consumer.cpu.put
         calls = {"n": 0}
@@ -277,13 +311,13 @@ def test_producer_killed_mid_transfer() -> None:
             return orig_put(key, obj)
 
         consumer.cpu.put = slow_put  # type: ignore[method-assign]
-        res = pull(consumer, "127.0.0.1", port, "r", keys, toks, timeout_s=3.0)
+        res = pull(consumer, "127.0.0.1", port, "r", keys, toks, timeout_s=3.0, key=KEY)
         consumer.cpu.put = orig_put  # type: ignore[method-assign]
         assert res.reason in (DISCONNECTED, TIMEOUT), res
         assert 1 <= res.chunks < n
         n_got, got = consumer.retrieve(toks)
         assert n_got == res.tokens and torch.equal(got, kv[:, :, :n_got])
-        assert not confirm("127.0.0.1", port, "r", timeout_s=0.5)
+        assert not confirm("127.0.0.1", port, "r", timeout_s=0.5, key=KEY)
     finally:
         if child.is_alive():
             child.kill()
@@ -295,11 +329,11 @@ def test_prepared_headers_are_used_then_forgotten(producer, consumer) -> None:  
     eng, pins, srv = producer
     toks, kv = prompt(3)
     eng.store(toks, kv)
-    keys = eng.keys.keys_for_array(toks.astype(np.uint32))
+    keys = keys_of(eng, toks)
     pins.hold("a", keys)
     pins.hold("b", keys[:1])  # two holds share chunk 0
     assert srv.prepare(keys) == 3 and srv.prepare(keys[:1]) == 1
-    assert pull(consumer, "127.0.0.1", srv.port, "a", keys, toks).reason is None
+    assert pull(consumer, "127.0.0.1", srv.port, "a", keys, toks, key=KEY).reason is None
     assert len(srv._heads) == 1  # a's confirm dropped its headers; b still holds chunk 0
     pins.release("b")
     assert srv._heads == {}
@@ -310,3 +344,58 @@ def test_loopback_measure_runs() -> None:
 
     r = transfer_vs_raw(tokens=64, dims=(2, 2, 8), chunk_size=16, repeats=2)
     assert r["chunks"] == 4 and r["pull_gbps"] > 0 and r["raw_gbps"] > 0 and r["ratio"] > 0
+    assert len(r["ratios"]) == len(r["pull_gbps_all"]) == len(r["raw_gbps_all"]) == 2
+
+
+def test_insecure_opt_in_pulls_without_a_key_and_keys_must_match(consumer) -> None:  # type: ignore[no-untyped-def]
+    """pd_allow_insecure: no key on either side still works (held chunks, checksums); a
+    keyed consumer refuses such a producer, and a keyless consumer is refused by a keyed one."""
+    eng = make_engine()
+    pins = PinLedger(eng, timeout_s=30.0)
+    srv = TransferServer(eng, pins, "127.0.0.1", 0).start()
+    keyed = TransferServer(eng, pins, "127.0.0.1", 0, key=KEY).start()
+    try:
+        toks, kv = prompt(3)
+        eng.store(toks, kv)
+        pins.hold("r", keys_of(eng, toks))
+        res = pull(
+            consumer, "127.0.0.1", srv.port, "r", keys_of(consumer, toks), toks, confirm_after=False, key=KEY
+        )
+        assert res.reason == AUTH_FAILED and consumer.lookup(toks) == 0
+        res = pull(consumer, "127.0.0.1", keyed.port, "r", keys_of(consumer, toks), toks, confirm_after=False)
+        assert res.reason == DISCONNECTED and consumer.lookup(toks) == 0
+        other = FleetKey([b"another fleet's key, also 32 bytes long"])
+        res = pull(consumer, "127.0.0.1", keyed.port, "r", keys_of(consumer, toks), toks, key=other)
+        assert res.reason == AUTH_FAILED and consumer.lookup(toks) == 0
+        res = pull(consumer, "127.0.0.1", srv.port, "r", keys_of(consumer, toks), toks)
+        assert res.reason is None and torch.equal(consumer.retrieve(toks)[1], kv)
+        assert pins.stats()["pd_pinned_requests"] == 0
+        assert ping("127.0.0.1", srv.port) and ping("127.0.0.1", keyed.port, key=KEY)
+        assert not ping("127.0.0.1", keyed.port) and not ping("127.0.0.1", srv.port, key=KEY)
+    finally:
+        srv.close()
+        keyed.close()
+        pins.close()
+        eng.close()
+
+
+def test_pin_ledger_bounds_holds_oldest_first() -> None:
+    eng = make_engine()
+    pins = PinLedger(eng, timeout_s=30.0, max_requests=3, max_chunks=5)
+    try:
+        toks, kv = prompt(8)
+        eng.store(toks, kv)
+        keys = keys_of(eng, toks)
+        assert pins.hold("big", keys) == keys[:5]  # alone over the bound: its leading chunks
+        assert pins.hold("a", keys[:2]) == keys[:2]  # "big" ends: 5 + 2 > 5
+        assert pins.keys_of("big") is None and pins.keys_of("a") == keys[:2]
+        pins.hold("b", keys[2:3])
+        pins.hold("c", keys[3:4])
+        pins.hold("d", keys[4:5])  # a fourth hold: the oldest ("a") ends
+        st = pins.stats()
+        assert pins.keys_of("a") is None and st["pd_pinned_requests"] == 3 and st["pd_pinned_chunks"] == 3
+        assert st["pd_pins_evicted"] == 2 and st["pd_pins_truncated"] == 1
+        assert eng.cpu.pinned_count() == 3
+    finally:
+        pins.close()
+        eng.close()

@@ -1,0 +1,367 @@
+"""``kvmesh bench gpu`` (and scripts/gpu_check.py): the connector's host-device path on a GPU.
+
+Three parts, all on CUDA, none needing vLLM (torch, numpy, xxhash and kvmesh only):
+
+1. **Round trips**: every page-layout adapter (K/V pages in each ``KVCacheLayout`` stride
+   order, MLA latent pages, vLLM-CPU's packed page) in bf16/fp16/fp32/fp8: the chunk
+   gathered on the GPU must be byte-identical to the one the same adapter gathers from a
+   CPU copy of the pages (the CPU adapters are checked against vLLM's own layouts in
+   tests/unit/integrations), scattering it into fresh pages must read back the same, and
+   the full ``Transfer`` save (gather + D2H into a pinned pool slot) and load (H2D +
+   scatter, layer-wise) must reproduce it.
+2. **Bandwidth**: store (gather + D2H) and retrieve (H2D + scatter) of a llama-8b-shaped
+   chunk (32 layers x 8 KV heads x 128, bf16, 256 tokens = 32 MiB) against torch's own
+   pinned ``copy_`` of the same bytes, interleaved in the same run; target >= 0.8x.
+3. **Overlap**: a matmul loop on the compute stream, alone and while the saver gathers and
+   copies 2,000 tokens' blocks on the save stream; target: <= 5% slower (median of paired
+   ratios).
+
+Page tensors are built here the way vLLM's ``create_kv_cache_views`` builds them (a stride
+permutation over logical ``[L, B, H, N, C]``); a unit test checks that the strides match.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvmesh.core.keys import KVLayout
+from kvmesh.core.memory import MemoryPool, torch_dtype
+from kvmesh.integrations.vllm.layouts import CpuPackedPages, KVPages, LatentPages, PageLayout
+from kvmesh.integrations.vllm.transfer import Transfer
+
+# vllm/v1/kv_cache_layout.py::KVCacheLayout values (test_gpu_bench.py checks they agree).
+LAYOUT_ORDERS: dict[str, tuple[int, ...]] = {
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
+BS = 16
+LLAMA_8B = KVLayout(32, 8, 128, "bfloat16")
+CHUNK = 256
+DTYPES = ["bfloat16", "float16", "float32", "float8_e4m3fn"]
+
+
+def make_pages(
+    order: str, layers: int, blocks: int, heads: int, n: int, c: int, dtype: str, device: str, seed: int = 0
+) -> list[torch.Tensor]:
+    """Per-layer logical ``[B, H, N, C]`` views of one random allocation laid out in
+    ``order`` (physical axis order over logical ``[L, B, H, N, C]``)."""
+    perm = LAYOUT_ORDERS[order]
+    logical = (layers, blocks, heads, n, c)
+    itemsize = torch.empty(0, dtype=torch_dtype(dtype)).element_size()
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(
+        0, 256, (layers * blocks * heads * n * c * itemsize,), dtype=torch.uint8, generator=gen
+    )
+    phys = raw.to(device).view(torch_dtype(dtype)).view([logical[i] for i in perm])
+    view = phys.permute([perm.index(i) for i in range(5)])
+    return [view[i] for i in range(layers)]
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a.contiguous().view(torch.uint8).cpu(), b.contiguous().view(torch.uint8).cpu()))
+
+
+def _cases() -> list[tuple[str, str, str, Callable[[], PageLayout], int, int, int]]:
+    """(name, order, dtype, adapter, heads, head_size, planes)"""
+    out: list[tuple[str, str, str, Callable[[], PageLayout], int, int, int]] = []
+    for order in LAYOUT_ORDERS:
+        for dt in DTYPES:
+            out.append((f"kv-{order}-{dt}", order, dt, lambda: KVPages(BS), 4, 64, 2))
+        out.append((f"mla-{order}-bfloat16", order, "bfloat16", lambda: LatentPages(BS), 1, 576, 1))
+    out.append(("cpu-LBHNC-float32", "LBHNC", "float32", lambda: CpuPackedPages(BS), 4, 64, 2))
+    return out
+
+
+def check_round_trips(device: str = "cuda") -> list[dict[str, Any]]:
+    """Part 1: every adapter on ``device`` against the same adapter on CPU, exactly."""
+    results = []
+    tokens = 5 * BS + 7  # a partial last block
+    for i, (name, order, dt, make, heads, d, planes) in enumerate(_cases()):
+        layers = 4
+        dev = make_pages(order, layers, 24, heads, BS, planes * d, dt, device, seed=i)
+        cpu = make_pages(order, layers, 24, heads, BS, planes * d, dt, "cpu", seed=i)
+        ids = torch.randperm(24, generator=torch.Generator().manual_seed(i))[: -(-tokens // BS)].tolist()
+        shape = (layers, planes, tokens, heads, d)
+        want = torch.empty(shape, dtype=torch_dtype(dt))
+        make().gather(cpu, ids, want)
+        got = torch.empty(shape, dtype=torch_dtype(dt), device=device)
+        page = make()
+        page.gather(dev, ids, got)
+        ok = _same_bytes(got, want)
+        fresh = make_pages(order, layers, 24, heads, BS, planes * d, dt, device, seed=1000 + i)
+        page.scatter(got, fresh, ids)
+        again = torch.empty_like(got)
+        page.gather(fresh, ids, again)
+        ok = ok and _same_bytes(again, want)
+        ok = ok and _transfer_round_trip(
+            page, dev, ids, want, KVLayout(layers, heads, d, dt, kv_planes=planes)
+        )
+        results.append({"case": name, "exact": ok})
+    return results
+
+
+def _transfer_round_trip(
+    page: PageLayout, layers: list[torch.Tensor], ids: list[int], want: torch.Tensor, layout: KVLayout
+) -> bool:
+    """Save through a pinned pool slot, load into other blocks layer-wise, gather back."""
+    tokens = want.shape[2]
+    nbytes = tokens * layout.bytes_per_token
+    pool = MemoryPool(nbytes, nbytes)
+    if layers[0].is_cuda:
+        pool.pin()
+    slot = pool.buffer[:nbytes].view(torch_dtype(layout.dtype)).view(layout.shape(tokens))
+    xfer = Transfer(page, layers, layout, tokens)
+    xfer.save(ids, slot, xfer.after_forward())
+    ok = _same_bytes(slot, want)
+    others = [b for b in range(layers[0].shape[0]) if b not in ids][: len(ids)]
+    for layerwise in (True, False):
+        dst = others if layerwise else others[::-1]
+        xfer.load([(slot, dst)], layerwise=layerwise)
+        for li in range(len(layers)):
+            xfer.wait_layer(li)
+        xfer.finish_loads()
+        back = torch.empty(want.shape, dtype=want.dtype, device=layers[0].device)
+        page.gather(layers, dst, back)
+        if layers[0].is_cuda:
+            torch.cuda.synchronize()
+        ok = ok and _same_bytes(back, want)
+    return ok
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def bandwidth(reps: int = 20) -> dict[str, Any]:
+    """Part 2: store / retrieve of one llama-8b chunk vs torch's pinned copy_ (GB/s)."""
+    lay = LLAMA_8B
+    nbytes = CHUNK * lay.bytes_per_token
+    blocks = 4 * CHUNK // BS
+    layers = make_pages(
+        "LBNHC", lay.num_layers, blocks, lay.num_kv_heads, BS, 2 * lay.head_size, lay.dtype, "cuda"
+    )
+    pool = MemoryPool(nbytes, nbytes)
+    pool.pin()
+    slot = pool.buffer[:nbytes].view(torch_dtype(lay.dtype)).view(lay.shape(CHUNK))
+    flat_dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = pool.buffer[:nbytes]
+    xfer = Transfer(KVPages(BS), layers, lay, CHUNK)
+    ids = list(range(0, blocks, 4))[: CHUNK // BS]
+
+    def retrieve() -> None:
+        xfer.load([(slot, ids)], layerwise=False)
+        xfer.wait_all_layers()
+        xfer.finish_loads()
+
+    def retrieve_layerwise() -> None:
+        xfer.load([(slot, ids)], layerwise=True)
+        xfer.wait_layer(lay.num_layers - 1)
+        xfer.finish_loads()
+
+    def limit_d2h() -> None:
+        host.copy_(flat_dev, non_blocking=True)
+
+    def limit_h2d() -> None:
+        flat_dev.copy_(host, non_blocking=True)
+
+    runs: dict[str, Callable[[], None]] = {
+        "limit_d2h": limit_d2h,
+        "store": lambda: xfer.save(ids, slot, None),
+        "limit_h2d": limit_h2d,
+        "retrieve": retrieve,
+        "retrieve_layerwise": retrieve_layerwise,
+    }
+    for fn in runs.values():  # warm up (CUDA context, caching allocator, kernels)
+        _timed(fn)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(reps):  # interleaved: kvmesh and its limit see the same machine state
+        for k, fn in runs.items():
+            times[k].append(_timed(fn))
+    gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+    # Host time to queue a 2,048-token load (8 chunks): what the forward thread pays, the
+    # copies themselves run on the load stream. Batched (the default) against layer-wise.
+    items = [(slot, ids)] * 8
+    host_ms: dict[str, list[float]] = {"load_host_ms": [], "load_host_ms_layerwise": []}
+    for _ in range(reps):
+        for key, layerwise in (("load_host_ms", False), ("load_host_ms_layerwise", True)):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            xfer.load(items, layerwise=layerwise)
+            host_ms[key].append((time.perf_counter() - t) * 1e3)
+            xfer.finish_loads()
+    return {
+        "chunk_bytes": nbytes,
+        "gbps": gbps,
+        "store_ratio": statistics.median(
+            d / s for d, s in zip(times["limit_d2h"], times["store"], strict=True)
+        ),
+        "retrieve_ratio": statistics.median(
+            h / r for h, r in zip(times["limit_h2d"], times["retrieve"], strict=True)
+        ),
+        **{k: statistics.median(v) for k, v in host_ms.items()},
+        "retrieve_layerwise_ratio": statistics.median(
+            h / r for h, r in zip(times["limit_h2d"], times["retrieve_layerwise"], strict=True)
+        ),
+    }
+
+
+def overlap(reps: int = 7, tokens: int = 2000, size: int = 8192, iters: int = 40) -> dict[str, Any]:
+    """Part 3: matmul loop time alone vs during a save of ``tokens`` tokens' blocks."""
+    lay = LLAMA_8B
+    n_chunks = -(-tokens // CHUNK)
+    blocks = 2 * n_chunks * CHUNK // BS
+    layers = make_pages(
+        "LBNHC", lay.num_layers, blocks, lay.num_kv_heads, BS, 2 * lay.head_size, lay.dtype, "cuda"
+    )
+    nbytes = CHUNK * lay.bytes_per_token
+    pool = MemoryPool(n_chunks * nbytes, nbytes)
+    pool.pin()
+    xfer = Transfer(KVPages(BS), layers, lay, CHUNK)
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+
+    def matmuls() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record()
+        for _ in range(iters):
+            torch.mm(a, b)
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end)) / 1e3
+
+    def save_all(after: Any = None) -> None:
+        # ``after`` is recorded before the matmuls are queued (the previous step's forward),
+        # so the save runs beside them, as the worker's save beside the next step.
+        for c in range(n_chunks):
+            n = min(CHUNK, tokens - c * CHUNK)
+            out = pool.buffer[c * nbytes : c * nbytes + n * lay.bytes_per_token]
+            out_t = out.view(torch_dtype(lay.dtype)).view(lay.shape(n))
+            ids = list(range(2 * c * CHUNK // BS, 2 * c * CHUNK // BS + 2 * (-(-n // BS)), 2))
+            xfer.save(ids, out_t, after)
+
+    matmuls()
+    save_all()  # warm up
+    alone: list[float] = []
+    during: list[float] = []
+    save_s: list[float] = []
+    for _ in range(reps):
+        alone.append(matmuls())
+        after = xfer.after_forward()
+        th = threading.Thread(target=_timed_into, args=(functools.partial(save_all, after), save_s))
+        th.start()
+        during.append(matmuls())
+        th.join()
+    ratios = [d / a_ for a_, d in zip(alone, during, strict=True)]
+    return {
+        "tokens": tokens,
+        "matmul_s_alone": statistics.median(alone),
+        "matmul_s_during_save": statistics.median(during),
+        "save_s": statistics.median(save_s),
+        "slowdown": statistics.median(ratios) - 1.0,
+    }
+
+
+def _timed_into(fn: Callable[[], None], out: list[float]) -> None:
+    t = time.perf_counter()
+    fn()
+    out.append(time.perf_counter() - t)
+
+
+def run(quick: bool = False, json_path: str | None = None, plot_path: str | None = None) -> int:
+    """The whole check; 0 when every target holds, 1 when one is missed, 0 (skipped) without CUDA."""
+    from kvmesh.bench.runner import print_table, provenance, write_json
+
+    prov = provenance("gpu")  # the code this run measures: read now, the tree may move on
+    if not torch.cuda.is_available():
+        print(
+            "kvmesh bench gpu: skipped: no CUDA device (torch.cuda.is_available() is False); "
+            "run it on a GPU machine"
+        )
+        if json_path:
+            write_json(json_path, {"skipped": "no CUDA device"}, prov)
+        return 0
+    t0 = time.perf_counter()
+    trips = check_round_trips()
+    bw = bandwidth(reps=8 if quick else 20)
+    ov = overlap(reps=3 if quick else 7)
+    exact = all(r["exact"] for r in trips)
+    targets = {
+        "round_trips_exact": exact,
+        "store_ratio>=0.8": bw["store_ratio"] >= 0.8,
+        "retrieve_ratio>=0.8": bw["retrieve_ratio"] >= 0.8,
+        "slowdown<=5%": ov["slowdown"] <= 0.05,
+    }
+    print_table(
+        [r for r in trips if not r["exact"]] or [{"case": f"all {len(trips)} cases", "exact": True}],
+        ["case", "exact"],
+    )
+    g = bw["gbps"]
+    rows = [
+        ("store (gather+D2H)", g["store"], g["limit_d2h"], bw["store_ratio"]),
+        ("retrieve (H2D+scatter)", g["retrieve"], g["limit_h2d"], bw["retrieve_ratio"]),
+        ("retrieve, layer-wise", g["retrieve_layerwise"], g["limit_h2d"], bw["retrieve_layerwise_ratio"]),
+    ]
+    print_table(
+        [
+            {"path": p, "GB/s": f"{v:.1f}", "limit GB/s": f"{lim:.1f}", "ratio": f"{r:.2f}"}
+            for p, v, lim, r in rows
+        ],
+        ["path", "GB/s", "limit GB/s", "ratio"],
+    )
+    print(
+        f"host time to queue a 2,048-token load: {bw['load_host_ms']:.2f} ms "
+        f"(layer-wise: {bw['load_host_ms_layerwise']:.2f} ms)"
+    )
+    print(
+        f"compute-stream slowdown during a {ov['tokens']}-token save: {100 * ov['slowdown']:.1f}% "
+        f"(save {ov['save_s'] * 1e3:.1f} ms)"
+    )
+    for k, v in targets.items():
+        print(f"target {k}: {'met' if v else 'MISSED'}")
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "round_trips": trips,
+        "bandwidth": bw,
+        "overlap": ov,
+        "targets": targets,
+        "wall_s": time.perf_counter() - t0,
+    }
+    if json_path:
+        write_json(json_path, result, prov)
+    if plot_path:
+        _plot(plot_path, bw, ov)
+    return 0 if all(targets.values()) else 1
+
+
+def _plot(path: str, bw: dict[str, Any], ov: dict[str, Any]) -> None:
+    from kvmesh.bench.runner import write_plot
+
+    g = bw["gbps"]
+    try:
+        write_plot(
+            path,
+            ["store: gather + D2H", "retrieve: H2D + scatter"],
+            {"kvmesh": [g["store"], g["retrieve"]], "pinned copy_ (limit)": [g["limit_d2h"], g["limit_h2d"]]},
+            "GB/s (32 MiB llama-8b chunk)",
+            f"kvmesh host-device path on {torch.cuda.get_device_name()}; "
+            f"compute slowdown during a save {100 * ov['slowdown']:.1f}%",
+            [f"{bw['store_ratio']:.2f}x", f"{bw['retrieve_ratio']:.2f}x"],
+        )
+    except ImportError:
+        print("matplotlib is not installed: no plot")

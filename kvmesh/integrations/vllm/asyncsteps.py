@@ -1,0 +1,102 @@
+"""The forward thread's half of asynchronous loads: the worker copies the chunks a reader
+thread brought into the pool (asyncload.py) into vLLM's pages, and names each request once
+(vLLM's ``finished_recving``). A mixin of :class:`~kvmesh.integrations.vllm.worker.WorkerSide`,
+kept apart so the worker module stays small."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvmesh.integrations.vllm.asyncload import LoadJob, LoadJobs
+from kvmesh.integrations.vllm.hybrid import GroupStore, copy_in
+from kvmesh.integrations.vllm.layouts import PageLayout
+from kvmesh.integrations.vllm.metadata import LoadSpec
+
+if TYPE_CHECKING:
+    from kvmesh.core.engine import RetrievedChunk
+    from kvmesh.integrations.vllm.transfer import Transfer
+
+log = logging.getLogger(__name__)
+
+
+class AsyncLoadSteps:
+    # Provided by WorkerSide.
+    loads: LoadJobs
+    xfer: Transfer | None
+    page: PageLayout
+    layers: list[torch.Tensor]
+    counters: Counter[str]
+    _lock: threading.Lock
+    groups: list[GroupStore]
+    block_size: int
+
+    def _copies(
+        self, spec: LoadSpec, chunks: Sequence[RetrievedChunk]
+    ) -> tuple[list[tuple[torch.Tensor, list[int]]], int]:
+        raise NotImplementedError
+
+    def _account(self, spec: LoadSpec, loaded: int) -> None:
+        raise NotImplementedError
+
+    def finished_loading(self, finished: set[str]) -> set[str]:
+        """vLLM's ``finished_recving``: asynchronous loads whose blocks now hold their KV
+        (or are reported invalid), each named once. Runs on the forward thread: it also
+        copies the chunks of reads that have ended into the pages."""
+        for req in finished:
+            self.loads.abort(req)  # finished while waiting: vLLM frees its blocks once named
+        out: set[str] = set()
+        now = time.monotonic()
+        for job in self.loads.snapshot():
+            if job.copy_done is not None:  # host-device copy queued at an earlier step
+                if job.copy_done.query():
+                    out.add(self._finish_load(job, job.loaded))
+                continue
+            if not job.done.is_set():
+                if now > job.deadline and self.loads.give_up(job):
+                    log.warning(
+                        "kvmesh: request %s: its load overran its %.1f s budget; vLLM recomputes it",
+                        job.spec.req_id,
+                        self.loads.budget_s,
+                    )
+                    with self._lock:
+                        self.counters["load_timeouts"] += 1
+                    out.add(self._finish_load(job, 0))
+                continue
+            if job.aborted:
+                out.add(self._finish_load(job, 0, count=False))
+                continue
+            out.add(self._copy_async(job))
+        return {r for r in out if r}
+
+    def _copy_async(self, job: LoadJob) -> str:
+        items, loaded = self._copies(job.spec, job.chunks)
+        try:
+            if self.xfer is None:
+                for view, ids in items:
+                    self.page.scatter(view, self.layers, ids)
+                if self.groups:  # a hybrid model's other groups (hybrid.py)
+                    loaded = min(loaded, copy_in(self.groups, job.spec, job.extra, self.block_size))
+            else:
+                job.copy_done = self.xfer.load_now(items)
+                job.loaded = loaded
+                if not job.copy_done.query():
+                    return ""  # named at a later step, once the copy has completed
+        except Exception:
+            log.exception("kvmesh: copying request %s's KV failed; vLLM recomputes it", job.spec.req_id)
+            loaded = 0
+        return self._finish_load(job, loaded)
+
+    def _finish_load(self, job: LoadJob, loaded: int, count: bool = True) -> str:
+        self.loads.take(job.spec.req_id)
+        if not job.given_up:
+            job.close()  # the read's pool references (a given-up read closes its own)
+        if count:
+            self._account(job.spec, loaded)
+        return job.spec.req_id

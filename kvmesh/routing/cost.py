@@ -1,0 +1,434 @@
+"""``policy: cost``: route each request to the replica with the lowest predicted time to first token.
+
+For every candidate the model predicts (see :mod:`kvmesh.routing.fit` for the fitted
+coefficients and docs/cost-model.md for the whole derivation):
+
+* **waiting**: the prefill work already queued there, in seconds: what this router sent
+  and has not seen a first byte of (its own ledger, exact and instant, so a burst within
+  one scrape interval sees itself), plus the requests vLLM's gauges say are waiting beyond
+  those (at this replica's mean prefill time), plus the slowdown its running decodes add;
+* **loading**: for each medium holding part of the prefix, tokens over its fitted rate plus
+  its per-load latency, in the order a replica uses them (its GPU cache, then CPU, disk,
+  other media, the shared tier), cut where computing the rest is cheaper (the connector
+  applies the same rule with its own measurements);
+* **computing**: the tokens nothing supplies, at the fitted prefill rate.
+
+The picker takes the lowest prediction. Near-equal predictions (within ``tie_tolerance``)
+count as equal and go by rendezvous hash of the prompt, so equal prompts agree (and find
+each other's cache) while different prompts spread. Herding is guarded by the ledger: a
+request sent to a replica adds its predicted prefill there at once, and the speculative
+index entry makes the next request of the same prefix see it there, behind that queue.
+
+Gauges from a replica are bounded (``max_gauge``) and ignored once older than
+``gauge_stale_s``; predictions are clipped to ``[MIN_PREDICTION_S, MAX_PREDICTION_S]`` and
+never NaN. The model is pure (no I/O); its clock is injected, so the simulator drives it
+on simulated time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvmesh.routing.fit import (
+    BASE,
+    COMPUTE,
+    DECODE,
+    MEDIA,
+    N_PARAMS,
+    POOL_EVIDENCE,
+    QUEUE,
+    UNMEASURED_FRACTION,
+    ReplicaFit,
+    Report,
+    lat_i,
+    load_i,
+)
+from kvmesh.routing.picker import Decision, Picker
+from kvmesh.routing.scorers import (
+    PrefixScorer,
+    PrefixSource,
+    ReplicaState,
+    RoutingRequest,
+    as_table,
+    medium_tokens,
+)
+from kvmesh.routing.table import ReplicaTable
+
+MIN_PREDICTION_S = 1e-4
+MAX_PREDICTION_S = 3600.0
+# medium_tokens' columns (REMOTE, DISK, CPU, GPU, unknown) in MEDIA's order
+_COLUMNS = np.array([3, 2, 1, 4, 0])
+_LOAD = np.array([load_i(j) for j in range(len(MEDIA))])
+_LAT = np.array([lat_i(j) for j in range(len(MEDIA))])
+
+
+@dataclass(frozen=True)
+class CostSettings:
+    """Knobs of the model (``cost:`` in the router config; defaults are the documented ones)."""
+
+    tie_tolerance: float = 0.05  # relative: predictions this close to the best are equal
+    tie_tolerance_s: float = 0.002  # ... or this close in seconds
+    forgetting: float = 0.995  # RLS forgetting factor: ~200 requests of memory per replica
+    gauge_stale_s: float = 2.0  # a replica's load gauges older than this are ignored
+    max_gauge: float = 10_000.0  # requests; a gauge above is cut to this
+
+    @classmethod
+    def of(cls, config: Any) -> CostSettings:
+        """From a config section with these field names (``RouterConfig.cost``), or defaults."""
+        if config is None:
+            return cls()
+        return cls(**{f: getattr(config, f) for f in cls.__dataclass_fields__ if hasattr(config, f)})
+
+
+class Prediction:
+    """Per candidate: predicted TTFT and its parts, the features the fit learns from."""
+
+    __slots__ = ("computing", "features", "loading", "names", "rows", "service", "ttft", "waiting")
+
+    def __init__(
+        self,
+        names: tuple[str, ...],
+        rows: np.ndarray,
+        ttft: np.ndarray,
+        features: np.ndarray,
+        service: np.ndarray,
+        parts: tuple[np.ndarray, np.ndarray, np.ndarray],
+    ) -> None:
+        self.names = names
+        self.rows = rows
+        self.ttft = ttft
+        self.features = features
+        self.service = service
+        self.waiting, self.loading, self.computing = parts
+
+
+class CostModel:
+    """Every replica's fit plus this router's ledger of what it sent where (see module doc)."""
+
+    def __init__(
+        self,
+        settings: CostSettings | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        live_gauges: bool = False,
+    ) -> None:
+        self.settings = settings or CostSettings()
+        self.clock = clock
+        # The simulator's table holds the truth at every instant; a router's scrapes age.
+        self.live_gauges = live_gauges
+        self.fits: dict[str, ReplicaFit] = {}
+        # Every replica's observations also teach one pooled fit: a replica with little
+        # evidence of its own is predicted mostly by the fleet's (fit.POOL_EVIDENCE).
+        self.pooled = ReplicaFit("fleet", None, self.settings.forgetting)
+        self._row: dict[str, int] = {}
+        self._theta = np.zeros((0, N_PARAMS))
+        self._unmeasured = np.zeros((0, len(MEDIA)), dtype=bool)
+        self._evidence = np.zeros((0, N_PARAMS))
+        # the ledger, one row per replica
+        self._queued = np.zeros(0)  # predicted prefill seconds sent, no first byte yet
+        self._pending = np.zeros(0)  # requests sent, no first byte yet
+        self._in_flight = np.zeros(0)  # requests sent, not finished
+        self._service = np.zeros(0)  # EWMA of a request's predicted prefill seconds
+        self._gauges_at = np.zeros(0)  # when the load gauges were scraped (NaN: never)
+        self._rows_cache: tuple[tuple[str, ...], np.ndarray] | None = None
+        self.prompt_ktok = 1.0  # EWMA of prompt length (thousands): the reference request
+        self.on_observation: Callable[[str, float, float], None] | None = None
+
+    # -- replicas --------------------------------------------------------------------------------
+    def fit(self, name: str) -> ReplicaFit:
+        got = self.fits.get(name)
+        if got is None:
+            got = self.fits[name] = ReplicaFit(name, self._fleet_compute(), self.settings.forgetting)
+            self._row[name] = len(self._theta)
+            self._theta = np.vstack([self._theta, got.rls.theta])
+            self._unmeasured = np.vstack([self._unmeasured, got.unmeasured])
+            self._evidence = np.vstack([self._evidence, got.evidence()])
+            for attr in ("_queued", "_pending", "_in_flight", "_service"):
+                setattr(self, attr, np.append(getattr(self, attr), 0.0))
+            self._gauges_at = np.append(self._gauges_at, np.nan)
+            self._rows_cache = None
+        return got
+
+    def _fleet_compute(self) -> float | None:
+        """A new replica starts from the fleet's median prefill rate (same model, same kind
+        of hardware, usually) instead of the cold default."""
+        known = [float(f.rls.theta[COMPUTE]) for f in self.fits.values() if f.observations >= 20]
+        return float(np.median(known)) if known else None
+
+    def set_param(self, name: str, i: int, value: float, var: float = 1e-12) -> None:
+        """Set parameter ``i`` of ``name``'s fit (kvmesh.routing.fit's indices): for tests
+        and what-ifs; the fit moves on from there as requests are observed."""
+        fit = self.fit(name)
+        fit.rls.set_prior(i, value, var)
+        fit.pinned.add(i)  # taken as known: the fleet's pooled fit does not dilute it
+        if i >= load_i(0):  # a medium's figure: it counts as measured from now on
+            fit.unmeasured[(i - load_i(0)) // 2] = False
+        self._sync(name)
+
+    def _sync(self, name: str) -> None:
+        row, fit = self._row[name], self.fits[name]
+        self._theta[row] = fit.rls.theta
+        self._unmeasured[row] = fit.unmeasured
+        self._evidence[row] = fit.evidence()
+
+    def report(self, name: str, report: Report) -> None:
+        """A replica's own measured figures (bounded by :mod:`kvmesh.routing.reports`)."""
+        fit = self.fit(name)
+        fit.apply_report(report)
+        self._sync(name)
+
+    def gauges_scraped(self, name: str, at: float | None = None) -> None:
+        """The pool scraped ``name``'s vLLM gauges now (they are fresh until gauge_stale_s)."""
+        self.fit(name)
+        self._gauges_at[self._row[name]] = self.clock() if at is None else at
+
+    def rows(self, names: tuple[str, ...]) -> np.ndarray:
+        cached = self._rows_cache
+        if cached is not None and cached[0] == names:
+            return cached[1]
+        for n in names:
+            self.fit(n)
+        rows = np.array([self._row[n] for n in names], dtype=np.int64)
+        self._rows_cache = (names, rows)
+        return rows
+
+    # -- prediction ------------------------------------------------------------------------------
+    def _load_state(self, table: ReplicaTable, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(queued seconds ahead, requests decoding) per candidate."""
+        s = self.settings
+        pending = self._pending[rows]
+        queued = self._queued[rows].copy()
+        decoding = np.maximum(self._in_flight[rows] - pending, 0.0)
+        waiting = np.clip(np.nan_to_num(table.waiting, nan=0.0), 0.0, s.max_gauge)
+        running = np.clip(np.nan_to_num(table.running, nan=0.0), 0.0, s.max_gauge)
+        if self.live_gauges:
+            fresh = np.ones(len(rows), dtype=bool)
+        else:
+            age = self.clock() - self._gauges_at[rows]
+            fresh = np.isfinite(age) & (age <= s.gauge_stale_s)
+        # Gauges count this router's own requests too: only what is beyond them is extra.
+        extra = np.where(fresh, np.maximum(waiting - pending, 0.0), 0.0)
+        queued += extra * self._service[rows]
+        decoding = np.maximum(decoding, np.where(fresh, np.maximum(running - pending, 0.0), 0.0))
+        return queued, decoding
+
+    def predict(self, request: RoutingRequest, table: ReplicaTable) -> Prediction:
+        names = table.names
+        rows = self.rows(names)
+        theta = self.effective(rows)
+        n = len(names)
+        total = request.num_tokens / 1e3
+        tokens = medium_tokens(request, table) if request.num_tokens else None
+        held = np.zeros((n, len(MEDIA)))
+        if tokens is not None:  # the index's counts; bounded anyway (never more than the prompt)
+            held = np.clip(
+                np.nan_to_num(tokens[:, _COLUMNS] / 1e3, nan=0.0, posinf=total, neginf=0.0), 0.0, total
+            )
+        queued, decoding = self._load_state(table, rows)
+        per_ktok = theta[:, COMPUTE] + theta[:, DECODE] * decoding
+        has = held > 0
+        load_cost = theta[:, _LOAD] * held + theta[:, _LAT] * has
+        cum_tok = np.cumsum(held, axis=1)
+        # Load media 0..k (the GPU cache always), compute the rest: the cheapest k.
+        options = np.cumsum(load_cost, axis=1) + per_ktok[:, None] * np.maximum(total - cum_tok, 0.0)
+        cut = np.argmin(options, axis=1)
+        used = np.arange(len(MEDIA))[None, :] <= cut[:, None]
+        computed = np.maximum(total - cum_tok[np.arange(n), cut], 0.0)
+        x = np.zeros((n, N_PARAMS))
+        x[:, BASE] = 1.0
+        x[:, COMPUTE] = computed
+        x[:, QUEUE] = queued
+        x[:, DECODE] = computed * decoding
+        x[:, _LOAD] = held * used
+        x[:, _LAT] = has * used
+        parts = theta * x
+        ttft = _bounded(parts.sum(axis=1))
+        waiting = parts[:, QUEUE] + parts[:, DECODE]
+        loading = parts[:, _LOAD].sum(axis=1) + parts[:, _LAT].sum(axis=1)
+        computing = parts[:, COMPUTE]
+        service = np.clip(np.nan_to_num(loading + computing + parts[:, DECODE]), 0.0, MAX_PREDICTION_S)
+        self.prompt_ktok += 0.02 * (total - self.prompt_ktok)
+        return Prediction(names, rows, ttft, x, service, (waiting, loading, computing))
+
+    def effective(self, rows: np.ndarray) -> np.ndarray:
+        """The coefficients predictions use, per row: each replica's own blended with the
+        pooled fleet fit by evidence (fit.POOL_EVIDENCE); a medium neither has measured
+        loads at UNMEASURED_FRACTION of the prefill cost."""
+        own = self._theta[rows]
+        w = self._evidence[rows]
+        w = w / (w + POOL_EVIDENCE)
+        theta = w * own + (1.0 - w) * self.pooled.rls.theta
+        blind = self._unmeasured[rows] & self.pooled.unmeasured
+        theta[:, _LOAD] = np.where(blind, UNMEASURED_FRACTION * theta[:, COMPUTE, None], theta[:, _LOAD])
+        out: np.ndarray = theta
+        return out
+
+    def reference(self, table: ReplicaTable) -> np.ndarray:
+        """Predicted TTFT per candidate of a typical new request (the recent mean prompt
+        length, nothing cached) sent now: the autoscaling signal."""
+        rows = self.rows(table.names)
+        theta = self.effective(rows)
+        queued, decoding = self._load_state(table, rows)
+        per_ktok = theta[:, COMPUTE] + theta[:, DECODE] * decoding
+        return _bounded(theta[:, BASE] + theta[:, QUEUE] * queued + per_ktok * self.prompt_ktok)
+
+    # -- the ledger --------------------------------------------------------------------------------
+    def sent(self, prediction: Prediction, i: int) -> Ticket:
+        """The request was sent to candidate ``i`` of ``prediction``: count it there."""
+        row = int(prediction.rows[i])
+        service = float(prediction.service[i])
+        self._queued[row] += service
+        self._pending[row] += 1
+        self._in_flight[row] += 1
+        self._service[row] += 0.1 * (service - self._service[row]) if self._service[row] else service
+        return Ticket(
+            self, prediction.names[i], row, prediction.features[i].copy(), float(prediction.ttft[i]), service
+        )
+
+    def _observe_all(self, name: str, row: int, x: np.ndarray, predicted: float, observed: float) -> None:
+        start = self.effective(np.array([row]))[0]
+        self.pooled.observe(x, self.pooled.rls.predict(x), observed)
+        self.fits[name].observe(x, predicted, observed, start)
+        self._sync(name)
+        if self.on_observation is not None:
+            self.on_observation(name, predicted, observed)
+
+    def _dequeue(self, row: int, service: float) -> None:
+        self._queued[row] = max(0.0, self._queued[row] - service)
+        self._pending[row] = max(0.0, self._pending[row] - 1)
+        if self._pending[row] == 0:
+            self._queued[row] = 0.0  # no float residue once nothing is pending
+
+    def describe(self) -> dict[str, Any]:
+        out = {}
+        for name, fit in self.fits.items():
+            row = self._row[name]
+            d = fit.describe()
+            d["ledger"] = {
+                "queued_s": round(float(self._queued[row]), 4),
+                "pending": int(self._pending[row]),
+                "in_flight": int(self._in_flight[row]),
+                "mean_service_s": round(float(self._service[row]), 4),
+            }
+            out[name] = d
+        return out
+
+
+class Ticket:
+    """One request's life on its replica, as the cost model sees it: sent, first byte, finished."""
+
+    __slots__ = ("_first", "_model", "_open", "name", "predicted", "row", "sent_at", "service", "x")
+
+    def __init__(
+        self, model: CostModel, name: str, row: int, x: np.ndarray, predicted: float, service: float
+    ):
+        self._model = model
+        self.name = name
+        self.row = row
+        self.x = x
+        self.predicted = predicted
+        self.service = service
+        self.sent_at = model.clock()
+        self._first = False
+        self._open = True
+
+    def first_byte(self, now: float | None = None) -> float | None:
+        """Its first byte came back: its prefill is done; learn from it. The observed TTFT."""
+        if self._first or not self._open:
+            return None
+        self._first = True
+        m = self._model
+        t = m.clock() if now is None else now
+        m._dequeue(self.row, self.service)
+        observed = t - self.sent_at
+        m._observe_all(self.name, self.row, self.x, self.predicted, observed)
+        return observed
+
+    def finished(self) -> None:
+        """It ended (answered, failed or abandoned); without a first byte nothing is learned."""
+        if not self._open:
+            return
+        self._open = False
+        m = self._model
+        if not self._first:
+            m._dequeue(self.row, self.service)
+        m._in_flight[self.row] = max(0.0, m._in_flight[self.row] - 1)
+
+
+def _bounded(values: np.ndarray) -> np.ndarray:
+    out: np.ndarray = np.clip(
+        np.nan_to_num(values, nan=MAX_PREDICTION_S, posinf=MAX_PREDICTION_S),
+        MIN_PREDICTION_S,
+        MAX_PREDICTION_S,
+    )
+    return out
+
+
+class CostDecision(Decision):
+    """A :class:`Decision` that carries the prediction (to count the request where it goes)."""
+
+    __slots__ = ("prediction",)
+    prediction: Prediction
+
+
+class CostPicker(Picker):
+    """Lowest predicted TTFT first; near-ties by rendezvous hash (see the module docstring)."""
+
+    def __init__(self, source: PrefixSource, model: CostModel) -> None:
+        self.policy = "cost"
+        self.prefix = PrefixScorer(source)  # asks the index once per request (request.matches)
+        self.scorers = [(self.prefix, 0.0)]
+        self.overload = None
+        self.model = model
+
+    def pick(self, request: RoutingRequest, replicas: Sequence[ReplicaState] | ReplicaTable) -> Decision:
+        table = as_table(replicas)
+        if not len(table):
+            raise ValueError("no candidate replicas")
+        self.prefix.score_array(request, table)  # fills request.matches
+        pred = self.model.predict(request, table)
+        ttft = pred.ttft
+        best = float(ttft.min())
+        s = self.model.settings
+        near = ttft <= best + max(s.tie_tolerance * best, s.tie_tolerance_s)
+        totals = np.where(near, -best, -ttft)
+        parts = {
+            "ttft_s": ttft,
+            "waiting_s": pred.waiting,
+            "loading_s": pred.loading,
+            "computing_s": pred.computing,
+        }
+        d = CostDecision(self.policy, table, totals, parts, np.zeros(len(table), bool), request.key)
+        d.prediction = pred
+        return d
+
+    def sent(self, decision: Decision, name: str) -> Ticket | None:
+        """Count a request of ``decision`` sent to ``name`` (None: not a cost decision)."""
+        pred = getattr(decision, "prediction", None)
+        if not isinstance(pred, Prediction):
+            return None
+        try:
+            i = pred.names.index(name)
+        except ValueError:
+            return None
+        return self.model.sent(pred, i)
+
+
+def build_cost_picker(
+    source: PrefixSource | None, config: Any = None, clock: Callable[[], float] | None = None
+) -> CostPicker:
+    """``policy: cost`` (``config``: a ``RouterConfig``; its ``cost`` section, if any)."""
+    if source is None:
+        raise ValueError("policy 'cost' needs a prefix source (the block index)")
+    settings = CostSettings.of(getattr(config, "cost", None))
+    return CostPicker(source, CostModel(settings, clock or time.monotonic))
+
+
+def median_error(model: CostModel) -> float | None:
+    """Median |predicted - observed| / observed over every replica's recent requests."""
+    errs = [e for f in model.fits.values() for e in f.errors]
+    return float(np.median(errs)) if errs else None

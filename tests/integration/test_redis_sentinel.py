@@ -1,0 +1,136 @@
+"""``redis-sentinel://`` against real servers: a master, its replica and a ``redis-server
+--sentinel`` watching them. LMCache's Sentinel URL (its master name from
+``REDIS_SERVICE_NAME``) loads, chunks round-trip through the master the sentinel names, and
+after a failover the tier follows the new master: the chunks written before are still read
+and new writes land on the promoted replica."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvmesh.config import CacheConfig
+from kvmesh.core.keys import KVLayout
+from kvmesh.harness.services import RedisSentinel, RedisServer
+from kvmesh.metrics import TierMetrics
+from kvmesh.tiers.base import TierOptions, open_tier
+from kvmesh.tiers.testing import random_chunks
+
+LAYOUT = KVLayout(2, 2, 16, "float32")
+SERVICE = "kvmaster"
+PASSWORD = "sentinel-test-pw"
+
+
+def _wait(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _master_port(sentinel: RedisSentinel) -> int:
+    client = sentinel.client()
+    try:
+        _host, port = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE)
+        return int(port)
+    finally:
+        client.close()
+
+
+def _replica_ready(sentinel: RedisSentinel) -> bool:
+    client = sentinel.client()
+    try:
+        replicas = client.execute_command("SENTINEL", "REPLICAS", SERVICE)
+    finally:
+        client.close()
+    return any(r.get(b"flags") == b"slave" and r.get(b"master-link-status") == b"ok" for r in replicas)
+
+
+@pytest.fixture
+def sentinel_set(
+    redis_server_factory: Callable[..., RedisServer], tmp_path: Path
+) -> Iterator[tuple[RedisServer, RedisServer, RedisSentinel]]:
+    master = redis_server_factory(password=PASSWORD).start()
+    replica = redis_server_factory(
+        password=PASSWORD, extra_args=("--replicaof", master.host, str(master.port))
+    ).start()
+    sentinel = RedisSentinel(master, SERVICE, workdir=tmp_path / "sentinel")
+    try:
+        sentinel.start()
+        _wait(lambda: _replica_ready(sentinel), "the sentinel to see the replica")
+        yield master, replica, sentinel
+    finally:
+        sentinel.kill()
+
+
+def test_lmcache_sentinel_url_follows_a_failover(
+    sentinel_set: tuple[RedisServer, RedisServer, RedisSentinel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    master, replica, sentinel = sentinel_set
+    monkeypatch.setenv("REDIS_SERVICE_NAME", SERVICE)  # where LMCache's connector takes the name
+    cfg = CacheConfig.from_dict(
+        {
+            "chunk_size": 256,
+            "remote_url": f"redis-sentinel://{sentinel.host}:{sentinel.port}",
+            "extra_config": {"redis_password": PASSWORD},
+        }
+    )
+    assert cfg.remote_url is not None
+    tier = open_tier(
+        cfg.remote_url,
+        TierOptions(name="remote", metrics=TierMetrics("remote"), timeout_s=3.0, probe_interval_s=0.2),
+    )
+    try:
+        keys, chunks = random_chunks(3, LAYOUT, 16, seed=5)
+        assert tier.put(keys[:2], chunks[:2]) == [True, True]
+        mc = master.client()
+        try:
+            assert len(mc.keys("kvm2-*")) == 2  # written to the master the sentinel names
+            assert mc.wait(1, 5000) == 1  # the replica has them before the failover
+        finally:
+            mc.close()
+
+        sc = sentinel.client()
+        try:
+            sc.execute_command("SENTINEL", "FAILOVER", SERVICE)
+        finally:
+            sc.close()
+        _wait(lambda: _master_port(sentinel) == replica.port, "the sentinel to promote the replica")
+
+        def role(server: RedisServer) -> str:
+            client = server.client()
+            try:
+                return str(client.info("replication")["role"])
+            finally:
+                client.close()
+
+        _wait(lambda: role(replica) == "master", "the replica to take the master role")
+        # Until the sentinel demotes the old master, a write may still reach it (Redis
+        # replication is asynchronous); after that its READONLY answer sends the tier on.
+        _wait(lambda: role(master) == "slave", "the old master to be demoted")
+        got = tier.get(keys[:2])
+        assert [bytes(g.data) for g in got if g is not None] == [bytes(c.data) for c in chunks[:2]]
+
+        def stored_on_new_master() -> bool:
+            return tier.put(keys[2:], chunks[2:]) == [True]
+
+        _wait(stored_on_new_master, "a write through the new master")
+        rc = replica.client()
+        try:
+            assert len(rc.keys("kvm2-*")) == 3
+        finally:
+            rc.close()
+    finally:
+        tier.close()
+
+
+def test_sentinel_url_errors_name_the_form() -> None:
+    from kvmesh.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="redis-sentinel://"):
+        open_tier("redis-sentinel://h1,h2:1", TierOptions(metrics=TierMetrics("remote")))

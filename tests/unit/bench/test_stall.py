@@ -1,0 +1,36 @@
+"""``kvmesh bench stall``'s summary, pure: paired ITL ratios and TTFT ratios by trial."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvmesh.bench.stall.bench import summarize
+
+
+def _rec(mode: str, source: str, k: int, itl: float, alone: float, ttft: float) -> dict[str, Any]:
+    loaded = {"itl_p99_s": itl, "itl_max_s": 2 * itl, "load_ttft_s": ttft, "load_cached_tokens": 1920}
+    alone_ = {"itl_p99_s": alone, "itl_max_s": 2 * alone}
+    return {"mode": mode, "source": source, "trial": k, "loaded": loaded, "alone": alone_}
+
+
+def test_ratios_are_paired_by_trial_and_judged_against_their_targets() -> None:
+    recs = []
+    for k, drift in enumerate([1.0, 3.0, 2.0]):  # the machine drifts; the pairs do not
+        recs += [
+            _rec("async", "disk", k, 0.011 * drift, 0.010 * drift, 0.10 * drift),
+            _rec("sync", "disk", k, 0.500 * drift, 0.010 * drift, 0.10 * drift),
+            _rec("all", "disk", k, 0.011 * drift, 0.010 * drift, 0.05 * drift),
+        ]
+    recs.append({**_rec("sync", "disk", 9, 1, 1, 1), "loaded": {"error": "boom"}})  # a failed trial
+    rows = {(r["mode"]): r for r in summarize(recs, ["disk"], ["async", "sync", "all"])}
+    assert rows["async"]["itl_ratio_median"] == 1.1 and rows["async"]["itl_met"] is True
+    assert rows["sync"]["itl_ratio_median"] == 50.0 and rows["sync"]["itl_met"] is False
+    assert rows["async"]["ttft_vs_sync"] == 1.0 and rows["async"]["ttft_met"] is True
+    assert rows["async"]["ttft_vs_all"] == 2.0
+    assert rows["async"]["load_ttft_ms"] == 200.0 and rows["sync"]["itl_max_ms"] == 2000.0
+
+
+def test_a_hung_redis_has_no_ttft_target() -> None:
+    recs = [_rec("async", "redis_hung", 0, 0.01, 0.01, 2.0), _rec("sync", "redis_hung", 0, 2.0, 0.01, 2.5)]
+    (row, _) = summarize(recs, ["redis_hung"])
+    assert row["ttft_met"] is None and row["itl_met"] is True

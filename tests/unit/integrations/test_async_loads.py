@@ -1,0 +1,296 @@
+"""Asynchronous loads and lookups (issue #25), without starting vLLM: the scheduler side's
+``(n, True)`` planning, and the worker reading from a real disk tier beside the steps, then
+naming the request in ``finished_loading`` (vLLM's ``finished_recving``).
+
+Slow and hung remote tiers are ``faulty://`` tiers with ``latency_s`` (fault injection: a
+real Redis that hangs is in tests/e2e/test_remote_stall.py and test_async_stall in
+tests/integration)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from kvmesh import CacheEngine, KVLayout
+from kvmesh.integrations.vllm.metadata import KVMeshConnectorMetadata, LoadSpec, SaveSpec
+from kvmesh.integrations.vllm.scheduler import SchedulerSide
+from kvmesh.integrations.vllm.worker import WorkerSide
+from kvmesh.tiers.testing import reset_memory_stores
+from tests.unit.integrations.test_connector import BS, FakeRank, paged, request, sched_out
+
+LAYOUT = KVLayout(3, 2, 16, torch.float32)
+TOKENS = list(range(3000, 3000 + 1025))
+SRC = list(range(0, 8))
+DST = list(range(12, 20))
+
+
+class AnswerRank(FakeRank):
+    """Answers the detailed lookup from a script: a dict per call."""
+
+    def __init__(self, answers: list[dict[str, Any]]) -> None:
+        super().__init__()
+        self.answers = answers
+
+    def call(self, op: str, **args: Any) -> Any:
+        self.calls.append((op, args))
+        return self.answers.pop(0) if op == "lookup" else True
+
+
+def test_lower_tier_hit_is_planned_as_an_async_load() -> None:
+    s = SchedulerSide(256, BS, [AnswerRank([{"tokens": 1024, "lower": True}])], async_loads="lower")
+    r = request("a", 1025)
+    assert s.lookup(r, 0) == 1024 and s.load_async("a")
+    s.after_alloc(r, list(range(100, 109)), 1024)
+    (load,) = s.build_meta(sched_out(new=[(r, list(range(100, 109)), 1024, 0)])).loads
+    assert load.load_async and load.pd is None and load.block_ids == list(range(100, 108))
+
+
+def test_cpu_hit_stays_synchronous_and_off_means_the_old_lookup() -> None:
+    s = SchedulerSide(256, BS, [AnswerRank([{"tokens": 1024, "lower": False}])], async_loads="lower")
+    assert s.lookup(request("a", 1025), 0) == 1024 and not s.load_async("a")
+    rank = FakeRank()
+    off = SchedulerSide(256, BS, [rank], async_loads="off")
+    assert off.lookup(request("b", 1025), 0) == 1024 and not off.load_async("b")
+    assert "detail" not in rank.calls[-1][1]  # the worker's synchronous lookup, as before
+
+
+def test_a_pending_lookup_is_not_known_yet_and_asked_again_with_the_same_seq() -> None:
+    rank = AnswerRank([{"pending": True}, {"pending": True}, {"tokens": 512, "lower": True}])
+    s = SchedulerSide(256, BS, [rank], async_loads="lower")
+    r = request("a", 1025)
+    assert s.lookup(r, 0) is None  # vLLM skips the request this step; the batch goes on
+    assert s.lookup(r, 0) is None
+    assert s.lookup(r, 0) == 512 and s.load_async("a")
+    assert {args["seq"] for _, args in rank.calls} == {1}
+    assert s.stats["lookups"] == 1 and s.stats["lookups_pending"] == 2
+
+
+def test_a_request_finished_while_its_lookup_runs_releases_it() -> None:
+    s = SchedulerSide(256, BS, [AnswerRank([{"pending": True}])], async_loads="lower")
+    r = request("a", 1025)
+    assert s.lookup(r, 0) is None
+    s.finished(r)
+    assert s.build_meta(sched_out()).releases == [("a", 1)]
+
+
+def test_a_failed_load_is_never_offered_again_but_a_preempted_request_reloads() -> None:
+    """vLLM looks a request up again only after a load of it failed outright (0 computed
+    tokens) or after a preemption. The same lookup would find the same chunks the load could
+    not read: offered again, the request would fail and come back for ever (a soak saw 5,865
+    rounds in 60 s). After a preemption it may load again."""
+    answers = [{"tokens": 1024, "lower": True} for _ in range(4)]
+    rank = AnswerRank(answers)
+    s = SchedulerSide(256, BS, [rank], async_loads="lower")
+    r = request("a", 1025)
+    blocks = list(range(100, 109))
+    assert s.lookup(r, 0) == 1024
+    s.after_alloc(r, blocks, 1024)
+    assert len(s.build_meta(sched_out()).loads) == 1
+    # the load failed; vLLM put the request back with 0 computed tokens and asks again
+    assert s.lookup(r, 0) == 0 and s.stats["loads_not_retried"] == 1
+    assert [op for op, _ in rank.calls] == ["lookup"]  # nothing asked of the workers
+    s.after_alloc(r, blocks, 0)  # vLLM computes it
+    assert s.build_meta(sched_out()).loads == []
+    # a second request, loaded, then preempted: looked up again, it loads again
+    b = request("b", 1025)
+    assert s.lookup(b, 0) == 1024
+    s.after_alloc(b, blocks, 1024)
+    out = sched_out()
+    out.preempted_req_ids = {"b"}
+    assert len(s.build_meta(out).loads) == 1
+    assert s.lookup(b, 0) == 1024
+    s.finished(b)
+    s.finished(r)
+    assert not s._planned
+
+
+def test_pd_decode_half_is_an_async_load_that_pulls() -> None:
+    rank = AnswerRank([{"tokens": 1024, "lower": False}])
+    s = SchedulerSide(256, BS, [rank], pd_ranks=[rank], async_loads="lower")
+    params = {
+        "do_remote_prefill": True,
+        "remote_host": "h",
+        "remote_port": 1,
+        "kvmesh": {"keys": ["k"] * 4, "num_tokens": 1024, "ports": [1], "transfer_id": "t-1"},
+    }
+    r = request("d", 1025, kv_transfer_params=params)
+    assert s.lookup(r, 0) == 1024 and s.load_async("d")
+    assert s.lookup(r, 0) == 1024 and s.load_async("d")  # asked again (no room): offered again
+    assert rank.calls == []  # nothing pulled inside the scheduler's step
+    s.after_alloc(r, list(range(9)), 1024)
+    (load,) = s.build_meta(sched_out()).loads
+    assert load.load_async and load.pd == params and s.stats["pd_pulls"] == 1
+    preempted = sched_out()
+    preempted.preempted_req_ids = {"d"}
+    s.build_meta(preempted)
+    assert s.lookup(r, 0) == 1024  # looked up again (preempted): the pulled chunks, no second pull
+    assert not s.load_async("d") and [op for op, _ in rank.calls] == ["lookup"]
+
+
+# -- worker: reads beside the steps -------------------------------------------------------
+@pytest.fixture
+def disk_worker(tmp_path: Path) -> Iterator[WorkerSide]:
+    reset_memory_stores()
+    engine = CacheEngine(
+        {"chunk_size": 256, "max_local_cpu_size": 0.01, "local_disk": str(tmp_path / "disk")},
+        layout=LAYOUT,
+        model_id="async",
+    )
+    w = WorkerSide(engine, paged(num_blocks=24), BS)
+    yield w
+    w.close()
+
+
+def _saved_to_disk(w: WorkerSide) -> None:
+    w.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", TOKENS[:1024], SRC, 0)]))
+    assert w.wait_for_writes(10)
+    w.clear("cpu")  # only the disk holds it now
+
+
+def _no_pins(w: WorkerSide) -> bool:
+    keys = w.engine.keys.keys(TOKENS[:1024])
+    disk = w.engine.lower["disk"]
+    return w.engine.stats()["cpu"]["pinned"] == 0 and not any(disk.is_pinned(k) for k in keys)  # type: ignore[attr-defined]
+
+
+def _poll(w: WorkerSide, timeout: float = 10.0, finished: set[str] | None = None) -> set[str]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = w.finished_loading(finished or set())
+        if got:
+            return got
+        time.sleep(0.01)
+    return set()
+
+
+def test_disk_hit_loads_beside_the_step_and_is_named_once(disk_worker: WorkerSide) -> None:
+    w = disk_worker
+    _saved_to_disk(w)
+    got = w.lookup("b", 1, TOKENS[:1024], detail=True)
+    assert got == {"tokens": 1024, "lower": True}
+    w.start_step(KVMeshConnectorMetadata(loads=[LoadSpec("b", 1, TOKENS[:1024], DST, 128, load_async=True)]))
+    assert _poll(w) == {"b"}
+    assert w.finished_loading(set()) == set()  # named exactly once
+    assert w.take_load_errors() == set()
+    for layer in w.layers:
+        assert torch.equal(layer[DST[1:]], layer[SRC[1:]])  # block 0 was vLLM's own: untouched
+        assert not torch.equal(layer[DST[0]], layer[SRC[0]])
+    assert _no_pins(w)
+    assert w.stats()["connector"]["load_tokens"] == 1024 - 128
+
+
+def test_cpu_hit_answers_lower_false(disk_worker: WorkerSide) -> None:
+    w = disk_worker
+    w.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", TOKENS[:1024], SRC, 0)]))
+    assert w.wait_for_writes(10)
+    assert w.lookup("b", 1, TOKENS[:1024], detail=True) == {"tokens": 1024, "lower": False}
+    assert w.lookup("b", 1, TOKENS[:1024], detail=True) == {"tokens": 1024, "lower": False}  # asked again
+    assert w.engine.stats()["cpu"]["pinned"] == 4  # pinned once, not twice
+    assert w.release("b", 1) and w.engine.stats()["cpu"]["pinned"] == 0
+
+
+def test_request_aborted_while_loading_is_named_and_nothing_is_copied(disk_worker: WorkerSide) -> None:
+    w = disk_worker
+    _saved_to_disk(w)
+    before = [t[DST].clone() for t in w.layers]
+    w.lookup("b", 1, TOKENS[:1024], detail=True)
+    w.start_step(KVMeshConnectorMetadata(loads=[LoadSpec("b", 1, TOKENS[:1024], DST, 0, load_async=True)]))
+    assert _poll(w, finished={"b"}) == {"b"}  # vLLM holds its blocks until it is named
+    assert all(torch.equal(t[DST], b) for t, b in zip(w.layers, before, strict=True))
+    assert _no_pins(w)
+
+
+@pytest.fixture
+def slow_remote_worker() -> Iterator[WorkerSide]:
+    reset_memory_stores()
+    engine = CacheEngine(
+        {
+            "chunk_size": 256,
+            "max_local_cpu_size": 0.01,
+            "remote_url": "faulty://slow",
+            "remote_timeout_s": 0.3,
+        },
+        layout=LAYOUT,
+        model_id="async",
+    )
+    w = WorkerSide(engine, paged(num_blocks=24), BS)
+    yield w
+    w.close()
+
+
+def test_a_slow_remote_lookup_answers_pending_then_the_hit(slow_remote_worker: WorkerSide) -> None:
+    w = slow_remote_worker
+    w.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", TOKENS[:1024], SRC, 0)]))
+    assert w.wait_for_writes(10)
+    w.clear("cpu")
+    w.engine.lower["remote"].latency_s = 0.1  # type: ignore[attr-defined]
+    t0 = time.monotonic()
+    assert w.lookup("b", 1, TOKENS[:1024], detail=True) == {"pending": True}
+    assert time.monotonic() - t0 < 0.09  # the scheduler's step did not wait for the remote
+    end = time.monotonic() + 5
+    while (got := w.lookup("b", 1, TOKENS[:1024], detail=True)) == {"pending": True}:
+        assert time.monotonic() < end
+        time.sleep(0.02)
+    assert got == {"tokens": 1024, "lower": True}
+
+
+def test_a_load_past_its_budget_is_recomputed_and_never_written_late(slow_remote_worker: WorkerSide) -> None:
+    w = slow_remote_worker
+    w.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", TOKENS[:1024], SRC, 0)]))
+    assert w.wait_for_writes(10)
+    w.clear("cpu")
+    assert w.lookup("b", 1, TOKENS[:1024], detail=True) == {"tokens": 1024, "lower": True}
+    before = [t[DST].clone() for t in w.layers]
+    w.engine.lower["remote"].latency_s = 2.0  # type: ignore[attr-defined]  # a hung Redis, roughly
+    t0 = time.monotonic()
+    w.start_step(KVMeshConnectorMetadata(loads=[LoadSpec("b", 1, TOKENS[:1024], DST, 0, load_async=True)]))
+    assert _poll(w, timeout=5) == {"b"}
+    waited = time.monotonic() - t0
+    assert waited < w.loads.budget_s + 0.5  # its budget (remote_timeout_s + 1 s), not the tier's hang
+    assert w.take_load_errors() == set(DST)  # every block: vLLM recomputes the prompt
+    assert w.stats()["connector"]["load_timeouts"] == 1
+    time.sleep(2.5)  # the read ends late...
+    assert w.finished_loading(set()) == set()
+    assert all(torch.equal(t[DST], b) for t, b in zip(w.layers, before, strict=True))  # ...and writes nothing
+    assert w.engine.stats()["cpu"]["pinned"] == 0
+
+
+def test_pd_params_that_do_not_verify_are_not_offered_beside_the_batch() -> None:
+    """Signed parameters are checked before the scheduler offers their tokens: unsigned ones
+    under a fleet key go to the worker's pull, which refuses them (and counts why)."""
+    from kvmesh.core.fleetkey import FleetKey
+
+    rank = AnswerRank([{"tokens": 0, "lower": False}])
+    key = FleetKey([b"k" * 32])
+    s = SchedulerSide(256, BS, [rank], pd_ranks=[rank], async_loads="lower", pd_key=key)
+    params = {
+        "do_remote_prefill": True,
+        "remote_host": "h",
+        "remote_port": 1,
+        "kvmesh": {"keys": ["k"] * 4, "num_tokens": 1024, "ports": [1], "transfer_id": "t-1"},
+    }
+    r = request("d", 1025, kv_transfer_params=params)
+    assert s.lookup(r, 0) == 0 and not s.load_async("d")
+    assert [op for op, _ in rank.calls] == ["pd_pull", "lookup"]
+
+
+def test_readers_lower_the_gil_switch_interval_only_while_they_run() -> None:
+    import sys
+
+    from kvmesh.integrations.vllm.asyncload import GilShare
+
+    before = sys.getswitchinterval()
+    share = GilShare(0.0002)
+    with share:
+        assert sys.getswitchinterval() == pytest.approx(0.0002)
+        with share:  # a second reader
+            pass
+        assert sys.getswitchinterval() == pytest.approx(0.0002)  # the first still runs
+    assert sys.getswitchinterval() == before

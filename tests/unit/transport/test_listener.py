@@ -1,0 +1,96 @@
+"""The bounded listener under kvmesh's socket protocols, over real sockets: a proof with a
+large request right behind it, requests pipelined on one connection, the pool and the
+dedicated modes alike, idle peers closed at their deadlines, and close() while a request
+runs. (Hostile peers against the real transfer server: tests/security/.)"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvmesh.core.fleetkey import TRANSFER_AUTH, FleetKey
+from kvmesh.transport.listener import Limits, Listener
+from kvmesh.transport.wire import frame, recv_msg, send_msg
+
+KEY = FleetKey([b"unit-test fleet key, 32 bytes or more"])
+
+
+def echo(sock: socket.socket, msg: dict[str, Any]) -> bool:
+    if msg.get("op") == "sleep":
+        time.sleep(float(msg["s"]))
+    send_msg(sock, {"t": "ok", "n": len(msg.get("blob", b""))})
+    return True
+
+
+@pytest.fixture(params=[False, True], ids=["pool", "dedicated"])
+def server(request: pytest.FixtureRequest) -> Iterator[tuple[Listener, int]]:
+    lim = Limits(max_frame=1 << 20, handshake_s=0.5, idle_s=0.5, message_s=0.5)
+    lst = Listener("test", echo, KEY, TRANSFER_AUTH, lim, dedicated=request.param)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    lst.add(sock, authenticate=True)
+    lst.start()
+    yield lst, sock.getsockname()[1]
+    lst.close()
+
+
+def _proof(s: socket.socket) -> bytes:
+    nonce = os.urandom(32)
+    s.sendall(frame({"op": "hello", "v": 1, "nonce": nonce}))
+    ch = recv_msg(s, deadline=time.monotonic() + 2)
+    return frame({"op": "auth", "mac": KEY.mac(TRANSFER_AUTH, b"client", nonce, ch["nonce"])})
+
+
+def test_a_large_request_right_behind_the_proof_is_served(server: tuple[Listener, int]) -> None:
+    lst, port = server
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        blob = os.urandom(300_000)  # far over the 4 KiB cap a peer has before its proof
+        s.sendall(_proof(s) + frame({"op": "x", "blob": blob}) + frame({"op": "y"}))
+        assert recv_msg(s, deadline=time.monotonic() + 2) == {"t": "ok", "n": 300_000}
+        assert recv_msg(s, deadline=time.monotonic() + 2) == {"t": "ok", "n": 0}
+    assert lst.stats()["requests"] == 2 and lst.stats()["auth_failures"] == 0
+
+
+def test_idle_peers_are_closed_at_their_deadlines(server: tuple[Listener, int]) -> None:
+    lst, port = server
+    fresh = socket.create_connection(("127.0.0.1", port), timeout=5)
+    done = socket.create_connection(("127.0.0.1", port), timeout=5)
+    done.sendall(_proof(done) + frame({"op": "x"}))
+    recv_msg(done, deadline=time.monotonic() + 2)
+    time.sleep(1.2)  # past handshake_s for the first, idle_s for the second
+    for s in (fresh, done):
+        assert _hung_up(s)
+        s.close()
+    assert lst.stats()["deadline_drops"] == 2 and lst.stats()["open"] == 0
+
+
+def _hung_up(s: socket.socket) -> bool:
+    s.settimeout(1.0)
+    try:
+        while s.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
+def test_close_while_a_request_runs(server: tuple[Listener, int]) -> None:
+    lst, port = server
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(_proof(s) + frame({"op": "sleep", "s": 0.3}))
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    lst.close()
+    assert time.monotonic() - t0 < 2.5
+    assert not any(t.name == "test" for t in threading.enumerate())  # the selector thread ended
+    assert _hung_up(s)  # the request's connection is closed once its handler returns
+    s.close()
