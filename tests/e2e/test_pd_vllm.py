@@ -134,6 +134,12 @@ def pd_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         # Colocated references: the producer computes prompt and output itself.
         res["ref1"] = complete(producer.url, p1, **GEN)
         res["ref3"] = complete(producer.url, p3, **GEN)
+        # Warm the consumer as the references warmed the producer: a replica's first request
+        # with logprobs makes vLLM compile its sampler (torch inductor: g++ for seconds on
+        # the worker's core). On a fresh CI machine that compile, next to the producer's,
+        # starved the worker's threads and the first pull missed its handshake budget (a
+        # correct recompute, but not what this module checks).
+        complete(consumer.url, tokens(7, 300), **GEN)
         # 1. prefill -> decode.
         pre = complete(producer.url, p1, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         res["prefill1"] = pre
