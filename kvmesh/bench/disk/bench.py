@@ -272,8 +272,10 @@ def run(
             cells += [("multi-tenant", "back", 256, 0.9, p) for p in PLACEMENTS]
     # smoke: every code path once (a test): its numbers mean nothing
     fio_mb, ttft_tokens, read_back = (8, 256, 2) if smoke else (256, 2000, 20 if quick else 100)
+    n_real = n_conv // 2
     if smoke:
         n_conv, rounds, cells = 6, 1, [("conversation", "back", 256, 0.9, p) for p in PLACEMENTS]
+        n_real = 10  # enough to overflow the 4 MiB cpu tier: the write-back path runs too
     rows = []
     for t, m, c, u, p in cells:
         n = n_conv if t == "conversation" else n_mt
@@ -292,7 +294,7 @@ def run(
             }
         )
         for p in PLACEMENTS:
-            real.append(real_cell(p, n_conv // 2, directory, read_back, ttft_tokens))
+            real.append(real_cell(p, n_real, directory, read_back, ttft_tokens))
     shutil.rmtree(work, ignore_errors=True)
     out = _summarise(rows, real, fio)
     print_table(

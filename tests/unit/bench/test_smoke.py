@@ -85,6 +85,8 @@ def test_smallest_mode_runs_and_writes_json_with_provenance(suite: str, tmp_path
     if suite == "ttft":  # the sliding-window layers store 256 of the 512 tokens (window 256)
         stored = data["stored_bytes"]
         assert stored["swa_ratio"] == 0.75, stored
+    if suite == "disk":  # the write-back path ran: every placement wrote chunks, with latencies
+        assert all(r["write_p50_ms"] > 0 and r["p99_over_p50"] >= 1 for r in data["real"]), data["real"]
 
 
 def test_soak_command_reaches_the_soak(capsys: pytest.CaptureFixture[str]) -> None:
