@@ -37,8 +37,8 @@ CS = shipped_chunk_size()  # the harness ships kvmesh's defaults
 # then) and the producer's pins expire (4 s then) before the confirm reached it.
 PIN_TIMEOUT_S = 8.0
 FETCH_TIMEOUT_S = 5.0
-# The handshake's budget (default 1 s): on a loaded 2-core machine the worker's busy loop
-# starves the pulling thread of the GIL, and a first handshake took just over 1 s here.
+# The handshake's budget (default 1 s): on a loaded 2-core machine a first handshake took
+# just over 1 s here (the cold-compile stall the fixture's consumer warm-up avoids, below).
 CONNECT_TIMEOUT_S = 2.0
 LOOSE = 1e-4
 GEN = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "logprobs": 5}
