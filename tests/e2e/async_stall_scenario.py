@@ -19,8 +19,6 @@ lookup held vLLM's scheduler for the whole budget: every decode's next token wai
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
 import sys
@@ -31,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.e2e.remote_stall_scenario import BlackHole, _redis_server, drop_local
-from tests.e2e.vllm_scenarios import ENV, RESULT_MARK, Instance, compare, prompt
+from tests.e2e.vllm_scenarios import Instance, compare, prompt, run_main
 
 BUDGET = 1.5
 DECODE_TOKENS = 160
@@ -133,17 +131,7 @@ def scenario(model: str, work: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--work", required=True)
-    args = ap.parse_args(argv)
-    for name, value in ENV.items():
-        os.environ.setdefault(name, value)
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    res = scenario(args.model, work)
-    print(RESULT_MARK + json.dumps(res, default=str), flush=True)
-    return 0
+    return run_main(argv, {"async_stall_scenario": scenario})
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ own tests.
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import subprocess
@@ -103,16 +102,12 @@ class ScenarioPool:
     def result(self, name: str) -> dict[str, Any]:
         """``name``'s JSON result (waits for it); a scenario that printed none fails the test
         with the end of its output."""
-        from tests.e2e.vllm_scenarios import RESULT_MARK
+        from tests.e2e.vllm_scenarios import scenario_result
 
         if name not in self._runs:
             pytest.fail(f"scenario {name} was not started (its module is not in MODULES?)")
         code, stdout, stderr = self._runs[name].result()
-        for line in stdout.splitlines():
-            if line.startswith(RESULT_MARK):
-                return dict(json.loads(line[len(RESULT_MARK) :]))
-        tail = (stdout[-3000:] + "\n--- stderr ---\n" + stderr[-6000:]).strip()
-        pytest.fail(f"scenario {name} exited {code} without a result:\n{tail}")
+        return scenario_result(name, code, stdout, stderr)
 
     def close(self) -> None:
         with self._lock:

@@ -17,17 +17,14 @@ prompt ``P`` (1025 tokens: kvmesh's hit, 1024, equals vLLM's own local hit):
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
-import os
 import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from tests.e2e.vllm_scenarios import ENV, RESULT_MARK, compare, prompt
+from tests.e2e.vllm_scenarios import compare, prompt, run_main
 
 MAX_RANK = 8
 
@@ -171,19 +168,7 @@ def scenario(model: str, work: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--work", required=True)
-    args = ap.parse_args(argv)
-    for name, value in ENV.items():
-        os.environ.setdefault(name, value)
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    res = scenario(str(Path(args.model).resolve()), work)
-    res["total_s"] = round(time.perf_counter() - t0, 1)
-    print(RESULT_MARK + json.dumps(res, default=str), flush=True)
-    return 0
+    return run_main(argv, {"lora_scenario": scenario})
 
 
 if __name__ == "__main__":

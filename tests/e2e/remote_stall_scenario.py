@@ -16,8 +16,6 @@ JSON line after ``RESULT_MARK``. Reuses the instance helpers of ``vllm_scenarios
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
 import socket
@@ -29,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.e2e.vllm_scenarios import ENV, RESULT_MARK, Instance, compare, prompt
+from tests.e2e.vllm_scenarios import Instance, compare, prompt, run_main
 
 BUDGET = 1.0
 
@@ -140,17 +138,7 @@ def scenario(model: str, work: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--work", required=True)
-    args = ap.parse_args(argv)
-    for name, value in ENV.items():
-        os.environ.setdefault(name, value)
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    res = scenario(args.model, work)
-    print(RESULT_MARK + json.dumps(res, default=str), flush=True)
-    return 0
+    return run_main(argv, {"remote_stall_scenario": scenario})
 
 
 if __name__ == "__main__":

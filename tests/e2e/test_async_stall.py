@@ -12,9 +12,6 @@ output identical to its cold run, and a healthy Redis loads it beside the batch.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +19,6 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.redis]
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("async_stall_scenario.py")
 SLACK_MS = 1500  # scheduling noise on a loaded 2-core machine
 
@@ -30,26 +26,12 @@ SLACK_MS = 1500  # scheduling noise on a loaded 2-core machine
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("vllm")
-    from kvmesh.harness.model import PRESETS, make_tiny
-    from tests.e2e.vllm_scenarios import RESULT_MARK
+    from tests.e2e.vllm_scenarios import run_alone
 
-    model = make_tiny(out_dir=ROOT / ".cache" / "models" / "tiny", **PRESETS["tiny"]).resolve()
     work = tmp_path_factory.mktemp("e2e-async-stall")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", str(model), "--work", str(work)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        cwd=ROOT,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_MARK):
-            res = dict(json.loads(line[len(RESULT_MARK) :]))
-            print(f"async stall figures: {json.dumps({k: res[k] for k in res if k != 'stats'})}")
-            return res
-    tail = (proc.stdout[-3000:] + "\n--- stderr ---\n" + proc.stderr[-6000:]).strip()
-    pytest.fail(f"async stall scenario exited {proc.returncode} without a result:\n{tail}")
+    res = run_alone(SCRIPT, work, timeout=900)
+    print(f"async stall figures: {json.dumps({k: res[k] for k in res if k != 'stats'})}")
+    return res
 
 
 def test_a_healthy_redis_load_runs_beside_the_batch(run: dict[str, Any]) -> None:

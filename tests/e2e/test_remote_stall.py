@@ -10,9 +10,6 @@ within 1e-4 of the cold run (see test_vllm_connector.py for why not 0).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +17,6 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.redis]
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("remote_stall_scenario.py")
 LOOSE = 1e-4
 SLACK_MS = 1500  # scheduling noise on a loaded 2-core machine
@@ -29,28 +25,14 @@ SLACK_MS = 1500  # scheduling noise on a loaded 2-core machine
 @pytest.fixture(scope="module")
 def stall_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("vllm")
-    from kvmesh.harness.model import PRESETS, make_tiny
-    from tests.e2e.vllm_scenarios import RESULT_MARK
+    from tests.e2e.vllm_scenarios import run_alone
 
-    model = make_tiny(out_dir=ROOT / ".cache" / "models" / "tiny", **PRESETS["tiny"]).resolve()
     work = tmp_path_factory.mktemp("e2e-stall")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", str(model), "--work", str(work)],
-        capture_output=True,
-        text=True,
-        timeout=420,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        cwd=ROOT,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_MARK):
-            res = dict(json.loads(line[len(RESULT_MARK) :]))
-            (work / "result.json").write_text(json.dumps(res, indent=1))
-            figures = {k: res[k] for k in res if k.endswith("_ms") or k.endswith("_tokens")}
-            print(f"remote stall figures (ms): {json.dumps(figures)}")  # shown with -s / -rP
-            return res
-    tail = (proc.stdout[-3000:] + "\n--- stderr ---\n" + proc.stderr[-6000:]).strip()
-    pytest.fail(f"remote stall scenario exited {proc.returncode} without a result:\n{tail}")
+    res = run_alone(SCRIPT, work, timeout=420)
+    (work / "result.json").write_text(json.dumps(res, indent=1))
+    figures = {k: res[k] for k in res if k.endswith("_ms") or k.endswith("_tokens")}
+    print(f"remote stall figures (ms): {json.dumps(figures)}")  # shown with -s / -rP
+    return res
 
 
 def same(cmp: dict[str, Any]) -> None:

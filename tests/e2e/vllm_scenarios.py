@@ -21,9 +21,11 @@ import glob
 import json
 import os
 import random
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -397,9 +399,12 @@ def scenario_swa(model: str, work: Path) -> dict[str, Any]:
     return res
 
 
-def main(argv: list[str]) -> int:
+def run_main(argv: list[str], scenarios: dict[str, Callable[[str, Path], dict[str, Any]]]) -> int:
+    """A scenario script's command line: ``[NAME] --model DIR --work DIR`` (NAME only where
+    the script holds more than one); runs it and prints its result after ``RESULT_MARK``."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["fs", "redis", "swa"])
+    if len(scenarios) > 1:
+        ap.add_argument("scenario", choices=sorted(scenarios))
     ap.add_argument("--model", required=True)
     ap.add_argument("--work", required=True)
     args = ap.parse_args(argv)
@@ -409,11 +414,45 @@ def main(argv: list[str]) -> int:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     model = str(Path(args.model).resolve())  # a relative path reads as a hub repo id
-    scenarios = {"fs": scenario_fs, "redis": scenario_redis, "swa": scenario_swa}
-    res = scenarios[args.scenario](model, work)
+    run = scenarios[args.scenario] if len(scenarios) > 1 else next(iter(scenarios.values()))
+    res = run(model, work)
     res["total_s"] = round(time.perf_counter() - t0, 1)
     print(RESULT_MARK + json.dumps(res, default=str), flush=True)
     return 0
+
+
+def scenario_result(name: str, code: int | None, stdout: str, stderr: str) -> dict[str, Any]:
+    """The JSON result a scenario printed; one that printed none fails the calling test with
+    the end of its output."""
+    for line in stdout.splitlines():
+        if line.startswith(RESULT_MARK):
+            return dict(json.loads(line[len(RESULT_MARK) :]))
+    import pytest
+
+    tail = (stdout[-3000:] + "\n--- stderr ---\n" + stderr[-6000:]).strip()
+    pytest.fail(f"scenario {name} exited {code} without a result:\n{tail}")
+
+
+def run_alone(script: Path, work: Path, timeout: float) -> dict[str, Any]:
+    """Run a timing-sensitive scenario script on the tiny model, alone (a test module's
+    fixture), and return its result."""
+    from kvmesh.harness.model import PRESETS, make_tiny
+
+    root = Path(__file__).resolve().parents[2]
+    model = make_tiny(out_dir=root / ".cache" / "models" / "tiny", **PRESETS["tiny"]).resolve()
+    proc = subprocess.run(
+        [sys.executable, str(script), "--model", str(model), "--work", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        cwd=root,
+    )
+    return scenario_result(script.stem, proc.returncode, proc.stdout, proc.stderr)
+
+
+def main(argv: list[str]) -> int:
+    return run_main(argv, {"fs": scenario_fs, "redis": scenario_redis, "swa": scenario_swa})
 
 
 if __name__ == "__main__":
