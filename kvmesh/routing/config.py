@@ -215,6 +215,12 @@ class RoutingConfig(BaseModel):
     connect_timeout_s: float = Field(default=2.0, gt=0)
     health_interval_s: float = Field(default=1.0, gt=0)
     health_timeout_s: float = Field(default=1.0, gt=0)
+    health_failure_threshold: int = Field(
+        default=3,
+        ge=1,
+        description="health checks in a row that time out before a replica is taken out (a busy "
+        "replica can answer late); a refused connection or a non-200 answer takes it out at once",
+    )
     metrics_interval_s: float = Field(default=0.25, gt=0)
     retry_after_s: int = Field(default=1, ge=0, description="Retry-After on 503 when no replica is healthy")
     seed: int = Field(default=0, description="seed of the random policy")

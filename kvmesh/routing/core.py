@@ -86,6 +86,7 @@ class RoutingCore:
             self.pool,
             health_interval_s=config.health_interval_s,
             health_timeout_s=config.health_timeout_s,
+            health_failure_threshold=config.health_failure_threshold,
             metrics_interval_s=config.metrics_interval_s,
             on_scrape=self.costs.scraped if self.costs is not None else None,
         )

@@ -44,6 +44,7 @@ class Replica:
         self.scraped_at: float | None = None
         self.empty_scrapes = 0  # /metrics pages in a row without any load gauge
         self.skip_scrapes = 0  # scrape rounds left to skip (see kvmesh.routing.health)
+        self.late_checks = 0  # health checks in a row that timed out while it was healthy
 
     @property
     def healthy(self) -> bool:

@@ -154,8 +154,10 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         names = [r.url.split("://")[1] for r in replicas]
         config = {
             # replica_header: each answer names the EPP's pick (x-kvmesh-endpoint), which the tests read
-            "routing": {"speculative_ttl_s": 0, "health_interval_s": 0.5, "metrics_interval_s": 0.25,
-                        "replica_header": True},
+            # health_timeout_s: echoing ten long streams on a core shared with the replicas, the
+            # EPP's own event loop ran 1 s health checks late for 6-10 s (see routing.health)
+            "routing": {"speculative_ttl_s": 0, "health_interval_s": 0.5, "health_timeout_s": 5,
+                        "metrics_interval_s": 0.25, "replica_header": True},
             "max_body_bytes": 1 << 20,
         }  # fmt: skip
         (work / "epp.yaml").write_text(json.dumps(config))
@@ -252,7 +254,8 @@ def test_a_prefix_goes_back_to_its_holder_and_load_moves_it(fleet: Fleet) -> Non
         t.start()
     try:
         inflight = lambda: next(e["in_flight"] for e in fleet.state()["endpoints"] if e["name"] == holder)  # noqa: E731
-        wait_for(lambda: inflight() >= 10, 60, "10 long streams in flight on the holder")
+        wait_for(lambda: inflight() >= 10, 60, "10 long streams in flight on the holder",
+                 lambda: f"{fleet.state()['endpoints']}\n{fleet.epp_log()}")  # fmt: skip
         _, picked, served = complete(client, f"{prefix} while it is busy")
         assert picked == served != holder
     finally:
