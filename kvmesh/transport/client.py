@@ -188,10 +188,13 @@ def fetch_over(
     """One fetch over an open (authenticated) connection, into ``res``; never raises for
     what the producer sends. ``True``: the stream ended cleanly (the connection can carry
     the confirm)."""
+    t0 = time.monotonic()
     try:
         return _receive(engine, sock, req, keys, tokens, deadline, res, first, key)
     except TimeoutError as exc:
-        res.reason, res.detail = TIMEOUT, str(exc) or "no reply before the deadline"
+        why = str(exc) or "no reply before the deadline"
+        res.reason = TIMEOUT
+        res.detail = f"{res.chunks} of {len(keys)} chunks in {time.monotonic() - t0:.1f} s, then {why}"
     except CorruptChunkError as exc:
         res.reason, res.detail = CORRUPT, str(exc)
     except (WireError, OSError) as exc:

@@ -144,6 +144,7 @@ def test_hung_producer_costs_at_most_the_handshake_budget(consumer) -> None:  # 
     res = pull(consumer, "127.0.0.1", port, "r", keys_of(consumer, toks), toks, timeout_s=0.5)
     lst.close()
     assert res.reason == TIMEOUT and 0.4 < time.monotonic() - t0 < 1.5
+    assert res.detail.startswith("0 of 2 chunks in "), res.detail  # what a log line says of it
 
 
 END = frame({"t": "end"})
