@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import http.client
 import json
 import os
@@ -54,12 +53,22 @@ def spawn(
     args: list[str], env: dict[str, str], log_path: str | None = None, cpus: set[int] | None = None
 ) -> subprocess.Popen[bytes]:
     """Start ``args`` in a new process group, tracked for cleanup; ``cpus``: the cores it and
-    every process it starts may run on (default: any)."""
+    every process it starts may run on (default: any).
+
+    The pin is the forking thread's own, lent for the fork: a child inherits its creator's
+    affinity, so it starts pinned, with no window before exec. Not ``preexec_fn``, which
+    Python documents as unsafe with threads: it runs Python in the forked child, and a restart
+    from the soak's fault thread (beside the load and the RSS sampler) hung there before exec,
+    so the replica never started."""
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
-    pin = None if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus)
-    proc = subprocess.Popen(
-        args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin
-    )
+    own = os.sched_getaffinity(0) if cpus is not None else None
+    try:
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)  # 0: this thread only (Linux), until the fork is done
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        if own is not None:
+            os.sched_setaffinity(0, own)
     _LIVE.append(proc)
     return proc
 

@@ -136,7 +136,10 @@ class Replica:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(1.0)
-        raise TimeoutError(f"vLLM replica on port {self.port} not ready after {timeout:.0f} s")
+        raise TimeoutError(
+            f"vLLM replica on port {self.port} not ready after {timeout:.0f} s"
+            + (f"; see {self.log_path}" if self.log_path else "")
+        )
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -46,6 +46,9 @@ from kvmesh.harness.services import RedisServer
 
 # The slowest (a vLLM restart takes 30-120 s here) last, so a short run still sees the others.
 FAULTS = ("redis_stop", "redis_kill", "disk_full", "router_restart", "replica_kill")
+# A restart that is not serving by then is a failed fault (reported with the replica's log),
+# not a run that waits on: the suite's short soak must fail inside pytest's 600 s timeout.
+RESTART_TIMEOUT_S = 300.0
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _MIB = 1 << 20
 # The caches, sized against the pool (24 tenants x 2 questions, ~630-token prompts whose
@@ -199,7 +202,7 @@ class Fleet:
         victim.proc = None
         time.sleep(hold_s)
         victim.start()
-        victim.wait_ready()
+        victim.wait_ready(RESTART_TIMEOUT_S)
         return "replica1 SIGKILLed and restarted"
 
     def redis_kill(self, hold_s: float) -> str:

@@ -6,7 +6,10 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,6 +64,44 @@ def test_spawn_pins_the_process_and_what_it_starts() -> None:
         assert _allowed(free.pid) == set(os.sched_getaffinity(0))  # not pinned unless asked
     finally:
         stop_process(free)
+
+
+_FORKED: dict[str, str] = {}
+
+
+def _mark_forked_child() -> None:
+    if path := _FORKED.get("path"):
+        with open(path, "w") as f:
+            f.write("python ran in the forked child")
+
+
+os.register_at_fork(after_in_child=_mark_forked_child)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to tell pinned from not")
+def test_spawn_from_a_thread_runs_no_python_in_the_fork_and_keeps_the_threads_cores(tmp_path: Path) -> None:
+    """No Python runs between fork and exec (``preexec_fn`` would: a soak restart from a
+    worker thread hung there), and the thread that spawned keeps its own cores."""
+    core = max(os.sched_getaffinity(0))
+    got: dict[str, Any] = {}
+
+    def start() -> None:
+        before = os.sched_getaffinity(0)
+        got["proc"] = spawn([sys.executable, "-c", CHILD], dict(os.environ), cpus={core})
+        got["kept"] = os.sched_getaffinity(0) == before
+
+    _FORKED["path"] = str(tmp_path / "forked")
+    try:
+        t = threading.Thread(target=start)
+        t.start()
+        t.join(30)
+    finally:
+        _FORKED.clear()
+    try:
+        assert _allowed(got["proc"].pid) == {core} and got["kept"]
+        assert not (tmp_path / "forked").exists()
+    finally:
+        stop_process(got["proc"])
 
 
 def test_replica_pins_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
