@@ -143,6 +143,11 @@ class Fleet:
                 kv_transfer=self.connector(i),
                 events_ipc=f"ipc://{os.path.abspath(self.workdir)}/events{i}.sock",
                 log_path=os.path.join(self.workdir, f"replica{i}.log"),
+                # Every process of a replica on its own core, as the benchmarks run them. Unpinned,
+                # a restarted replica hung in `import torch`: MKL counts cores by pinning itself
+                # to each allowed core in turn, and on the core of the other replica's busy worker
+                # the move did not complete for minutes. Pinned, it only tries its own core.
+                pin_process=True,
             )
             for i in range(2)
         ]
