@@ -255,6 +255,7 @@ def envoy_config(
     *,
     admin_port: int,
     epp_health_port: int | None = None,
+    epp_health_timeout_s: float = 5.0,
     message_timeout_s: float = 30.0,
     response_body_mode: str = "NONE",
     route_timeout_s: float = 300.0,
@@ -270,6 +271,7 @@ def envoy_config(
     goes through the EPP and back, one gRPC round trip each, the first on the time to first
     token). ``first_byte_observer`` (with ``NONE``): the second, observing filter that
     tells the EPP each stream's first byte without holding it (:func:`_first_byte_observer`).
+    ``epp_health_timeout_s``: how long Envoy's gRPC health check waits for the EPP's answer.
     """
     listeners = []
     for name, fail_open in (("fail_open", True), ("fail_close", False)):
@@ -307,12 +309,15 @@ def envoy_config(
         # can pass the request on. Without this a connect failure can arrive after the body
         # went to the dead stream, and Envoy answers 503 even with failure_mode_allow.
         # No panic mode: a cluster with no healthy host must not fall back to "all hosts".
+        # One failure takes the EPP out, so the timeout is generous: a killed EPP refuses at
+        # once whatever it is, while a 1 s timeout took a live EPP out under CI's load for
+        # answering late, and every fail_close request then got a 503.
         epp["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["health_check_config"] = {
             "port_value": epp_health_port
         }
         epp["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
         epp["health_checks"] = [{
-            "timeout": "1s", "interval": "0.5s", "no_traffic_interval": "0.5s",
+            "timeout": f"{epp_health_timeout_s}s", "interval": "0.5s", "no_traffic_interval": "0.5s",
             "unhealthy_threshold": 1, "healthy_threshold": 1,
             "grpc_health_check": {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"},
         }]  # fmt: skip

@@ -228,7 +228,9 @@ def test_openai_client_streaming_and_not_each_from_the_picked_replica(fleet: Fle
 def test_a_prefix_goes_back_to_its_holder_and_load_moves_it(fleet: Fleet) -> None:
     """The prefix is first sent with a subset hint naming replica X, so the EPP learns that X
     holds it only from X's KV events; the follow-ups without a hint go to X. Then X is made
-    busy with long streams: the EPP's overload rule sends the next follow-up elsewhere."""
+    busy with long requests: the EPP's overload rule sends the next follow-up elsewhere."""
+    import openai
+
     client = fleet.client()
     for seed, holder in ((100, fleet.names[0]), (101, fleet.names[1])):
         prefix = text(seed)
@@ -243,15 +245,20 @@ def test_a_prefix_goes_back_to_its_holder_and_load_moves_it(fleet: Fleet) -> Non
     holder, prefix = fleet.names[0], text(100)
     busy = fleet.client(**{SUBSET_TEST_HEADER: holder})
     stop = threading.Event()
+    errors: list[str] = []
 
     def hold(i: int) -> None:
         # Long requests, not streams: the EPP counts a request in flight from its pick to the end
-        # of its answer either way, but echoing ten streams' tokens kept the EPP so busy on CI
-        # that the first streams ended (3,000 tokens) before the last were picked. Each thread
-        # sends again until told to stop, so ten stay in flight however long one takes.
+        # of its answer either way, and on CI the first of ten 3,000-token streams ended before
+        # the last was picked. Each thread sends again until told to stop, also after an error
+        # (shown if the wait fails), so ten stay in flight however long one takes.
         while not stop.is_set():
-            busy.completions.create(model=MODEL, prompt=f"busy {i}", max_tokens=2000,
-                                    extra_body={"ignore_eos": True})  # fmt: skip
+            try:
+                busy.completions.create(model=MODEL, prompt=f"busy {i}", max_tokens=2000,
+                                        extra_body={"ignore_eos": True})  # fmt: skip
+            except openai.APIError as exc:
+                errors.append(f"busy {i}: {exc!r}")
+                stop.wait(0.2)
 
     threads = [threading.Thread(target=hold, args=(i,), daemon=True) for i in range(10)]
     for t in threads:
@@ -259,7 +266,7 @@ def test_a_prefix_goes_back_to_its_holder_and_load_moves_it(fleet: Fleet) -> Non
     try:
         inflight = lambda: next(e["in_flight"] for e in fleet.state()["endpoints"] if e["name"] == holder)  # noqa: E731
         wait_for(lambda: inflight() >= 10, 60, "10 long requests in flight on the holder",
-                 lambda: f"{fleet.state()['endpoints']}\n{fleet.epp_log()}")  # fmt: skip
+                 lambda: f"{fleet.state()['endpoints']}\n{errors}\n{fleet.epp_log()}")  # fmt: skip
         _, picked, served = complete(client, f"{prefix} while it is busy")
         assert picked == served != holder
     finally:
