@@ -57,9 +57,9 @@ def spawn(
 
     The pin is the forking thread's own, lent for the fork: a child inherits its creator's
     affinity, so it starts pinned, with no window before exec. Not ``preexec_fn``, which
-    Python documents as unsafe with threads: it runs Python in the forked child, and a restart
-    from the soak's fault thread (beside the load and the RSS sampler) hung there before exec,
-    so the replica never started."""
+    Python documents as unsafe with threads: it runs Python (every ``os.register_at_fork``
+    child hook) in the forked child, and the harness forks from worker threads (the soak's
+    fault injector restarts replicas beside its load and RSS sampler)."""
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
     own = os.sched_getaffinity(0) if cpus is not None else None
     try:

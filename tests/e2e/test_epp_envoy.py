@@ -154,7 +154,7 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         names = [r.url.split("://")[1] for r in replicas]
         config = {
             # replica_header: each answer names the EPP's pick (x-kvmesh-endpoint), which the tests read
-            # health_timeout_s: echoing ten long streams on a core shared with the replicas, the
+            # health_timeout_s: with ten long streams on a core shared with the replicas, the
             # EPP's own event loop ran 1 s health checks late for 6-10 s (see routing.health)
             "routing": {"speculative_ttl_s": 0, "health_interval_s": 0.5, "health_timeout_s": 5,
                         "metrics_interval_s": 0.25, "replica_header": True},

@@ -80,8 +80,8 @@ os.register_at_fork(after_in_child=_mark_forked_child)
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to tell pinned from not")
 def test_spawn_from_a_thread_runs_no_python_in_the_fork_and_keeps_the_threads_cores(tmp_path: Path) -> None:
-    """No Python runs between fork and exec (``preexec_fn`` would: a soak restart from a
-    worker thread hung there), and the thread that spawned keeps its own cores."""
+    """No Python runs between fork and exec (``preexec_fn`` would, which Python documents as
+    unsafe with threads), and the thread that spawned keeps its own cores."""
     core = max(os.sched_getaffinity(0))
     got: dict[str, Any] = {}
 
