@@ -122,12 +122,12 @@ class Replica:
         return self
 
     def wait_ready(self, timeout: float = 600.0) -> None:
+        see = f"; see {self.log_path}" if self.log_path else ""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise ProcessError(
-                    f"vLLM replica on port {self.port} exited with code {self.proc.returncode}"
-                    + (f"; see {self.log_path}" if self.log_path else "")
+                    f"vLLM replica on port {self.port} exited with code {self.proc.returncode}{see}"
                 )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
@@ -136,10 +136,7 @@ class Replica:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(1.0)
-        raise TimeoutError(
-            f"vLLM replica on port {self.port} not ready after {timeout:.0f} s"
-            + (f"; see {self.log_path}" if self.log_path else "")
-        )
+        raise TimeoutError(f"vLLM replica on port {self.port} not ready after {timeout:.0f} s{see}")
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -11,6 +11,8 @@ nothing they assert and halves the suite's time for them. The modules that ask a
 of this folder (``test_vllm_*``), so nothing else runs meanwhile; the timing-sensitive
 scenarios (``async_stall_scenario.py``, ``remote_stall_scenario.py``) run alone in their
 own tests.
+
+Also :func:`assert_streamed`, the router and EPP tests' check that an answer came as a stream.
 """
 
 from __future__ import annotations
@@ -138,3 +140,11 @@ def vllm_scenarios(
         yield pool
     finally:
         pool.close()
+
+
+def assert_streamed(chunks: list[Any]) -> None:
+    """An OpenAI client's stream with ``include_usage``: text events, then the usage event, so
+    the answer was relayed as a stream, not one body. How many text events there are is
+    vLLM's business: it merges deltas its API server has not yet sent, and a loaded machine
+    can send a short answer in one event."""
+    assert len(chunks) >= 2 and all(c.choices for c in chunks[:-1]) and not chunks[-1].choices

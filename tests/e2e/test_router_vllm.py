@@ -41,6 +41,7 @@ from kvmesh.routing.picker import build_picker
 from kvmesh.routing.scorers import ReplicaState, RoutingRequest, prompt_key
 from kvmesh.routing.sessions import SessionTable
 from kvmesh.routing.tokenize import PromptTokenizer
+from tests.e2e.conftest import assert_streamed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -228,10 +229,7 @@ def test_openai_client_completions(cluster: Cluster) -> None:
     chunks = list(stream)
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     usage = chunks[-1].usage
-    # Relayed as a stream, not one body: text events, then the usage event. How many text events
-    # there are is vLLM's business: it merges deltas its API server has not yet sent (a loaded
-    # machine can send all five tokens in one event).
-    assert len(chunks) >= 2 and all(c.choices for c in chunks[:-1]) and not chunks[-1].choices
+    assert_streamed(chunks)
     assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (n_prompt, 5)
     assert streamed == resp.choices[0].text  # greedy: same tokens, streamed or not
 
@@ -269,7 +267,7 @@ def test_openai_client_chat(cluster: Cluster) -> None:
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     usage = chunks[-1].usage
     assert all(c.object == "chat.completion.chunk" for c in chunks)
-    assert len(chunks) >= 2 and all(c.choices for c in chunks[:-1]) and not chunks[-1].choices
+    assert_streamed(chunks)
     assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (n_prompt, 6)
     assert content == msg.content
 
