@@ -13,7 +13,6 @@ run under one deadline of ``remote_timeout_s`` for the remote tier (see
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -290,25 +289,28 @@ class CacheEngine:
             held.extend(o for o in objs if o is not None)
             with self._budget():
                 self._lower.advise([k for k, o in zip(keys, objs, strict=True) if o is None])
-                timed: dict[str, list[float]] = {}  # tier -> [bytes, seconds] of this load
-                for i, (key, (s, e)) in enumerate(zip(keys, bounds, strict=True)):
+                missing = [i for i, o in enumerate(objs) if o is None]
+                found, spent = self._lower.read_many(
+                    [keys[i] for i in missing], [arr[bounds[i][0] : bounds[i][1]] for i in missing]
+                )
+                lower = dict(zip(missing, found, strict=True))
+                loaded: dict[str, int] = {}  # tier -> bytes of this load
+                for f in found:
+                    if f is not None and f[2] is not None:
+                        held.append(f[2])
+                for i, (s, e) in enumerate(bounds):
                     obj = objs[i]
                     if obj is not None:
                         chunks.append(RetrievedChunk(s, e, obj.tensor(), "cpu"))
                         continue
-                    t0 = time.perf_counter()
-                    found = self._lower.read(key, arr[s:e])
-                    if found is None:
+                    got = lower[i]
+                    if got is None:
                         break  # a miss, or the remote's budget is spent: vLLM recomputes the rest
-                    tier, tensor, promoted = found
-                    spent = timed.setdefault(tier, [0.0, 0.0])
-                    spent[0] += (e - s) * self.layout.bytes_per_token
-                    spent[1] += time.perf_counter() - t0
-                    if promoted is not None:
-                        held.append(promoted)
+                    tier, tensor, _ = got
+                    loaded[tier] = loaded.get(tier, 0) + (e - s) * self.layout.bytes_per_token
                     chunks.append(RetrievedChunk(s, e, tensor, tier))
-                for tier, (nbytes, seconds) in timed.items():
-                    self.costs.observe_load(tier, int(nbytes), seconds)
+                for tier, nbytes in loaded.items():
+                    self.costs.observe_load(tier, nbytes, spent[tier])
             yield chunks
         finally:
             for o in held:

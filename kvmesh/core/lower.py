@@ -18,6 +18,7 @@ a stored header can never make a read allocate more than one of this engine's ch
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from functools import partial
 
@@ -47,6 +48,8 @@ from kvmesh.tiers.deadline import expired
 log = logging.getLogger(__name__)
 BOUNDED = frozenset({"remote"})  # slots a spent operation deadline stops asking
 SHARED = frozenset({"remote"})  # slots other processes write to: unauthenticated without a key
+Found = tuple[str, torch.Tensor, MemoryObj | None]
+"""A chunk read from a lower tier: ``(tier, view, pool object the caller must release or None)``."""
 
 
 def chunk_format_for(config: CacheConfig, layout: KVLayout) -> ChunkFormat:
@@ -156,49 +159,70 @@ class LowerTiers:
             if advisable is not None and not self._skip(name):
                 advisable.advise(keys)
 
-    def read(
-        self, key: ChunkKey, expect_tokens: np.ndarray
-    ) -> tuple[str, torch.Tensor, MemoryObj | None] | None:
-        """Read ``key`` from the first lower tier holding a valid copy and promote it.
-        Returns ``(tier, view, pool object the caller must release or None)``."""
+    def read_many(
+        self, keys: Sequence[ChunkKey], expect_tokens: Sequence[np.ndarray]
+    ) -> tuple[list[Found | None], dict[str, float]]:
+        """Read each of ``keys`` from the first lower tier holding a valid copy, and promote
+        it: per key ``(tier, view, pool object the caller must release or None)``, or
+        ``None``; and the seconds each tier's read took.
+
+        One ``get`` per tier for every key still missing, so a remote tier is asked once per
+        load, not once per chunk: its client pipelines the batch into one round trip
+        (15 chunks from a Redis 200 ms away took 3 s read one at a time, 0.2 s in one
+        pipeline), and the disk tier reads what ``advise`` already started.
+        """
+        out: list[Found | None] = [None] * len(keys)
+        spent: dict[str, float] = {}
         for name, tier in self.tiers.items():
+            todo = [i for i, f in enumerate(out) if f is None]
+            if not todo:
+                break
             if self._skip(name):
                 continue
-            # The tier reads straight into a pool slot (the promotion target): no fresh
+            # The tier reads straight into pool slots (the promotion targets): no fresh
             # memory to fault in, no second copy.
             slots: list[MemoryObj] = []
+            t0 = time.perf_counter()
             try:
-                got = tier.get([key], into=partial(self._slot_for_read, slots))[0]
+                got = tier.get([keys[i] for i in todo], into=partial(self._slot_for_read, slots))
             except TierError:
                 self.metrics[name].inc("errors")
-                got = None
-            if got is not None and (
-                got.layout != self.layout or not np.array_equal(got.tokens, expect_tokens)
-            ):
-                # A hash collision or a foreign writer: never serve it.
-                self.metrics[name].inc("corrupt")
-                self.delete(name, [key], force=True)
-                got = None
-            if got is None:
-                for obj in slots:
+                got = [None] * len(todo)
+            spent[name] = time.perf_counter() - t0
+            used: set[int] = set()
+            for i, item in zip(todo, got, strict=True):
+                if item is None:
+                    continue
+                if item.layout != self.layout or not np.array_equal(item.tokens, expect_tokens[i]):
+                    # A hash collision or a foreign writer: never serve it.
+                    self.metrics[name].inc("corrupt")
+                    self.delete(name, [keys[i]], force=True)
+                    continue
+                out[i] = self._land(name, keys[i], item, slots, used)
+            for j, obj in enumerate(slots):
+                if j not in used:
                     obj.release()
-                continue
-            if slots and np.shares_memory(
-                np.frombuffer(got.data, dtype=np.uint8), slots[0].byte_view().numpy()
-            ):
-                obj = slots[0]
+        return out, spent
+
+    def _land(
+        self, name: str, key: ChunkKey, got: ChunkData, slots: list[MemoryObj], used: set[int]
+    ) -> Found:
+        """The chunk read into one of ``slots`` becomes that slot's cpu entry; one read
+        into fresh memory is promoted by a copy (or served as it is, promotion off)."""
+        data = np.frombuffer(got.data, dtype=np.uint8)
+        for j, obj in enumerate(slots):
+            if j not in used and np.shares_memory(data, obj.byte_view().numpy()):
+                used.add(j)
                 obj.layout, obj.tokens = self.layout, np.array(got.tokens, dtype=np.uint32)
                 self.cpu.put(key, obj.ref_up())  # the tier takes one reference, the reader keeps one
                 return name, obj.tensor(), obj
-            for obj in slots:
-                obj.release()
-            view, promoted = self._promote(key, got)
-            return name, view, promoted
-        return None
+        view, promoted = self._promote(key, got)
+        return name, view, promoted
 
     def _slot_for_read(self, slots: list[MemoryObj], nbytes: int) -> memoryview | None:
-        """``Tier.get(into=...)``: one pool slot per read, remembered in ``slots``."""
-        if not self.config.promote_on_hit or slots or nbytes > self.chunk_bytes:
+        """``Tier.get(into=...)``: one pool slot per chunk read, remembered in ``slots``
+        (a tier may call it from several threads: ``list.append`` is atomic)."""
+        if not self.config.promote_on_hit or nbytes > self.chunk_bytes:
             return None
         obj = self.cpu.allocate(nbytes)
         if obj is None:

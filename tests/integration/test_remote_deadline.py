@@ -260,9 +260,12 @@ def test_engine_with_sigstopped_redis_misses_within_the_deadline(redis_restartab
         engine.close()
 
 
-def test_one_budget_for_a_whole_multi_chunk_retrieve() -> None:
-    """faulty:// with injected latency (a fake): each chunk read costs 0.2 s, six chunks
-    would take 1.2 s; the engine stops asking the remote once its budget is spent."""
+def test_one_round_trip_for_a_whole_multi_chunk_retrieve() -> None:
+    """faulty:// with injected latency (a fake): each call to the remote costs 0.2 s, like a
+    round trip to a store far away. A retrieve of six chunks asks it once (the Redis client
+    pipelines the batch), so it takes one round trip, not six (1.2 s, past the 0.5 s budget:
+    before, only the chunks read in time were kept). A remote slower than the budget as a
+    whole is cut by its own guard: the real-Redis tests above."""
     reset_memory_stores()
     engine = make_engine("faulty://budget")
     remote = engine.lower["remote"]
@@ -271,13 +274,10 @@ def test_one_budget_for_a_whole_multi_chunk_retrieve() -> None:
         toks, kv = prompt(6, 4)
         only_remote(engine, toks, kv)
         remote.latency_s = 0.2
+        calls = remote.calls
         (n, got), took = timed(lambda: engine.retrieve(toks))  # type: ignore[misc]
-        assert took < BUDGET + 0.2 + SLACK, f"retrieve took {took:.2f}s"
-        assert 0 < n < 6 * CS and n % CS == 0  # the chunks read in time, in order
-        assert torch.equal(got, kv[:, :, :n])
-        remote.latency_s = 0.0
-        n, got = engine.retrieve(toks)  # the next request gets a fresh budget
-        assert n == 6 * CS and torch.equal(got, kv)
+        assert took < 0.2 + SLACK, f"retrieve took {took:.2f}s"
+        assert n == 6 * CS and torch.equal(got, kv) and remote.calls == calls + 1
     finally:
         engine.close()
         reset_memory_stores()

@@ -38,7 +38,9 @@ from kvmesh.harness.services import RedisServer
 from kvmesh.harness.slowproxy import SlowProxy
 
 MODES = ("async", "sync")
-ALL_MODES = ("async", "sync", "all")  # all: cpu hits through the async path too (async_loads: all)
+# all: cpu hits through the async path too (async_loads: all); tail: the defaults plus
+# save_unfull_chunk (the prompt's partial last chunk cached: 1,999 of 2,000 tokens loaded)
+ALL_MODES = ("async", "sync", "all", "tail")
 SOURCES = ("disk", "redis_far", "redis_hung")
 ALL_SOURCES = (*SOURCES, "cpu")  # cpu: the prompt left in the cpu tier (sync vs async cpu hits)
 RTT_S = 0.2
@@ -58,6 +60,8 @@ def _spec(mode: str, model_dir: str, work: str, remote_url: str, tokens: int, de
         kvmesh["async_loads"] = "off"
     elif mode == "all":
         kvmesh["async_loads"] = "all"
+    elif mode == "tail":
+        kvmesh["save_unfull_chunk"] = True
     return {
         "mode": mode,
         "model_dir": model_dir,

@@ -43,7 +43,8 @@ def register(bsub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument(
         "--modes",
         help="comma-separated: async (the default config), sync (async_loads: off), all "
-        "(async_loads: all: cpu hits through the async path too); default async,sync",
+        "(async_loads: all: cpu hits through the async path too), tail (the defaults plus "
+        "save_unfull_chunk: the partial last chunk cached); default async,sync",
     )
     p.add_argument("--model", help="model dir (default .cache/models/bench, built if missing)")
     p.add_argument("--json", help="write results here")

