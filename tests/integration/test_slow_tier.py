@@ -56,7 +56,7 @@ def test_loads_from_a_slow_shared_tier_are_left_to_recompute(
     with _engine(redis_url, None) as writer:
         writer.store(tokens, torch.zeros(LAYOUT.shape(len(tokens))))
         assert writer.wait_for_writes(10)
-    # 128 tokens at 100k tokens/s: 1.3 ms to compute, against >= 40 ms per chunk to load
+    # 128 tokens at 100k tokens/s: 1.3 ms to compute, against >= 40 ms (a round trip) per load
     far = f"redis://127.0.0.1:{slow.port}"
     with _engine(far, 100_000.0) as reader, _engine(redis_url, 1.0) as near:
         assert reader.lookup(tokens) == len(tokens)  # not measured yet: loaded as before
@@ -65,7 +65,7 @@ def test_loads_from_a_slow_shared_tier_are_left_to_recompute(
                 assert chunks[-1].end == n * CS
         figures = reader.cost_figures()
         remote = figures["tiers"]["remote"]
-        assert remote["loads"] == 4 and remote["load_seconds"] >= 15 * 0.04
+        assert remote["loads"] == 4 and remote["load_seconds"] >= 4 * 0.04  # one round trip each
         assert reader.lookup(tokens) == 0  # computing it is faster: nothing offered
         figures = reader.cost_figures()
         assert figures["lookups_without_slow_tiers"] + figures["skipped_loads"] >= 1
