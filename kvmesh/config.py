@@ -119,7 +119,8 @@ class CacheConfig(BaseModel):
     skip_slow_loads: bool = Field(
         True,
         description="a lookup reports chunks whose measured load time exceeds recomputing them as "
-        "not loadable (vLLM computes them)",
+        "not loadable (vLLM computes them); a load beside the batch (async) is weighed against the "
+        "recompute's stall of every running request",
     )
     prefill_tokens_per_s: float | None = Field(
         None,

@@ -149,6 +149,10 @@ class LoadCosts:
         self._probed: dict[str, float] = {}
         self._probe_open: set[str] = set()  # hopeless tiers asked once again: probe one chunk
         self._lock = threading.Lock()
+        # Set by the vLLM worker: lower-tier loads run beside the batch (async_loads on), and
+        # how many requests the engine's last step ran. See :meth:`_compute_weight`.
+        self.loads_beside_batch = False
+        self.batch = 0
 
     def observe_load(self, tier: str, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -160,6 +164,19 @@ class LoadCosts:
     def observe_step(self, tokens: int, requests: int, seconds: float) -> None:
         with self._lock:
             self.compute.observe(tokens, requests, seconds)
+
+    def _compute_weight(self) -> int:
+        """What computing a token costs the engine, in units of the loading request's own
+        wait. A load that runs beside the batch (vLLM's asynchronous path) makes only its
+        request wait; computing the same tokens instead runs in the batch's steps and every
+        running request's next token waits for it too. So with ``R`` requests running, a
+        token recomputed costs ``1 + R`` times its compute, and a lower tier is skipped only
+        when loading is slower than that. Measured (``kvmesh bench stall``, a Redis 200 ms
+        away, 4 decodes): unweighted, the rule recomputed 2,000 tokens in a 370-600 ms step
+        that every decode waited for, where the load beside them cost its own request
+        ~0.65 s and the decodes ~30 ms. With synchronous loads, or nothing running, the
+        weight is 1 (the rule as before)."""
+        return 1 + max(0, self.batch) if self.loads_beside_batch else 1
 
     def _copy(self) -> TierMeter | None:
         """The "cpu" meter: what copying a loaded chunk into vLLM's pages costs (the worker
@@ -180,6 +197,7 @@ class LoadCosts:
             spt = self.compute.seconds_per_token()
             if spt is None:
                 return frozenset()
+            spt *= self._compute_weight()
             now = time.monotonic()
             nbytes = chunk_tokens * self.bytes_per_token
             copy = self._copy()
@@ -212,6 +230,7 @@ class LoadCosts:
             spt = self.compute.seconds_per_token()
             if spt is None:
                 return len(where)
+            spt *= self._compute_weight()  # every chunk here is below cpu: loaded beside the batch
             now = time.monotonic()
             best_k, best = 0, 0.0  # cost relative to computing every chunk found
             load = 0.0

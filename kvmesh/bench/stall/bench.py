@@ -164,7 +164,8 @@ def _line(got: dict[str, Any]) -> str:
         return f"error: {lo.get('error') or al.get('error')}"
     return (
         f"itl p99 {1000 * (lo['itl_p99_s'] or 0):.1f} ms (alone {1000 * (al['itl_p99_s'] or 0):.1f}), "
-        f"load ttft {1000 * (lo['load_ttft_s'] or 0):.0f} ms, cached {lo['load_cached_tokens']}"
+        f"load ttft {1000 * (lo['load_ttft_s'] or 0):.0f} ms, cached {lo['load_cached_tokens']}, "
+        f"read {', '.join(f'{t} {1000 * v:.0f} ms' for t, v in lo.get('load_read_s', {}).items()) or '-'}"
     )
 
 

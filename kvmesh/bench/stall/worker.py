@@ -41,6 +41,12 @@ def _prompt(seed: int, n: int, vocab: int) -> list[int]:
     return [1] + [rng.randrange(6, vocab - 1) for _ in range(n - 1)]
 
 
+def _load_seconds(stats: dict[str, Any]) -> dict[str, float]:
+    """Per tier, the seconds its loads took so far (the connector's cost figures)."""
+    tiers = stats.get("costs", {}).get("tiers", {})
+    return {name: float(t.get("load_seconds", 0.0)) for name, t in tiers.items()}
+
+
 def serve(spec: dict[str, Any]) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -86,6 +92,7 @@ def serve(spec: dict[str, Any]) -> None:
         return {"landed": landed, "page_cache_dropped": drop_page_cache()}
 
     def run(with_load: bool, trial: int) -> dict[str, Any]:
+        before = _load_seconds(rpc("stats")) if with_load else {}
         decode_sp = SamplingParams(max_tokens=spec["decode_tokens"], temperature=0.0, ignore_eos=True)
         stamps: dict[str, list[float]] = {}
         tag = f"t{trial}-{int(with_load)}-{time.monotonic_ns()}"
@@ -123,6 +130,12 @@ def serve(spec: dict[str, Any]) -> None:
             "gaps": len(gaps),
             "load_ttft_s": (stamps[load_id][0] - start) if with_load and stamps.get(load_id) else None,
             "load_cached_tokens": cached,
+            # seconds each tier's reads took in this run (the load's share of its TTFT)
+            "load_read_s": {
+                t: round(v - before.get(t, 0.0), 4)
+                for t, v in (_load_seconds(rpc("stats")) if with_load else {}).items()
+                if v > before.get(t, 0.0)
+            },
         }
 
     warm = SamplingParams(max_tokens=2, temperature=0.0)

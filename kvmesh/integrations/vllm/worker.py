@@ -117,6 +117,8 @@ class WorkerSide(AsyncLoadSteps):
         # Asynchronous loads (asyncload.py): "lower" = chunks below the cpu tier (and PD pulls)
         # load beside the steps, cpu hits within their step; "all" = every load; "off" = none.
         self.async_loads = async_loads
+        # skip_slow_loads weighs a recompute by the batch it would stall (loadcost.py)
+        engine.costs.loads_beside_batch = async_loads != "off"
         self._lookups = LookupJobs(self._lookup_now, self._unpin)
         self.loads = LoadJobs(
             engine, engine.config.remote_timeout_s + 1.0, self.release, _tokens, pd_budget_s=pd_budget_s
@@ -270,6 +272,7 @@ class WorkerSide(AsyncLoadSteps):
         (``SchedulerOutput.has_sync_kv_loads``), so the step clock starts here; a step with
         synchronous loads restarts it once they are issued (:meth:`start_step`)."""
         self.clock.begin(meta.scheduled_tokens, meta.scheduled_requests)
+        self.engine.costs.batch = meta.scheduled_requests
 
     def start_step(self, meta: KVMeshConnectorMetadata) -> None:
         self._close_loads()

@@ -96,6 +96,26 @@ def test_a_load_asks_each_lower_tier_once_for_all_its_chunks() -> None:
         assert remote.calls - before == 1
 
 
+def test_a_load_beside_a_running_batch_is_weighed_against_the_stall_it_saves() -> None:
+    """A load 2x slower than recomputing: cut when it would run inside the step or nothing
+    runs; offered when it runs beside a batch of 4, whose every request would wait for the
+    recompute (weight 1 + 4)."""
+    tokens = list(range(1, 4 * CS + 1))
+    writer, reader = _engines(tokens_per_s=4 * CS / 0.02)  # the prompt computes in 20 ms
+    with writer, reader:
+        _store(writer, tokens)
+        _remote(reader).latency_s = 0.04  # a load (one get) takes 40 ms
+        _measure(reader, tokens)
+        costs = reader.costs
+        assert reader.lookup(tokens) == 0  # synchronous loads (the default of a bare engine)
+        costs.loads_beside_batch, costs.batch = True, 0
+        assert reader.lookup(tokens) == 0  # beside the batch, but nothing else runs
+        costs.batch = 4
+        assert reader.lookup(tokens) == len(tokens)  # 40 ms for one request < 5 x 20 ms of stall
+        costs.loads_beside_batch = False
+        assert reader.lookup(tokens) == 0  # inside the step the load stalls the batch as well
+
+
 def test_a_fast_tier_is_offered() -> None:
     tokens = list(range(1, 4 * CS + 1))
     writer, reader = _engines(tokens_per_s=50.0)  # 64 tokens take 1.3 s to compute
