@@ -124,9 +124,9 @@ class BenchData:
         elif round_commit is None:
             why = "no benchmark round stated yet"
         else:
-            why = f"older than the round's `{round_commit}`"
+            why = f"not the round's `{round_commit}`"
         if fig.stands and prov.commit is not None:
-            return f"older commit, stands: {fig.stands}"
+            return f"another commit, stands: {fig.stands}"
         return f"**stale** ({why})"
 
     def figure(self, name: str) -> Figure | None:

@@ -41,7 +41,7 @@ class Figure(_Spec):
     plots: tuple[str, ...] = Field(default=(), description="its PNGs under docs/bench/")
     what: str = Field(default="", description="what this run is, in a few words")
     stands: str | None = Field(
-        default=None, description="why this figure, measured on an older commit, still stands"
+        default=None, description="why this figure, measured on another commit than the round's, still stands"
     )
 
 
