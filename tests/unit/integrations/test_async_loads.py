@@ -23,7 +23,7 @@ from kvmesh.integrations.vllm.metadata import KVMeshConnectorMetadata, LoadSpec,
 from kvmesh.integrations.vllm.scheduler import SchedulerSide
 from kvmesh.integrations.vllm.worker import WorkerSide
 from kvmesh.tiers.testing import reset_memory_stores
-from tests.unit.integrations.test_connector import BS, FakeRank, paged, request, sched_out
+from tests.unit.integrations.test_connector import BS, FakeRank, paged, request, sched_out, settled
 
 LAYOUT = KVLayout(3, 2, 16, torch.float32)
 TOKENS = list(range(3000, 3000 + 1025))
@@ -173,7 +173,7 @@ def _poll(w: WorkerSide, timeout: float = 10.0, finished: set[str] | None = None
 def test_disk_hit_loads_beside_the_step_and_is_named_once(disk_worker: WorkerSide) -> None:
     w = disk_worker
     _saved_to_disk(w)
-    got = w.lookup("b", 1, TOKENS[:1024], detail=True)
+    got = settled(w, "b", 1, TOKENS[:1024])
     assert got == {"tokens": 1024, "lower": True}
     w.start_step(KVMeshConnectorMetadata(loads=[LoadSpec("b", 1, TOKENS[:1024], DST, 128, load_async=True)]))
     assert _poll(w) == {"b"}
@@ -201,7 +201,7 @@ def test_the_reader_copies_into_the_pages_not_the_forward_thread(disk_worker: Wo
         scatter(*args)
 
     w.page.scatter = recording  # type: ignore[method-assign]
-    w.lookup("b", 1, TOKENS[:1024], detail=True)
+    settled(w, "b", 1, TOKENS[:1024])
     w.start_step(KVMeshConnectorMetadata(loads=[LoadSpec("b", 1, TOKENS[:1024], DST, 0, load_async=True)]))
     assert _poll(w) == {"b"}
     assert threads and all(t.startswith("kvmesh-load") for t in threads)
@@ -235,7 +235,7 @@ def test_a_give_up_waits_for_the_chunk_being_copied_and_none_follows(disk_worker
             blocked.append(g.is_alive())
 
     w.page.scatter = slow  # type: ignore[method-assign]
-    w.lookup("b", 1, TOKENS[:1024], detail=True)
+    settled(w, "b", 1, TOKENS[:1024])
     w.start_step(KVMeshConnectorMetadata(loads=[LoadSpec("b", 1, TOKENS[:1024], DST, 0, load_async=True)]))
     (job,) = w.loads.snapshot()
     assert job.done.wait(10)
@@ -274,8 +274,8 @@ def test_cpu_hit_answers_lower_false(disk_worker: WorkerSide) -> None:
     w = disk_worker
     w.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", TOKENS[:1024], SRC, 0)]))
     assert w.wait_for_writes(10)
-    assert w.lookup("b", 1, TOKENS[:1024], detail=True) == {"tokens": 1024, "lower": False}
-    assert w.lookup("b", 1, TOKENS[:1024], detail=True) == {"tokens": 1024, "lower": False}  # asked again
+    assert settled(w, "b", 1, TOKENS[:1024]) == {"tokens": 1024, "lower": False}
+    assert settled(w, "b", 1, TOKENS[:1024]) == {"tokens": 1024, "lower": False}  # asked again
     assert w.engine.stats()["cpu"]["pinned"] == 4  # pinned once, not twice
     assert w.release("b", 1) and w.engine.stats()["cpu"]["pinned"] == 0
 
@@ -284,7 +284,7 @@ def test_request_aborted_while_loading_is_named_and_nothing_is_copied(disk_worke
     w = disk_worker
     _saved_to_disk(w)
     before = [t[DST].clone() for t in w.layers]
-    w.lookup("b", 1, TOKENS[:1024], detail=True)
+    settled(w, "b", 1, TOKENS[:1024])
     w.start_step(KVMeshConnectorMetadata(loads=[LoadSpec("b", 1, TOKENS[:1024], DST, 0, load_async=True)]))
     assert _poll(w, finished={"b"}) == {"b"}  # vLLM holds its blocks until it is named
     assert all(torch.equal(t[DST], b) for t, b in zip(w.layers, before, strict=True))
@@ -325,12 +325,29 @@ def test_a_slow_remote_lookup_answers_pending_then_the_hit(slow_remote_worker: W
     assert got == {"tokens": 1024, "lower": True}
 
 
+def test_polls_of_a_lookup_still_running_do_not_wait(slow_remote_worker: WorkerSide) -> None:
+    """The scheduler asks again at every step while a lookup runs on; each ask is inside
+    that step, so only the first may wait (a few ms), the others answer at once."""
+    w = slow_remote_worker
+    w.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", TOKENS[:1024], SRC, 0)]))
+    assert w.wait_for_writes(10)
+    w.clear("cpu")
+    w.engine.lower["remote"].latency_s = 0.25  # type: ignore[attr-defined]
+    assert w.lookup("b", 1, TOKENS[:1024], detail=True) == {"pending": True}
+    waits = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        assert w.lookup("b", 1, TOKENS[:1024], detail=True) == {"pending": True}
+        waits.append(time.perf_counter() - t0)
+    assert sorted(waits)[2] < 0.01  # the median poll: no LOOKUP_WAIT_S (20 ms) in it
+
+
 def test_a_load_past_its_budget_is_recomputed_and_never_written_late(slow_remote_worker: WorkerSide) -> None:
     w = slow_remote_worker
     w.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", TOKENS[:1024], SRC, 0)]))
     assert w.wait_for_writes(10)
     w.clear("cpu")
-    assert w.lookup("b", 1, TOKENS[:1024], detail=True) == {"tokens": 1024, "lower": True}
+    assert settled(w, "b", 1, TOKENS[:1024]) == {"tokens": 1024, "lower": True}
     before = [t[DST].clone() for t in w.layers]
     w.engine.lower["remote"].latency_s = 2.0  # type: ignore[attr-defined]  # a hung Redis, roughly
     t0 = time.monotonic()

@@ -50,6 +50,17 @@ def token_kv(kv_layer: torch.Tensor, block_ids: list[int], i: int) -> tuple[torc
     return page[block, :, 0].view(nh, d, n)[:, :, off], page[block, :, 1].view(nh, n, d)[:, off]
 
 
+def settled(worker: Any, req: str, seq: int, tokens: Any, **kw: Any) -> Any:
+    """``worker.lookup(..., detail=True)`` asked again while it answers pending, as the
+    scheduler does at each step: a lookup may take longer than the worker's short wait on a
+    loaded machine, and that must not fail a test of what it finds."""
+    end = time.monotonic() + 10
+    while (got := worker.lookup(req, seq, tokens, detail=True, **kw)) == {"pending": True}:
+        assert time.monotonic() < end, "the lookup never answered"
+        time.sleep(0.002)
+    return got
+
+
 def paged(
     num_layers: int = 3, num_blocks: int = 12, heads: int = 2, head_size: int = 16
 ) -> list[torch.Tensor]:

@@ -22,6 +22,7 @@ from vllm.v1.kv_cache_interface import (
 from kvmesh.integrations.vllm.connector import KVMeshConnector
 from kvmesh.integrations.vllm.groups import FULL, SLIDING, Group, UnsupportedGroups, classify, main_group
 from kvmesh.integrations.vllm.hybrid import best_point
+from tests.unit.integrations.test_connector import settled
 
 BS = 16
 
@@ -194,7 +195,7 @@ def test_a_sliding_group_stores_only_its_window_and_loads_it_back(hybrid_worker:
     _save(w)
     # 4 chunks of the full group, 1 (tokens 768..1023, the window before 1024) of the sliding one
     assert w.engine.stats()["cpu"]["objects"] == 4 and store.engine.stats()["cpu"]["objects"] == 1
-    assert w.lookup("b", 1, TOKENS[:1024], detail=True) == {"tokens": 1024, "lower": True}
+    assert settled(w, "b", 1, TOKENS[:1024]) == {"tokens": 1024, "lower": True}
     assert _load(w) == {"b"} and w.take_failed_loads() == set()
     for layer in w.layers:
         assert torch.equal(layer[MAIN_DST], layer[MAIN_SRC])
@@ -208,7 +209,7 @@ def test_a_point_whose_window_is_missing_is_no_hit(hybrid_worker: Any) -> None:
     _save(w)
     # The full group holds 768 tokens of this prefix, but the sliding group lacks tokens
     # 512..767 (its window before 768) and every earlier window: nothing can be loaded.
-    assert w.lookup("c", 1, TOKENS[:768], detail=True) == {"tokens": 0, "lower": False}
+    assert settled(w, "c", 1, TOKENS[:768]) == {"tokens": 0, "lower": False}
     w.clear("cpu")  # a clear empties every group's engine
     assert [e.stats()["cpu"]["objects"] for e in (w.engine, w.groups[0].engine)] == [0, 0]
 
@@ -217,7 +218,7 @@ def test_a_short_load_is_a_failed_receive_not_a_block_error(hybrid_worker: Any) 
     w = hybrid_worker
     (store,) = w.groups
     _save(w)
-    assert w.lookup("b", 1, TOKENS[:1024], detail=True)["tokens"] == 1024
+    assert settled(w, "b", 1, TOKENS[:1024])["tokens"] == 1024
     store.engine.clear("cpu", force=True)  # the window's chunk is gone before the read
     assert _load(w) == {"b"}  # named (vLLM leaves WAITING_FOR_REMOTE_KVS) ...
     assert w.take_failed_loads() == {"b"}  # ... as failed: vLLM recomputes the request

@@ -25,6 +25,7 @@ from kvmesh.integrations.vllm.layouts import KVPages, LatentPages
 from kvmesh.integrations.vllm.metadata import KVMeshConnectorMetadata, LoadSpec, SaveSpec
 from kvmesh.integrations.vllm.scheduler import SchedulerSide
 from kvmesh.integrations.vllm.worker import WorkerSide
+from tests.unit.integrations.test_connector import settled
 from tests.unit.integrations.vllm_pages import as_bytes, reference_gather, vllm_layers
 
 BS = 16
@@ -104,7 +105,7 @@ def test_async_load_on_the_device_path_is_queued_then_named(mla: bool) -> None:
         want = _logical(w, src, 3 * CS)
         w.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", tokens, src, 0)]))
         assert w.wait_for_writes(10) and w.finished({"a"}) == {"a"}
-        assert w.lookup("b", 1, tokens, detail=True) == {"tokens": 3 * CS, "lower": True}
+        assert settled(w, "b", 1, tokens) == {"tokens": 3 * CS, "lower": True}
         dst = [20, 21, 22, 23, 10, 11]
         w.start_step(KVMeshConnectorMetadata(loads=[LoadSpec("b", 1, tokens, dst, 0, load_async=True)]))
         deadline = time.monotonic() + 10
