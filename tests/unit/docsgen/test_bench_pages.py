@@ -89,7 +89,7 @@ def test_a_figure_is_current_only_on_the_rounds_commit(tmp_path: Path) -> None:
 
     assert "stale" in status(None)
     assert status("abc1234") == "current"
-    assert "older than" in status("fff0000")
+    assert "not the round's" in status("fff0000")
     assert "stands: same code path" in status("fff0000", "same code path")
 
 
