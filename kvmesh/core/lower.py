@@ -159,8 +159,15 @@ class LowerTiers:
             if advisable is not None and not self._skip(name):
                 advisable.advise(keys)
 
+    def bounded(self) -> frozenset[str]:
+        """The open tiers whose calls the operation deadline bounds (the remote)."""
+        return frozenset(self.tiers) & BOUNDED
+
     def read_many(
-        self, keys: Sequence[ChunkKey], expect_tokens: Sequence[np.ndarray]
+        self,
+        keys: Sequence[ChunkKey],
+        expect_tokens: Sequence[np.ndarray],
+        only: frozenset[str] | None = None,
     ) -> tuple[list[Found | None], dict[str, float]]:
         """Read each of ``keys`` from the first lower tier holding a valid copy, and promote
         it: per key ``(tier, view, pool object the caller must release or None)``, or
@@ -169,7 +176,8 @@ class LowerTiers:
         One ``get`` per tier for every key still missing, so a remote tier is asked once per
         load, not once per chunk: its client pipelines the batch into one round trip
         (15 chunks from a Redis 200 ms away took 3 s read one at a time, 0.2 s in one
-        pipeline), and the disk tier reads what ``advise`` already started.
+        pipeline), and the disk tier reads what ``advise`` already started. ``only``: read
+        from those tiers alone.
         """
         out: list[Found | None] = [None] * len(keys)
         spent: dict[str, float] = {}
@@ -177,7 +185,7 @@ class LowerTiers:
             todo = [i for i, f in enumerate(out) if f is None]
             if not todo:
                 break
-            if self._skip(name):
+            if self._skip(name) or (only is not None and name not in only):
                 continue
             # The tier reads straight into pool slots (the promotion targets): no fresh
             # memory to fault in, no second copy.

@@ -256,7 +256,10 @@ def scenario_fs(model: str, work: Path) -> dict[str, Any]:
     a.close()
     res["events"] = events.summary()
 
-    b = Instance(model, "e2e-fs-B", base, policy=None, events=None)
+    # B looks up within the step (async_loads: off): a lookup beside the steps reads the
+    # shared chunks and finds a corrupt one before offering it (a miss), so the failed load
+    # below, and the policy switch it relies on, would never happen.
+    b = Instance(model, "e2e-fs-B", {**base, "async_loads": "off"}, policy=None, events=None)
     b.run(prompt(2, 301))
     first, res["b_first"] = b.run(p1)
     b_local, res["b_local"] = b.run(p1)

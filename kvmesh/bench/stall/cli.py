@@ -38,7 +38,9 @@ def register(bsub: argparse._SubParsersAction[Any]) -> None:
         "--tokens", type=int, default=2000, help="prompt tokens of the loading request (default 2000)"
     )
     p.add_argument(
-        "--sources", help="comma-separated: disk, redis_far, redis_hung (default: these three), cpu"
+        "--sources",
+        help="comma-separated: disk, redis_far, redis_hung, vllm (the floor: nothing to load); "
+        "default these four; also cpu",
     )
     p.add_argument(
         "--modes",

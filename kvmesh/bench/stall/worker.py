@@ -7,7 +7,8 @@ that start with ``PREFIX`` (the protocol of ``kvmesh bench ttft``'s worker).
 SPEC: ``{"mode", "model_dir", "kvmesh": {connector config}, "decode_tokens", "load_tokens"}``.
 Commands: ``{"op": "prepare", "source", "trial"}`` computes the loading prompt once (the
 connector stores it, the writes land), then leaves it only in ``source`` (``disk``: cpu tier
-and vLLM's prefix cache dropped, page cache too; ``redis``: the disk tier dropped as well);
+and vLLM's prefix cache dropped, page cache too; ``redis``: the disk tier dropped as well;
+``vllm``: nothing dropped, so vLLM's own prefix cache has it: the floor, no load at all);
 ``{"op": "run", "with_load": bool, "trial"}`` steps four decodes through ``llm_engine.step()``
 and, with ``with_load``, adds the loading request once each decode has 4 tokens: the answer
 has the decodes' inter-token gaps after that point (p99, max) and the loading request's TTFT.
@@ -86,6 +87,8 @@ def serve(spec: dict[str, Any]) -> None:
         sp = SamplingParams(max_tokens=1, temperature=0.0)
         llm.generate([TokensPrompt(prompt_token_ids=load_prompt)], sp, use_tqdm=False)
         landed = rpc("wait_for_writes", timeout=60.0)
+        if source == "vllm":  # the floor: vLLM's own prefix cache holds the prompt, no load
+            return {"landed": landed, "page_cache_dropped": False}
         if source != "cpu":  # cpu: the prompt stays in the cpu tier (a cpu hit)
             rpc("clear", tier="cpu")
         if source not in ("disk", "cpu") and "local_disk" in spec["kvmesh"]:

@@ -27,6 +27,7 @@ once they are done, and a preempted request's saves complete before the next for
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -120,7 +121,7 @@ class WorkerSide(AsyncLoadSteps):
         self.async_loads = async_loads
         # skip_slow_loads weighs a recompute by the batch it would stall (loadcost.py)
         engine.costs.loads_beside_batch = async_loads != "off"
-        self._lookups = LookupJobs(self._lookup_now, self._unpin)
+        self._lookups = LookupJobs(functools.partial(self._lookup_now, fetch=True), self._unpin)
         self.loads = LoadJobs(
             engine, engine.config.remote_timeout_s + 1.0, self.release, _tokens, pd_budget_s=pd_budget_s
         )
@@ -178,7 +179,7 @@ class WorkerSide(AsyncLoadSteps):
             return got  # the same lookup asked again: same answer, pins taken once
         return self._record(req, seq, got)
 
-    def _lookup_now(self, arr: np.ndarray, adapter: str | None = None) -> dict[str, Any]:
+    def _lookup_now(self, arr: np.ndarray, adapter: str | None = None, fetch: bool = False) -> dict[str, Any]:
         if self.groups:
             # A hybrid model's group engines have no adapter views: the scheduler never sends
             # a LoRA request's lookup here (SchedulerSide._adapter), and one that came would
@@ -189,11 +190,11 @@ class WorkerSide(AsyncLoadSteps):
             lower = below or self.async_loads == "all"
             return {"tokens": n, "lower": bool(n and lower), "pinned": pins or None}
         engine = self.engine.for_adapter(adapter)
-        n = engine.lookup(arr, pin=True)
-        lower = self.async_loads == "all"
-        if n and not lower and self.async_loads == "lower":
-            held = engine.keys.keys_for_array(arr[:n])
-            lower = not all(engine.cpu.contains(held))
+        # An asynchronous lookup runs beside the steps: it reads what only the remote holds
+        # (one round trip, not a lookup's and then a load's), and the load that follows
+        # still goes beside the batch (the copy into the pages on the reader thread).
+        n, below = engine.lookup_held(arr, pin=True, fetch=fetch)
+        lower = self.async_loads == "all" or (self.async_loads == "lower" and below)
         return {"tokens": n, "lower": bool(n and lower), "pinned": (adapter, arr[:n]) if n else None}
 
     def _unpin(self, pinned: Any) -> None:

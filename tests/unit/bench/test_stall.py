@@ -34,3 +34,21 @@ def test_a_hung_redis_has_no_ttft_target() -> None:
     recs = [_rec("async", "redis_hung", 0, 0.01, 0.01, 2.0), _rec("sync", "redis_hung", 0, 2.0, 0.01, 2.5)]
     (row, _) = summarize(recs, ["redis_hung"])
     assert row["ttft_met"] is None and row["itl_met"] is True
+
+
+def test_each_source_is_read_against_the_floor_of_its_mode_and_trial() -> None:
+    """The floor (``vllm``: the prompt in vLLM's own cache, nothing loaded) of the same mode
+    and trial divides each source's ITL p99; the floor has no such ratio of its own."""
+    recs = []
+    for k, drift in enumerate([1.0, 2.0, 4.0]):
+        recs += [
+            _rec("async", "vllm", k, 0.030 * drift, 0.010 * drift, 0.05),
+            _rec("async", "disk", k, 0.033 * drift, 0.010 * drift, 0.09),
+            _rec("tail", "vllm", k, 0.020 * drift, 0.010 * drift, 0.05),
+            _rec("tail", "disk", k, 0.040 * drift, 0.010 * drift, 0.09),
+        ]
+    rows = {(r["source"], r["mode"]): r for r in summarize(recs, ["disk", "vllm"], ["async", "tail"])}
+    assert rows[("disk", "async")]["itl_vs_floor"] == 1.1
+    assert rows[("disk", "tail")]["itl_vs_floor"] == 2.0
+    assert "itl_vs_floor" not in rows[("vllm", "async")]
+    assert rows[("vllm", "async")]["itl_ratio_median"] == 3.0

@@ -96,6 +96,71 @@ def test_a_load_asks_each_lower_tier_once_for_all_its_chunks() -> None:
         assert remote.calls - before == 1
 
 
+def test_a_fetching_lookup_reads_the_remote_once_and_the_load_asks_it_nothing() -> None:
+    """A lookup beside the steps (``fetch``) reads the chunks only the remote holds instead of
+    asking whether it holds them: one call to the remote where a lookup and then a load took
+    two (each a round trip to a far Redis). The chunks land in the cpu pool, pinned until the
+    load, which reads them there; they still count as below the cpu tier (loaded beside the
+    batch). A lookup that does not fetch asks, and its load reads: two calls."""
+    tokens = list(range(1, 4 * CS + 1))
+    writer, reader = _engines(tokens_per_s=None, promote_on_hit=True, max_local_cpu_size=0.01)
+    with writer, reader:
+        _store(writer, tokens)
+        remote = _remote(reader)
+        before = remote.calls
+        assert reader.lookup_held(tokens, pin=True, fetch=True) == (len(tokens), True)
+        assert remote.calls - before == 1
+        assert reader.stats()["cpu"]["pinned"] == 4
+        with reader.retrieve_chunks(tokens) as chunks:
+            assert [(c.start, c.end, c.tier) for c in chunks] == [
+                (i * CS, (i + 1) * CS, "cpu") for i in range(4)
+            ]
+        assert remote.calls - before == 1
+        reader.unpin(tokens)
+        assert reader.stats()["cpu"]["pinned"] == 0
+        assert reader.cost_figures()["tiers"]["remote"]["loads"] == 1  # the read is measured
+
+        reader.clear("cpu")
+        before = remote.calls
+        assert reader.lookup_held(tokens) == (len(tokens), True)  # asks: the data stays there
+        with reader.retrieve_chunks(tokens) as chunks:
+            assert [c.tier for c in chunks] == ["remote"] * 4
+        assert remote.calls - before == 2
+
+
+def test_a_corrupt_chunk_read_by_a_fetching_lookup_is_never_offered() -> None:
+    """The fetching lookup reads through the same checks as a load: the chunk whose stored
+    bytes were altered is a miss (counted, deleted), and the offer stops before it."""
+    tokens = list(range(1, 4 * CS + 1))
+    writer, reader = _engines(tokens_per_s=None, promote_on_hit=True, max_local_cpu_size=0.01)
+    with writer, reader:
+        _store(writer, tokens[: 2 * CS])
+        _remote(writer).corrupt_next = True  # the third chunk's stored bytes are altered
+        _store(writer, tokens)
+        assert reader.lookup_held(tokens, pin=True, fetch=True) == (2 * CS, True)
+        assert reader.stats()["remote"]["corrupt"] == 1
+        reader.unpin(tokens[: 2 * CS])
+        assert reader.stats()["cpu"]["pinned"] == 0
+
+
+def test_a_fetching_lookup_reads_only_what_the_cost_model_would_load() -> None:
+    """A remote measured slower per chunk than computing: a fetching lookup reads none of it
+    (the same cut a lookup that asks would make), and the hit is zero."""
+    tokens = list(range(1, 4 * CS + 1))
+    writer, reader = _engines(tokens_per_s=1e6, promote_on_hit=True, max_local_cpu_size=0.01)
+    with writer, reader:
+        _store(writer, tokens)
+        remote = _remote(reader)
+        remote.latency_s = 0.01
+        _measure(reader, tokens)
+        reader.clear("cpu")
+        before, reads = remote.calls, reader.cost_figures()["tiers"]["remote"]["loads"]
+        assert reader.lookup_held(tokens, pin=True, fetch=True) == (0, False)
+        assert reader.cost_figures()["tiers"]["remote"]["loads"] == reads  # nothing read
+        assert remote.calls - before <= 1  # asked at most whether it holds the first chunk
+        assert reader.stats()["cpu"]["pinned"] == 0
+
+
 def test_a_load_beside_a_running_batch_is_weighed_against_the_stall_it_saves() -> None:
     """A load 2x slower than recomputing: cut when it would run inside the step or nothing
     runs; offered when it runs beside a batch of 4, whose every request would wait for the
