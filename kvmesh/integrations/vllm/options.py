@@ -37,8 +37,10 @@ CONNECTOR_KEYS = {
     "a copy and two scatters per layer and chunk from the forward thread)",
     "async_loads": "which loads go through vLLM's asynchronous path (the request waits in "
     "WAITING_FOR_REMOTE_KVS while the batch keeps stepping): lower (default: chunks below the cpu "
-    "tier and PD pulls; cpu hits load within their step, which is faster), all, off (every load "
-    "within its step, and lookups wait for slow tiers: the behaviour before)",
+    "tier and PD pulls, while another request is in flight; cpu hits, and loads of an otherwise "
+    "idle engine, run within their step, which is faster; lookups run beside the steps and read "
+    "what only the remote holds), all, off (every load within its step, and lookups wait for "
+    "slow tiers: the behaviour before)",
     "kv_ip": "prefill/decode: the host a producer's KV transfer server binds and advertises to "
     "consumers (default 127.0.0.1; the port is vLLM's kv_port, 0 = a free one)",
     "pd_advertise_host": "prefill/decode: the host consumers connect to when kv_ip is a wildcard "

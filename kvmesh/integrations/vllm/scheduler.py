@@ -162,6 +162,9 @@ class SchedulerSide:
         # ever (a soak saw one request do that 5,865 times in 60 s). Such a request gets
         # nothing more from kvmesh: vLLM computes it.
         self._planned: set[str] = set()
+        # Requests looked up and not finished: with no other, a lower-tier load runs in the
+        # step (nobody waits for it there; the asynchronous path would cost it a step).
+        self._inflight: set[str] = set()
 
     def _adapter(self, request: Any) -> tuple[bool, str | None]:
         """``(keyable, adapter fingerprint)`` of a request: ``(True, None)`` for the base
@@ -195,6 +198,7 @@ class SchedulerSide:
         """Tokens kvmesh can supply beyond vLLM's own (block-aligned) hit; ``None`` while a
         decode half's pull is running (vLLM then skips the request this step). Never raises."""
         req_id = request.request_id
+        self._inflight.add(req_id)
         keyable, adapter = self._adapter(request)
         ok = keyable and cacheable(request)
         if ok and self.save_enabled and req_id not in self._active:
@@ -252,7 +256,12 @@ class SchedulerSide:
             self.stats["lookups_pending"] = self.stats.get("lookups_pending", 0) + 1
             return None
         hit = last if hit > last else hit - hit % self.block_size
-        if (lower or self.groups > 1) and hit > num_computed_tokens:  # hybrid: never synchronous
+        # Beside the batch, unless nothing else is in flight: then nobody waits for a load
+        # inside the step, and the asynchronous path costs the request a step more (it is
+        # named at the end of the step its read ends in, computed at the next). Hybrid
+        # models: never synchronous (see __init__).
+        alone = self.async_loads == "lower" and self._inflight == {req_id}
+        if ((lower and not alone) or self.groups > 1) and hit > num_computed_tokens:
             self._async[req_id] = None
         # Remember the lookup even on a miss: a rank may have pinned before the answer was
         # lost, and the release frees exactly what this seq pinned.
@@ -485,6 +494,7 @@ class SchedulerSide:
         self._planned.discard(req_id)
         self._new.pop(req_id, None)
         self._active.pop(req_id, None)
+        self._inflight.discard(req_id)
         self._async.pop(req_id, None)
         self._req_adapter.pop(req_id, None)
         pending = self._pending.pop(req_id, None)

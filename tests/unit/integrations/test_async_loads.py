@@ -43,13 +43,35 @@ class AnswerRank(FakeRank):
         return self.answers.pop(0) if op == "lookup" else True
 
 
+def busy(s: SchedulerSide) -> SchedulerSide:
+    """``s`` with another request in flight (a lookup of a short prompt: no worker asked)."""
+    assert s.lookup(request("running", BS), 0) == 0
+    return s
+
+
 def test_lower_tier_hit_is_planned_as_an_async_load() -> None:
-    s = SchedulerSide(256, BS, [AnswerRank([{"tokens": 1024, "lower": True}])], async_loads="lower")
+    s = busy(SchedulerSide(256, BS, [AnswerRank([{"tokens": 1024, "lower": True}])], async_loads="lower"))
     r = request("a", 1025)
     assert s.lookup(r, 0) == 1024 and s.load_async("a")
     s.after_alloc(r, list(range(100, 109)), 1024)
     (load,) = s.build_meta(sched_out(new=[(r, list(range(100, 109)), 1024, 0)])).loads
     assert load.load_async and load.pd is None and load.block_ids == list(range(100, 108))
+
+
+def test_a_lower_tier_hit_with_nothing_else_in_flight_loads_in_the_step() -> None:
+    """Nobody waits for a load inside the step of an idle engine, and the asynchronous path
+    would cost the request a step; once another request is in flight, it goes beside it."""
+    answers = [{"tokens": 1024, "lower": True}, {"tokens": 1024, "lower": True}]
+    s = SchedulerSide(256, BS, [AnswerRank(answers)], async_loads="lower")
+    a = request("a", 1025)
+    assert s.lookup(a, 0) == 1024 and not s.load_async("a")
+    b = request("b", 1025)
+    assert s.lookup(b, 0) == 1024 and s.load_async("b")  # a is still in flight
+    s.finished(a)
+    s.finished(b)
+    assert not s._inflight
+    every = SchedulerSide(256, BS, [AnswerRank([{"tokens": 1024, "lower": True}])], async_loads="all")
+    assert every.lookup(request("c", 1025), 0) == 1024 and every.load_async("c")  # all: always
 
 
 def test_cpu_hit_stays_synchronous_and_off_means_the_old_lookup() -> None:
@@ -63,7 +85,7 @@ def test_cpu_hit_stays_synchronous_and_off_means_the_old_lookup() -> None:
 
 def test_a_pending_lookup_is_not_known_yet_and_asked_again_with_the_same_seq() -> None:
     rank = AnswerRank([{"pending": True}, {"pending": True}, {"tokens": 512, "lower": True}])
-    s = SchedulerSide(256, BS, [rank], async_loads="lower")
+    s = busy(SchedulerSide(256, BS, [rank], async_loads="lower"))
     r = request("a", 1025)
     assert s.lookup(r, 0) is None  # vLLM skips the request this step; the batch goes on
     assert s.lookup(r, 0) is None
