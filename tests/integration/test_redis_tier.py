@@ -106,6 +106,34 @@ def test_large_value_default_part_size(redis_server, redis_url, open_redis) -> N
     assert int(redis_server.client().hget(keys[0].text, "n")) == 8
 
 
+def test_a_new_connection_sends_no_client_setinfo(redis_server, redis_url) -> None:
+    """The tier's client opens connections without redis-py's CLIENT SETINFO and
+    MAINT_NOTIFICATIONS round trips (QUIET_HANDSHAKE); a default redis-py client sends them."""
+    from kvmesh.tiers.redis_wire import make_client
+
+    admin = redis_server.client()
+
+    def setinfos() -> int:
+        """CLIENT SETINFO commands the server got: counted as calls where it knows them
+        (Redis >= 7.2), as error replies where it does not (Debian 12's 7.0, which does not
+        know MAINT_NOTIFICATIONS either)."""
+        calls = admin.info("commandstats").get("cmdstat_client|setinfo", {}).get("calls", 0)
+        return int(calls) + int(admin.info("stats")["total_error_replies"])
+
+    try:
+        before = setinfos()
+        client = make_client(redis_url, timeout_s=2.0)
+        assert client.ping()
+        client.close()
+        assert setinfos() == before
+        default = redis_server.client()
+        assert default.ping()  # a default redis-py client sends them
+        default.close()
+        assert setinfos() >= before + 2
+    finally:
+        admin.close()
+
+
 def test_batched_contains_and_get(redis_url, open_redis) -> None:
     tier = open_redis(redis_url)
     keys, chunks = make_chunks(KB, 6)
