@@ -33,6 +33,7 @@ from kvmesh.core.rls import RobustRLS
 
 _MB = 1e6
 _MIN_LOADS = 3  # timed loads of a tier before its figure is used
+PRIOR_BPS = 1e9  # bandwidth assumed of a tier's first load (TierMeter.observe)
 _MIN_STEPS = 4  # timed steps (of _MIN_TOKENS or more) before a learned prefill rate is used
 _MIN_TOKENS = 64  # shorter steps (decodes, short tails) are mostly fixed cost: not counted
 _WINDOW = 64  # recent steps the prefill rate is the median of
@@ -58,10 +59,17 @@ class TierMeter:
         if nbytes <= 0 or not np.isfinite(seconds) or seconds < 0:
             return
         if not self.loads:
-            # Start from the first load (half latency, half transfer): tiers differ by 1000x,
-            # and no prior suits both a local DRAM copy and a store 50 ms away.
-            self._fit.set_prior(0, 0.5 * seconds, max(seconds, 1e-4) ** 2)
-            self._fit.set_prior(1, 0.5 * seconds / (nbytes / _MB), (seconds / (nbytes / _MB)) ** 2)
+            # Start from the first load: tiers differ by 1000x, and no prior suits both a
+            # local DRAM copy and a store 50 ms away. Its transfer is taken at PRIOR_BPS at
+            # most and the rest as latency: loads of one size cannot tell the two apart, and
+            # splitting them in half made a far Redis's 0.74 MB loads (0.2 s, all round trip)
+            # predict a 12 MB load at 1.7 s, where it took 0.27 s, so the tier was skipped.
+            # Optimistic on purpose: a load tried and found slow is measured and cut after;
+            # a tier judged slow is only probed.
+            mb = nbytes / _MB
+            transfer = min(seconds, nbytes / PRIOR_BPS)
+            self._fit.set_prior(0, seconds - transfer, max(seconds, 1e-4) ** 2)
+            self._fit.set_prior(1, transfer / mb, (seconds / mb) ** 2)
         self._fit.update(np.array([1.0, nbytes / _MB]), seconds)
         self.loads += 1
         self.bytes += nbytes

@@ -283,6 +283,21 @@ def test_a_tier_meter_separates_latency_from_bandwidth() -> None:
     assert fig["load_bytes_per_s"] == pytest.approx(2e9, rel=0.15)
 
 
+def test_loads_of_one_size_take_their_time_as_round_trip_not_transfer() -> None:
+    """A far tier seen only through small loads (0.74 MB in 0.2 s, nearly all round trip):
+    a 12 MB load is predicted near one round trip, not 16x the small one's transfer (the
+    half-and-half first split predicted 1.7 s, and the tier was skipped)."""
+    meter = TierMeter()
+    for _ in range(4):
+        meter.observe(737_280, 0.2, 0.0)
+    assert meter.predict(737_280) == pytest.approx(0.2, rel=0.05)
+    assert meter.predict(12_000_000) < 0.3
+    for _ in range(20):  # then loads of another size show the real bandwidth
+        meter.observe(12_000_000, 0.2 + 12_000_000 / 50e6, 0.0)
+        meter.observe(737_280, 0.2 + 737_280 / 50e6, 0.0)
+    assert meter.predict(24_000_000) == pytest.approx(0.2 + 24_000_000 / 50e6, rel=0.1)
+
+
 def test_a_tier_slower_per_chunk_than_computing_is_not_even_asked() -> None:
     """Its contains() is a round trip on every request's path: skipped until the next probe."""
     tokens = list(range(1, 4 * CS + 1))
