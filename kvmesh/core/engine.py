@@ -268,11 +268,12 @@ class CacheEngine:
         fetchable = self._lower.bounded() - skip if fetch and self.config.promote_on_hit else frozenset()
         where: list[str | None] = ["cpu" if h else None for h in self.cpu.contains(keys)]
         fetched: list[MemoryObj] = []
+        landed: list[int] = []  # chunks of the leading run that the fetch read
         try:
             with self._budget():
                 self._lower.fill_locations(keys, where, skip | fetchable)
                 if fetchable:
-                    self._fetch(keys, arr, bounds, where, min(fetchable), fetched)
+                    landed = self._fetch(keys, arr, bounds, where, min(fetchable), fetched)
             leading: list[str] = []
             for w in where:
                 if w is None:
@@ -284,8 +285,8 @@ class CacheEngine:
         finally:
             for obj in fetched:  # pinned (or not offered) now: eviction may take the rest
                 obj.release()
-        below = bool(fetched) or any(w != "cpu" for w in leading[:n])
-        return (bounds[n - 1][1] if n else 0), below and n > 0
+        below = any(i < n for i in landed) or any(w != "cpu" for w in leading[:n])
+        return (bounds[n - 1][1] if n else 0), below
 
     def _fetch(
         self,
@@ -295,28 +296,32 @@ class CacheEngine:
         where: list[str | None],
         tier: str,
         held: list[MemoryObj],
-    ) -> None:
+    ) -> list[int]:
         """Read from ``tier`` the leading chunks no faster tier holds (see
         :meth:`lookup_held`): ``where[i]`` becomes ``"cpu"`` for each that landed in the
-        pool, ``tier`` for one read but not kept there; the pool objects go to ``held``."""
+        pool, ``tier`` for one read but not kept there; the pool objects go to ``held``.
+        Returns the indices read that continue the leading run."""
         first = next((i for i, w in enumerate(where) if w is None), len(where))
         plan = [w or tier for w in where]
         last = self.costs.cut(plan, bounds)  # a cut (or a probe) is taken here, before reading
         todo = [i for i in range(first, last) if where[i] is None]
         if not todo:
-            return
+            return []
         found, spent = self._lower.read_many(
             [keys[i] for i in todo], [arr[bounds[i][0] : bounds[i][1]] for i in todo], only=frozenset({tier})
         )
         held.extend(f[2] for f in found if f is not None and f[2] is not None)
         nbytes = 0
+        landed: list[int] = []
         for i, f in zip(todo, found, strict=True):
             if f is None:
                 break  # the leading run ends here; chunks read past it stay in the pool
             nbytes += (bounds[i][1] - bounds[i][0]) * self.layout.bytes_per_token
             where[i] = "cpu" if self.cpu.contains([keys[i]])[0] else tier
+            landed.append(i)
         if nbytes and tier in spent:
             self.costs.observe_load(tier, nbytes, spent[tier])
+        return landed
 
     def locate(self, tokens: object) -> list[tuple[int, int, str]]:
         """``(start, end, tier)`` of each leading chunk held somewhere."""

@@ -143,6 +143,22 @@ def test_a_corrupt_chunk_read_by_a_fetching_lookup_is_never_offered() -> None:
         assert reader.stats()["cpu"]["pinned"] == 0
 
 
+def test_chunks_a_fetching_lookup_reads_past_a_gap_do_not_make_the_load_lower() -> None:
+    """Two chunks in the cpu pool, the third in no tier, the fourth in the remote: the fetch
+    reads the third and fourth, the offer stops at the gap, and what is offered is all in
+    the cpu pool (a load within the step), not below it."""
+    tokens = list(range(1, 4 * CS + 1))
+    writer, reader = _engines(tokens_per_s=None, promote_on_hit=True, max_local_cpu_size=0.01)
+    with writer, reader:
+        _store(writer, tokens)
+        with reader.retrieve_chunks(tokens[: 2 * CS]) as chunks:  # promoted into the cpu pool
+            assert [c.tier for c in chunks] == ["remote", "remote"]
+        _remote(reader).delete([reader.keys.keys(tokens)[2]])
+        assert reader.lookup_held(tokens, pin=True, fetch=True) == (2 * CS, False)
+        reader.unpin(tokens[: 2 * CS])
+        assert reader.stats()["cpu"]["pinned"] == 0
+
+
 def test_a_fetching_lookup_reads_only_what_the_cost_model_would_load() -> None:
     """A remote measured slower per chunk than computing: a fetching lookup reads none of it
     (the same cut a lookup that asks would make), and the hit is zero."""
@@ -299,14 +315,18 @@ def test_loads_of_one_size_take_their_time_as_round_trip_not_transfer() -> None:
 
 
 def test_a_tier_slower_per_chunk_than_computing_is_not_even_asked() -> None:
-    """Its contains() is a round trip on every request's path: skipped until the next probe."""
+    """Its contains() is a round trip on every request's path: skipped until the next probe.
+    The loads are fed to the meter as measured (10 ms per chunk: slow per byte, not only per
+    call; a tier slow only per call is worth loading for a long enough prefix, below)."""
     tokens = list(range(1, 4 * CS + 1))
     writer, reader = _engines(tokens_per_s=1e6)
     with writer, reader:
         _store(writer, tokens)
         remote = _remote(reader)
         remote.latency_s = 0.01
-        _measure(reader, tokens)
+        chunk_bytes = CS * reader.layout.bytes_per_token
+        for n in (1, 2, 3, 4):
+            reader.costs.observe_load("remote", n * chunk_bytes, 0.01 * n)
         assert reader.costs.hopeless(["remote"], CS) == frozenset({"remote"})
         remote.down = True  # were it asked, the call would raise (and count an error)
         assert reader.lookup(tokens) == 0
