@@ -64,6 +64,25 @@ def test_forged_chunks_are_misses_and_counted(
         assert got >= CHUNK and torch.equal(out[:, :, :got], honest[:, :, :got])
 
 
+def test_a_lookup_that_reads_the_shared_tier_never_offers_forged_chunks(
+    shared_store: str,
+    key_file: Callable[..., str],
+    make_engine: Callable[..., CacheEngine],
+    attacker: Callable[..., Tier],
+) -> None:
+    """The vLLM connector's asynchronous lookups read the shared tier's chunks instead of
+    asking whether it holds them (``lookup_held(fetch=True)``): a forged chunk read there is
+    a miss, counted, and nothing is offered, pinned or left in the cpu pool."""
+    fleet = key_file(FleetKey.generate())
+    tokens = prompt(2 * CHUNK, seed=30)
+    victim = make_engine(shared_store, key=fleet)
+    plant(attacker(shared_store, None), victim, tokens, kv_for(2 * CHUNK, seed=666))
+    assert victim.lookup_held(tokens, pin=True, fetch=True) == (0, False)
+    assert victim.stats()["remote"]["unauthenticated"] >= 1
+    assert victim.stats()["cpu"]["pinned"] == 0
+    assert not any(victim.cpu.contains(victim.keys.keys(tokens)))
+
+
 def test_replicas_with_the_key_share_exactly_and_rotation_reads_old_chunks(
     shared_store: str, key_file: Callable[..., str], make_engine: Callable[..., CacheEngine]
 ) -> None:
