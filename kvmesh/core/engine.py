@@ -233,16 +233,10 @@ class CacheEngine:
             self._lower.fill_locations(keys, where, skip)
         return where
 
-    def _locate(self, keys: Sequence[ChunkKey], skip: frozenset[str] = frozenset()) -> list[str | None]:
+    def _locate(self, keys: Sequence[ChunkKey], skip: frozenset[str] = frozenset()) -> list[str]:
         """Highest tier holding each key, for the leading run of keys held anywhere (tiers
         in ``skip`` not asked)."""
-        where = self.where(keys, skip)
-        leading: list[str | None] = []
-        for w in where:
-            if w is None:
-                break
-            leading.append(w)
-        return leading
+        return _leading(self.where(keys, skip))
 
     def lookup(self, tokens: object, pin: bool = False) -> int:
         """How many leading tokens are worth retrieving (a chunk multiple unless
@@ -274,11 +268,7 @@ class CacheEngine:
                 self._lower.fill_locations(keys, where, skip | fetchable)
                 if fetchable:
                     landed = self._fetch(keys, arr, bounds, where, min(fetchable), fetched)
-            leading: list[str] = []
-            for w in where:
-                if w is None:
-                    break
-                leading.append(w)
+            leading = _leading(where)
             n = self.costs.cut(leading, bounds) if leading else 0
             if pin and n:
                 self.pin_keys(keys[:n])
@@ -311,14 +301,14 @@ class CacheEngine:
             [keys[i] for i in todo], [arr[bounds[i][0] : bounds[i][1]] for i in todo], only=frozenset({tier})
         )
         held.extend(f[2] for f in found if f is not None and f[2] is not None)
-        nbytes = 0
         landed: list[int] = []
         for i, f in zip(todo, found, strict=True):
             if f is None:
                 break  # the leading run ends here; chunks read past it stay in the pool
-            nbytes += (bounds[i][1] - bounds[i][0]) * self.layout.bytes_per_token
-            where[i] = "cpu" if self.cpu.contains([keys[i]])[0] else tier
             landed.append(i)
+        for i, kept in zip(landed, self.cpu.contains([keys[i] for i in landed]), strict=True):
+            where[i] = "cpu" if kept else tier
+        nbytes = sum(bounds[i][1] - bounds[i][0] for i in landed) * self.layout.bytes_per_token
         if nbytes and tier in spent:
             self.costs.observe_load(tier, nbytes, spent[tier])
         return landed
@@ -550,3 +540,13 @@ class CacheEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _leading(where: Sequence[str | None]) -> list[str]:
+    """The tiers of the leading run of chunks held somewhere (up to the first ``None``)."""
+    out: list[str] = []
+    for w in where:
+        if w is None:
+            break
+        out.append(w)
+    return out

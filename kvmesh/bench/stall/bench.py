@@ -154,8 +154,8 @@ def run(
             shutil.rmtree(os.path.join(work, f"disk-{mode}"), ignore_errors=True)
     results = summarize(records, chosen, run_modes)
     out: dict[str, Any] = {"results": results, "trials": records, "tokens": tokens, "rtt_s": RTT_S}
-    cols = ["source", "mode", "itl_ratio_median", "itl_met", "itl_vs_floor", "itl_max_ms", "load_ttft_ms"]
-    cols.append("ttft_vs_sync")
+    cols = ["source", "mode", "itl_ratio_median", "itl_met", "itl_vs_floor"]
+    cols += ["itl_max_ms", "load_ttft_ms", "ttft_vs_sync"]
     print_table(results, cols)
     if json_path:
         _write_json(json_path, out, prov)
@@ -252,12 +252,9 @@ def summarize(
             }
             if source != FLOOR and floor:
                 # the same mode's ITL with nothing to load (the prompt in vLLM's own cache), paired
-                ks = [r["trial"] for r in mine if r["trial"] in floor]
+                paired = [(r["loaded"]["itl_p99_s"], floor[r["trial"]]) for r in mine if r["trial"] in floor]
                 row["itl_vs_floor"] = ratio_summary(
-                    paired_ratios(
-                        [next(r["loaded"]["itl_p99_s"] for r in mine if r["trial"] == k) for k in ks],
-                        [floor[k] for k in ks],
-                    )
+                    paired_ratios([a for a, _ in paired], [b for _, b in paired])
                 )["median"]
             if mode == "async" and "all" in ttft:
                 ks = sorted(set(ttft["async"]) & set(ttft["all"]))
