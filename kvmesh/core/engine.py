@@ -272,6 +272,8 @@ class CacheEngine:
             n = self.costs.cut(leading, bounds) if leading else 0
             if pin and n:
                 self.pin_keys(keys[:n])
+                # a load follows: the disk starts reading now, while the step is scheduled
+                self._lower.advise([k for k, w in zip(keys[:n], where[:n], strict=True) if w != "cpu"])
         finally:
             for obj in fetched:  # pinned (or not offered) now: eviction may take the rest
                 obj.release()
@@ -343,7 +345,6 @@ class CacheEngine:
             objs = self.cpu.get(keys)
             held.extend(o for o in objs if o is not None)
             with self._budget():
-                self._lower.advise([k for k, o in zip(keys, objs, strict=True) if o is None])
                 missing = [i for i, o in enumerate(objs) if o is None]
                 found, spent = self._lower.read_many(
                     [keys[i] for i in missing], [arr[bounds[i][0] : bounds[i][1]] for i in missing]

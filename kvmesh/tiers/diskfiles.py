@@ -19,9 +19,9 @@ import stat
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO, TextIO
+from typing import Any, BinaryIO, TextIO, TypeVar
 
 import numpy as np
 import xxhash
@@ -37,7 +37,9 @@ from kvmesh.tiers.placement import Placement
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
 ALIGN = 4096
-ADVISE_THREADS = 8  # files ChunkFiles.advise opens at once
+T = TypeVar("T")
+R = TypeVar("R")
+IO_THREADS = 8  # files ChunkFiles.each (the disk tier's reads) and advise open at once
 # A chunk file is opened without following a final symlink and without blocking: a FIFO
 # where a chunk should be blocks a plain open until a writer comes, and its reads forever.
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -87,8 +89,8 @@ class ChunkFiles:
         self._trace: TextIO | None = None
         self._trace_lock = threading.Lock()
         self._inflight = 0
-        # Its threads start on the first advise, not here.
-        self._advisers = ThreadPoolExecutor(ADVISE_THREADS, thread_name_prefix="kvmesh-disk-advise")
+        # Its threads start on the first each (read) or advise, not here.
+        self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvmesh-disk-io")
         if io_trace:
             self._trace = open(io_trace, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
 
@@ -119,17 +121,21 @@ class ChunkFiles:
     # ---- reads ------------------------------------------------------------------------
 
     def advise(self, texts: Sequence[str]) -> None:
-        """``POSIX_FADV_WILLNEED`` on the files of ``texts``: the kernel starts reading them
-        now, in the background. The opens go several at once: after the kernel dropped its
-        caches an open waits ~1 ms for its directory block and inode (measured here), and
-        one by one those waits add up to more than the reads. Best effort: a file gone
+        """``POSIX_FADV_WILLNEED`` on the files of ``texts``, on the I/O threads: returns at
+        once, and the kernel reads them into the page cache meanwhile (a read of one of them
+        then waits for the pages in flight, never reads twice). Best effort: a file gone
         meanwhile is left to the read to report."""
-        if len(texts) <= 1:
-            for text in texts:
-                self._advise_one(text)
-            return
         with contextlib.suppress(RuntimeError):  # closed meanwhile: the reads go without it
-            list(self._advisers.map(self._advise_one, texts))
+            for text in texts:
+                self._io.submit(self._advise_one, text)
+
+    def each(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        """``[fn(x) for x in items]``, several at once on the I/O threads (``fn`` must be
+        thread-safe): a cold read of n files then waits about for the slowest, not for the
+        sum of their opens and reads. Raises ``RuntimeError`` once closed."""
+        if len(items) <= 1:
+            return [fn(x) for x in items]
+        return list(self._io.map(fn, items))
 
     def _advise_one(self, text: str) -> None:
         self._fadvise(text, os.POSIX_FADV_WILLNEED)
@@ -298,7 +304,7 @@ class ChunkFiles:
                     self._trace.write(json.dumps(rec) + "\n")
 
     def close(self) -> None:
-        self._advisers.shutdown(wait=False)
+        self._io.shutdown(wait=False)
         with self._trace_lock:
             if self._trace is not None:
                 self._trace.close()

@@ -253,12 +253,20 @@ def dense_bytes_per_token(config: Mapping[str, Any], itemsize: int = 4) -> int:
 
 def stored_bytes_per_token(stats: Mapping[str, Any] | None) -> float | None:
     """Bytes kvmesh stored in its cpu tier per prompt token saved, over every KV cache
-    group's engine (a connector ``stats`` answer), or ``None`` without saves."""
+    group's engine (a connector ``stats`` answer), or ``None`` without saves. Chunks the
+    cpu tier took in as promotions of lower-tier hits (a reload from disk or Redis) are not
+    stores: their share of its ``bytes_in`` is left out."""
     if not stats:
         return None
     tokens = int(stats.get("connector", {}).get("saved_tokens", 0))
     engines = [stats.get("engine", {}), *stats.get("groups", {}).values()]
-    nbytes = sum(int(e.get("cpu", {}).get("bytes_in", 0)) for e in engines)
+    nbytes = 0.0
+    for e in engines:
+        cpu = e.get("cpu", {})
+        puts = int(cpu.get("stores", 0))
+        promoted = sum(int(t.get("hits", 0)) for name, t in e.items() if name not in ("cpu", "engine"))
+        share = max(0, puts - promoted) / puts if puts and promoted else 1.0
+        nbytes += int(cpu.get("bytes_in", 0)) * share
     return round(nbytes / tokens, 1) if tokens else None
 
 

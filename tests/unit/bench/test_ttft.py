@@ -243,6 +243,12 @@ def test_stored_bytes_per_token_against_the_dense_model(tmp_path: Path) -> None:
     assert ttft_spec.stored_bytes_per_token(SWA_STATS) == 2867.2
     assert ttft_spec.stored_bytes_per_token(None) is None
     assert ttft_spec.stored_bytes_per_token({"connector": {"saved_tokens": 0}}) is None
+    # A disk setup's reloads promote 10 disk hits into the cpu tier: not stores (was 2x).
+    reloaded = {
+        "engine": {"cpu": {"bytes_in": 20 * 4096, "stores": 20}, "disk": {"hits": 10}, "engine": {"hits": 0}},
+        "connector": {"saved_tokens": 10 * 16},
+    }
+    assert ttft_spec.stored_bytes_per_token(reloaded) == 256.0
     swa, dense = tmp_path / "swa", tmp_path / "bench"
     for d in (swa, dense):
         d.mkdir()

@@ -1,6 +1,6 @@
 """``DiskTier.advise`` (``Feature.ADVISE``): the files of the advised keys are read into the
 page cache before the reads that follow, and the engine advises exactly the chunks its cpu
-tier lacks. Residency is read back with the kernel's own ``mincore(2)`` on real files."""
+tier lacks, at the lookup that promises a load; a get reads its files at once. Residency is read back with the kernel's own ``mincore(2)`` on real files."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -100,7 +102,12 @@ class _Recorder:
         self.calls.append([k.text for k in keys])
 
 
-def test_engine_advises_only_what_the_cpu_tier_lacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_pinned_lookup_advises_the_chunks_below_the_cpu_tier_and_the_load_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hint goes out when a load is promised (the connector's pinned lookup), so the
+    disk reads while vLLM schedules the step; the load itself reads its files at once and
+    has nothing to hint. A lookup that promises nothing (no pin) starts no I/O."""
     layout = KVLayout(2, 2, 8, "float32")
     cfg = CacheConfig.from_dict({"chunk_size": 16, "local_disk": str(tmp_path), "max_local_cpu_size": 0.01})
     engine = CacheEngine(cfg, layout=layout, model_id="m")
@@ -115,11 +122,37 @@ def test_engine_advises_only_what_the_cpu_tier_lacks(tmp_path: Path, monkeypatch
         disk = engine.lower["disk"]
         assert isinstance(disk, DiskTier)
         monkeypatch.setattr(disk, "advise", rec)
-        n, got = engine.retrieve(tokens)
-        assert n == 64 and torch.equal(got, kv)
+        assert engine.lookup_held(tokens)[0] == 64
+        assert rec.calls == []  # not pinned: no load follows
+        assert engine.lookup_held(tokens, pin=True)[0] == 64
         assert rec.calls == [[k.text for k in keys[2:]]]
         rec.calls.clear()
-        engine.retrieve(tokens[:32])  # all in cpu (chunks 2-3 were promoted on read): no hint
-        assert rec.calls in ([], [[]])
+        n, got = engine.retrieve(tokens)
+        assert n == 64 and torch.equal(got, kv)
+        assert rec.calls == []
+        engine.unpin_keys(keys)
+        assert engine.lookup_held(tokens, pin=True)[0] == 64  # all in cpu now (promoted on read)
+        assert rec.calls == []
+        engine.unpin_keys(keys)
     finally:
         engine.close()
+
+
+def test_a_get_reads_its_files_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: every file read waits until all four are under way. Read one after
+    another, the first would wait alone and the barrier break (a wrong result, not a hang)."""
+    tier = DiskTier(str(tmp_path), opts())
+    chunks = make_chunks(4)
+    assert all(put(tier, chunks))
+    barrier = threading.Barrier(len(chunks), timeout=10)
+    read = tier.files.read
+
+    def together(*args: Any, **kwargs: Any) -> Any:
+        barrier.wait()
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(tier.files, "read", together)
+    got = tier.get([c.key for c in chunks])
+    assert [bytes(g.data) if g else None for g in got] == [bytes(c.data) for c in chunks]
+    assert tier.metrics.snapshot()["hits"] == 4
+    tier.close()
