@@ -1,6 +1,7 @@
 """``DiskTier.advise`` (``Feature.ADVISE``): the files of the advised keys are read into the
 page cache before the reads that follow, and the engine advises exactly the chunks its cpu
-tier lacks, at the lookup that promises a load; a get reads its files at once. Residency is read back with the kernel's own ``mincore(2)`` on real files."""
+tier lacks, at the lookup that promises a load; a get reads its files at once. Residency is
+read back with the kernel's own ``mincore(2)`` on real files."""
 
 from __future__ import annotations
 
