@@ -94,6 +94,17 @@ def mem_available_gib() -> float | None:
     return None
 
 
+def parse_answer(text: str) -> dict[str, Any]:
+    """The JSON object of one protocol line. Text that another process wrote onto the same
+    line after it is left out; a line without an object answers ``{"error"}`` (the reader
+    thread never dies on it, which would leave every later answer waiting out its timeout)."""
+    try:
+        obj, _ = json.JSONDecoder().raw_decode(text)
+    except ValueError as exc:
+        return {"error": f"unreadable answer ({exc}): {text[:200]!r}"}
+    return obj if isinstance(obj, dict) else {"error": f"answer is not an object: {text[:200]!r}"}
+
+
 # -- one worker ----------------------------------------------------------------------------------
 class Worker:
     """One setup's :mod:`kvmesh.bench.ttft.worker` process: started, then driven one command
@@ -129,7 +140,7 @@ class Worker:
                 log.write(line)
                 log.flush()
                 if line.startswith(PREFIX):
-                    self._answers.put(json.loads(line[len(PREFIX) :]))
+                    self._answers.put(parse_answer(line[len(PREFIX) :]))
                 elif line.startswith("[ttft]"):
                     print("  " + line[len("[ttft] ") :].rstrip(), flush=True)
         self._answers.put(None)  # the worker is gone

@@ -152,8 +152,14 @@ def serve(spec: dict[str, Any], out: dict[str, Any]) -> None:
 
 def reply(obj: dict[str, Any]) -> None:
     """One protocol line on stdout (vLLM's own logging shares the stream; the parent keeps
-    only the lines with this prefix)."""
-    print(PREFIX + json.dumps(obj), flush=True)
+    only the lines with this prefix), in one write: ``print`` writes the text and then the
+    newline, and vLLM's worker process, writing to the same pipe, once put a log line of
+    its own between the two (the answer lost, the setup dropped from the run). A write of
+    up to ``PIPE_BUF`` bytes to a pipe is never interleaved."""
+    sys.stdout.flush()  # what is buffered goes first
+    data = memoryview((PREFIX + json.dumps(obj) + "\n").encode())
+    while data:
+        data = data[os.write(sys.stdout.fileno(), data) :]
 
 
 def main(argv: list[str]) -> int:

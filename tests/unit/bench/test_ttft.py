@@ -411,3 +411,25 @@ def test_a_spent_time_budget_starts_no_new_round(tmp_path: Path, monkeypatch: py
     assert out["trials"] == [] and [e for e in log if e[0] == "cycle"] == []
     assert out["setups"]["kvmesh_cpu"]["stopped_before_round"] == "warmup"
     assert out["targets"]["kvmesh_cpu/recompute"]["median"] is None
+
+
+def test_an_answer_with_another_process_log_glued_to_it_is_still_read() -> None:
+    """The line seen in a real run: vLLM's worker process wrote a warning between the
+    answer and its newline. The answer is kept; a line without one is an error answer,
+    never an exception in the reader thread."""
+    glued = (
+        '{"cold_s": 0.21, "reload_s": 0.06, "cached_tokens": 896}(Worker pid=18933) WARNING 12-03 15:07:00 '
+        "[example_connector.py:164] In connector.start_load_kv, but the attn_metadata is None\n"
+    )
+    assert ttft_proc.parse_answer(glued) == {"cold_s": 0.21, "reload_s": 0.06, "cached_tokens": 896}
+    assert "unreadable answer" in ttft_proc.parse_answer("(Worker pid=1) WARNING {")["error"]
+    assert "not an object" in ttft_proc.parse_answer("[1, 2]")["error"]
+
+
+def test_an_answer_is_one_write_of_one_line(capfd: pytest.CaptureFixture[str]) -> None:
+    from kvmesh.bench.ttft import worker as ttft_worker
+
+    print("buffered before", end="")  # flushed first, not split into the answer
+    ttft_worker.reply({"ready": True, "n": 3})
+    out = capfd.readouterr().out
+    assert out == 'buffered before[ttft-json] {"ready": true, "n": 3}\n'
