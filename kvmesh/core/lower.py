@@ -151,7 +151,7 @@ class LowerTiers:
 
     def advise(self, keys: Sequence[ChunkKey]) -> None:
         """Tell every tier that can take the hint that reads of ``keys`` follow (the disk
-        starts them all at once; :meth:`read` then takes them one by one)."""
+        starts them on its I/O threads and returns at once)."""
         if not keys:
             return
         for name, tier in self.tiers.items():

@@ -176,8 +176,8 @@ class RecodableTier(Tier, Protocol):
 
 class AdvisableTier(TierBase, Protocol):
     """``Feature.ADVISE``: ``advise(keys)`` tells the tier that ``get(keys)`` follows, so it
-    can start every read at once (a disk reads them in parallel instead of one by one).
-    Best effort: never raises, and a key it does not hold is ignored."""
+    can start the reads before the get is asked (a disk, while vLLM schedules the step).
+    Returns at once; best effort: never raises, and a key it does not hold is ignored."""
 
     def advise(self, keys: Sequence[ChunkKey]) -> None: ...
 

@@ -138,8 +138,9 @@ class DiskTier:
         return out
 
     def advise(self, keys: Sequence[ChunkKey]) -> None:
-        """Start reading the files of ``keys`` into the page cache, all at once: a cold
-        retrieve then waits for the slowest file, not for the sum (a no-op with O_DIRECT)."""
+        """Start reading the files of ``keys`` into the page cache on the I/O threads, and
+        return at once: the get that follows finds them read or in flight (a no-op with
+        O_DIRECT)."""
         if self._closed or self.files.o_direct:
             return
         with self._lock:
