@@ -27,7 +27,6 @@ import errno
 import itertools
 import os
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -122,20 +121,19 @@ class DiskTier:
 
     def get(self, keys: Sequence[ChunkKey], into: Into | None = None) -> list[ChunkData | None]:
         self._check_open()
-        t0 = time.perf_counter()
-        try:  # every file at once: a cold read waits for the slowest, not for the sum
-            items = self.files.each(partial(self._load, into=into, stamp=True), keys)
-        except RuntimeError:  # closed meanwhile
-            self._check_open()
-            raise
-        out: list[ChunkData | None] = []
-        for k, item in zip(keys, items, strict=True):
-            if item is not None:
-                with self._lock:
-                    self._policy.touch(k.text)
-            out.append(counted_read(self.metrics, k, item))
-        self.metrics.observe("get", time.perf_counter() - t0)
-        return out
+        with self.metrics.timed("get"):
+            try:  # every file at once: a cold read waits for the slowest, not for the sum
+                items = self.files.each(partial(self._load, into=into, stamp=True), keys)
+            except RuntimeError:  # closed meanwhile
+                self._check_open()
+                raise
+            out: list[ChunkData | None] = []
+            for k, item in zip(keys, items, strict=True):
+                if item is not None:
+                    with self._lock:
+                        self._policy.touch(k.text)
+                out.append(counted_read(self.metrics, k, item))
+            return out
 
     def advise(self, keys: Sequence[ChunkKey]) -> None:
         """Start reading the files of ``keys`` into the page cache on the I/O threads, and
