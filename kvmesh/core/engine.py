@@ -40,6 +40,15 @@ STAGING_BYTES = 256 << 20  # at most this much staging (or the cpu budget, if sm
 STAGING_WAIT_S = 5.0  # how long a store waits for staging room (writes landing) before a counted skip
 
 
+@dataclass(frozen=True)
+class Held:
+    """What :meth:`CacheEngine.lookup_detail` found."""
+
+    tokens: int  # the leading tokens worth loading (a chunk boundary)
+    below: bool  # some of them are (or were, before the lookup read them) below the cpu tier
+    expect_s: float | None  # the load's predicted seconds (reads and copy); None: not measured yet
+
+
 @dataclass
 class RetrievedChunk:
     """A chunk being read: tokens ``[start, end)``, KV view ``[layers, 2, n, heads, size]``."""
@@ -247,7 +256,14 @@ class CacheEngine:
 
     def lookup_held(self, tokens: object, pin: bool = False, fetch: bool = False) -> tuple[int, bool]:
         """:meth:`lookup`, and whether some of the tokens offered are (or were, before
-        ``fetch`` read them) below the cpu tier.
+        ``fetch`` read them) below the cpu tier (:meth:`lookup_detail`)."""
+        held = self.lookup_detail(tokens, pin, fetch)
+        return held.tokens, held.below
+
+    def lookup_detail(self, tokens: object, pin: bool = False, fetch: bool = False) -> Held:
+        """:meth:`lookup` with what the connector plans a load by: whether some of the
+        tokens offered are (or were, before ``fetch`` read them) below the cpu tier, and
+        the seconds the cost model predicts their load takes.
 
         ``fetch`` (a lookup that runs beside the engine's steps, as the vLLM connector's
         asynchronous ones do): the chunks that only the remote tier can hold are read now
@@ -278,7 +294,8 @@ class CacheEngine:
             for obj in fetched:  # pinned (or not offered) now: eviction may take the rest
                 obj.release()
         below = any(i < n for i in landed) or any(w != "cpu" for w in leading[:n])
-        return (bounds[n - 1][1] if n else 0), below
+        expect = self.costs.predict_s(leading[:n], bounds[:n]) if n else 0.0
+        return Held(bounds[n - 1][1] if n else 0, below, expect)
 
     def _fetch(
         self,

@@ -245,16 +245,8 @@ class LoadCosts:
             seen: set[str] = set()
             copy = self._copy()
             for k, (tier, (s, e)) in enumerate(zip(where, bounds, strict=False)):
-                meter = self.tiers.get(tier)
-                nbytes = (e - s) * self.bytes_per_token
-                step = 0.0  # a tier not measured yet: loading is the default
-                if tier != "cpu" and meter is not None and meter.measured:
-                    first = tier not in seen
-                    step = meter.predict(nbytes) - (0.0 if first else meter.predict(0.0))
-                if copy is not None:  # every chunk loaded is also copied into vLLM's pages
-                    step += copy.predict(nbytes) - (copy.predict(0.0) if k else 0.0)
-                seen.add(tier)
-                load += step
+                # a tier not measured yet reads in no time here: loading is the default
+                load += self._chunk_s(k, tier, (e - s) * self.bytes_per_token, seen, copy)[0]
                 score = load - e * spt  # load the first k+1 chunks, compute the rest
                 if score < best - 1e-12:
                     best_k, best = k + 1, score
@@ -272,6 +264,39 @@ class LoadCosts:
                 self.cuts += 1
                 self.cut_tokens += bounds[len(where) - 1][1] - (bounds[best_k - 1][1] if best_k else 0)
             return best_k
+
+    def _chunk_s(
+        self, k: int, tier: str, nbytes: int, seen: set[str], copy: TierMeter | None
+    ) -> tuple[float, bool]:
+        """What loading chunk ``k`` (``nbytes`` from ``tier``) adds to a load: its tier's read
+        (a tier's latency once, its first chunk) and its copy into vLLM's pages (the copy's
+        fixed cost once); and whether the read is known (cpu, or a measured tier: an
+        unmeasured one counts as no time). Adds ``tier`` to ``seen``."""
+        step, known = 0.0, True
+        if tier != "cpu":
+            meter = self.tiers.get(tier)
+            known = meter is not None and meter.measured
+            if meter is not None and known:
+                step = meter.predict(nbytes) - (0.0 if tier not in seen else meter.predict(0.0))
+        if copy is not None:  # every chunk loaded is also copied into vLLM's pages
+            step += copy.predict(nbytes) - (copy.predict(0.0) if k else 0.0)
+        seen.add(tier)
+        return step, known
+
+    def predict_s(self, where: Sequence[str], bounds: Sequence[tuple[int, int]]) -> float | None:
+        """Seconds to load the chunks ``where`` (their tiers) over ``bounds`` (their tokens)
+        into vLLM's pages, as :meth:`cut` weighs them; ``None`` while a tier below cpu
+        among them has no figure yet."""
+        with self._lock:
+            copy = self._copy()
+            seen: set[str] = set()
+            total = 0.0
+            for k, (tier, (s, e)) in enumerate(zip(where, bounds, strict=False)):
+                step, known = self._chunk_s(k, tier, (e - s) * self.bytes_per_token, seen, copy)
+                if not known:
+                    return None
+                total += step
+            return total
 
     def figures(self) -> dict[str, Any]:
         """What this engine measured, for the router's cost model (JSON-ready)."""

@@ -188,6 +188,8 @@ class LoadJob:
     copied: int | None = None  # tokens the reader copied into the pages (``LoadJobs.copy_in``)
     copy_lock: threading.Lock = field(default_factory=threading.Lock)  # a chunk's copy vs give_up
     extra: list[list[RetrievedChunk]] = field(default_factory=list)  # hybrid: the other groups' chunks
+    started: float = field(default_factory=time.monotonic)
+    expect_s: float | None = None  # the cost model's predicted duration (None: not measured yet)
 
     def close(self) -> None:
         if self.stack is not None:
@@ -221,9 +223,11 @@ class LoadJobs:
         self.jobs: dict[str, LoadJob] = {}
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvmesh-load", initializer=background_thread)
 
-    def submit(self, spec: LoadSpec) -> None:
+    def submit(self, spec: LoadSpec, expect_s: float | None = None) -> None:
+        """Start ``spec``'s read; ``expect_s``: its predicted duration, if the cost model has one."""
         budget = self.budget_s + (self.pd_budget_s if spec.pd is not None else 0.0)
-        job = LoadJob(spec, time.monotonic() + budget)
+        now = time.monotonic()
+        job = LoadJob(spec, now + budget, started=now, expect_s=None if spec.pd is not None else expect_s)
         with self._lock:
             self.jobs[spec.req_id] = job
         self._pool.submit(self._read, job)

@@ -18,12 +18,21 @@ from kvmesh.integrations.vllm.asyncload import LoadJob, LoadJobs
 from kvmesh.integrations.vllm.hybrid import GroupStore, copy_in
 from kvmesh.integrations.vllm.layouts import PageLayout
 from kvmesh.integrations.vllm.metadata import LoadSpec
+from kvmesh.integrations.vllm.stepclock import StepClock
 
 if TYPE_CHECKING:
     from kvmesh.core.engine import RetrievedChunk
     from kvmesh.integrations.vllm.transfer import Transfer
 
 log = logging.getLogger(__name__)
+
+# A load the cost model predicts to end soon after the step's forward is waited for when
+# vLLM asks what finished, up to this share of the forward just run and at most
+# FINISH_WAIT_S: its request then starts computing at the next step instead of the one after
+# (a whole step later), and the batch's step grows by at most half of itself, once per load.
+# Measured (bench stall, 2,000 tokens from cold disk beside 4 decodes): see docs/datapath.md.
+FINISH_WAIT_SHARE = 0.5
+FINISH_WAIT_S = 0.005
 
 
 class AsyncLoadSteps:
@@ -36,6 +45,7 @@ class AsyncLoadSteps:
     _lock: threading.Lock
     groups: list[GroupStore]
     block_size: int
+    clock: StepClock
 
     def _copies(
         self, spec: LoadSpec, chunks: Sequence[RetrievedChunk]
@@ -51,6 +61,7 @@ class AsyncLoadSteps:
         copies the chunks of reads that have ended into the pages."""
         for req in finished:
             self.loads.abort(req)  # finished while waiting: vLLM frees its blocks once named
+        self._await_nearly_done()
         out: set[str] = set()
         now = time.monotonic()
         for job in self.loads.snapshot():
@@ -77,6 +88,26 @@ class AsyncLoadSteps:
                 continue
             out.add(self._copy_async(job))
         return {r for r in out if r}
+
+    def _await_nearly_done(self) -> None:
+        """Wait, for at most ``FINISH_WAIT_SHARE`` of the forward just run (and
+        ``FINISH_WAIT_S``), for the loads predicted to end within that time. Only where the
+        reader copies into the pages itself (vLLM-CPU), so that an ended read is a request
+        ready to compute; and never for a load the cost model has no figure for."""
+        last = self.clock.last_s
+        if self.loads.copy_in is None or not last:
+            return
+        end = time.monotonic() + min(FINISH_WAIT_S, FINISH_WAIT_SHARE * last)
+        for job in self.loads.snapshot():
+            if job.done.is_set() or job.expect_s is None or job.aborted:
+                continue
+            now = time.monotonic()
+            if now >= end or job.started + job.expect_s > end:
+                continue  # predicted to end later: named at a later step
+            ended = job.done.wait(end - now)
+            with self._lock:
+                self.counters["load_finish_waits"] += 1
+                self.counters["load_finish_waits_missed"] += not ended
 
     def copy_in_reader(self, job: LoadJob) -> int | None:
         """``LoadJobs.copy_in`` (vLLM-CPU, one KV cache group): the job's chunks into its

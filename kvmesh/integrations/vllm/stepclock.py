@@ -33,6 +33,7 @@ class StepClock:
         self.cuda = device.type == "cuda"
         self._open: tuple[int, int, Any] | None = None  # (tokens, requests, start)
         self._pending: deque[tuple[int, int, Any, Any]] = deque()
+        self.last_s: float | None = None  # the last forward's seconds (host-timed steps only)
 
     def begin(self, tokens: int, requests: int) -> None:
         """The forward of a step of ``tokens`` tokens (``requests`` requests) starts now."""
@@ -54,7 +55,8 @@ class StepClock:
         tokens, requests, start = self._open
         self._open = None
         if not self.cuda:
-            self.costs.observe_step(tokens, requests, time.perf_counter() - start)
+            self.last_s = time.perf_counter() - start
+            self.costs.observe_step(tokens, requests, self.last_s)
             return
         ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         ev.record()

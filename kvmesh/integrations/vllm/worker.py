@@ -110,6 +110,7 @@ class WorkerSide(AsyncLoadSteps):
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()  # the ledger and counters: the RPC thread shares them
         self._ledger: dict[str, tuple[int, Any]] = {}  # req -> (lookup seq, pins: tokens or hybrid.Pins)
+        self._expect: dict[str, tuple[int, float]] = {}  # req -> (lookup seq, its load's predicted seconds)
         self._load_errors: set[int] = set()
         self._failed_at: dict[str, int] = {}  # this step: req -> first token whose KV is bad
         self._in_kvmesh: dict[str, int] = {}  # req -> leading tokens loaded from kvmesh
@@ -176,6 +177,7 @@ class WorkerSide(AsyncLoadSteps):
             return {"pending": True}
         if not got.pop("first"):
             got.pop("pinned", None)
+            got.pop("expect_s", None)
             return got  # the same lookup asked again: same answer, pins taken once
         return self._record(req, seq, got)
 
@@ -193,9 +195,15 @@ class WorkerSide(AsyncLoadSteps):
         # An asynchronous lookup runs beside the steps: it reads what only the remote holds
         # (one round trip, not a lookup's and then a load's), and the load that follows
         # still goes beside the batch (the copy into the pages on the reader thread).
-        n, below = engine.lookup_held(arr, pin=True, fetch=fetch)
-        lower = self.async_loads == "all" or (self.async_loads == "lower" and below)
-        return {"tokens": n, "lower": bool(n and lower), "pinned": (adapter, arr[:n]) if n else None}
+        held = engine.lookup_detail(arr, pin=True, fetch=fetch)
+        n = held.tokens
+        lower = self.async_loads == "all" or (self.async_loads == "lower" and held.below)
+        return {
+            "tokens": n,
+            "lower": bool(n and lower),
+            "pinned": (adapter, arr[:n]) if n else None,
+            "expect_s": held.expect_s,
+        }
 
     def _unpin(self, pinned: Any) -> None:
         """Undo a lookup's pins (``pinned``: a hybrid model's group pins, or the adapter and
@@ -208,11 +216,14 @@ class WorkerSide(AsyncLoadSteps):
     def _record(self, req: str, seq: int, got: dict[str, Any]) -> dict[str, Any]:
         n = int(got["tokens"])
         pinned = got.pop("pinned", None)
+        expect = got.pop("expect_s", None)  # the worker's own: the scheduler plans without it
         with self._lock:
             self.counters["lookups"] += 1
             self.counters["lookup_hit_tokens"] += n
             if n and pinned is not None:
                 self._ledger[req] = (seq, pinned)
+                if expect is not None:
+                    self._expect[req] = (seq, float(expect))
         return got
 
     def release(self, req: str, seq: int | None = None) -> bool:
@@ -225,6 +236,7 @@ class WorkerSide(AsyncLoadSteps):
                     self._lookups.release(req, seq)  # one still running unpins by itself
                 return False
             del self._ledger[req]
+            self._expect.pop(req, None)
         self._lookups.release(req, seq)
         self._unpin(entry[1])
         return True
@@ -286,7 +298,10 @@ class WorkerSide(AsyncLoadSteps):
         self._submitted = meta
         for spec in meta.loads:
             if spec.load_async:
-                self.loads.submit(spec)  # read beside the steps; named once in its pages
+                with self._lock:
+                    seq, expect = self._expect.get(spec.req_id, (None, None))
+                # read beside the steps; named once in its pages
+                self.loads.submit(spec, expect if seq == spec.seq else None)
 
     def start_step(self, meta: KVMeshConnectorMetadata) -> None:
         self._close_loads()

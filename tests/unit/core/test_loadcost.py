@@ -346,3 +346,35 @@ def test_a_tier_worth_it_for_long_prefixes_is_still_asked() -> None:
     where, bounds = ["remote"] * 8, [(i * 16, (i + 1) * 16) for i in range(8)]
     assert costs.cut(where[:2], bounds[:2]) == 0  # 2 chunks: 52 ms to load, 32 ms to compute
     assert costs.cut(where, bounds) == 8  # 8 chunks: 58 ms to load, 128 ms to compute
+
+
+def test_predict_s_sums_the_reads_and_copies_a_cut_weighs() -> None:
+    costs = LoadCosts(bytes_per_token=1000)
+    bounds = [(0, 1000), (1000, 2000)]
+    assert costs.predict_s(["cpu", "cpu"], bounds) == 0.0  # nothing measured: no copy figure
+    assert costs.predict_s(["disk", "disk"], bounds) is None  # a tier with no figure: unknown
+    for _ in range(6):  # 10 ms of latency, 1 MB per 10 ms
+        costs.observe_load("disk", 1_000_000, 0.02)
+        costs.observe_load("disk", 2_000_000, 0.03)
+    got = costs.predict_s(["disk", "disk"], bounds)
+    # the tier's latency once, then its bytes: one 2 MB load as the meter fits it (~30 ms)
+    assert got == pytest.approx(costs.tiers["disk"].predict(2_000_000)) and 0.02 < got < 0.04
+    costs.observe_load("cpu", 2_000_000, 0.001)  # a copy figure: added per chunk
+    for _ in range(3):
+        costs.observe_load("cpu", 2_000_000, 0.001)
+    with_copy = costs.predict_s(["disk", "disk"], bounds)
+    assert with_copy == pytest.approx(got + costs.tiers["cpu"].predict(2_000_000))
+    assert costs.predict_s(["disk", "remote"], bounds) is None
+
+
+def test_a_lookup_reports_its_loads_predicted_seconds() -> None:
+    tokens = list(range(1, 4 * CS + 1))
+    writer, reader = _engines(tokens_per_s=50.0)
+    with writer, reader:
+        _store(writer, tokens)
+        assert reader.lookup_detail(tokens).expect_s is None  # the remote has no figure yet
+        _measure(reader, tokens)
+        held = reader.lookup_detail(tokens)
+        assert held.tokens == len(tokens) and held.below
+        want = reader.costs.predict_s(["remote"] * 4, [(i * CS, (i + 1) * CS) for i in range(4)])
+        assert want is not None and held.expect_s == pytest.approx(want)
