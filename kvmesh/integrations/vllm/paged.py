@@ -13,8 +13,8 @@ Python loop).
 
 On the host the copies go through numpy views of the same memory: a run of consecutive
 blocks is one strided slice copy, scattered blocks one fancy-indexed copy, about twice as
-fast as torch's ``index_copy_`` / ``index_select`` on a transposed source (the keys), and
-the copy releases the GIL. Other devices keep torch's kernels with device-side indices.
+fast as torch's ``index_copy_`` / ``index_select`` on a transposed source (the keys).
+Other devices keep torch's kernels with device-side indices.
 """
 
 from __future__ import annotations
