@@ -257,7 +257,7 @@ class CacheEngine:
     def lookup_held(self, tokens: object, pin: bool = False, fetch: bool = False) -> tuple[int, bool]:
         """:meth:`lookup`, and whether some of the tokens offered are (or were, before
         ``fetch`` read them) below the cpu tier (:meth:`lookup_detail`)."""
-        held = self.lookup_detail(tokens, pin, fetch)
+        held = self._held(tokens, pin, fetch, predict=False)  # every lookup: no prediction
         return held.tokens, held.below
 
     def lookup_detail(self, tokens: object, pin: bool = False, fetch: bool = False) -> Held:
@@ -271,6 +271,9 @@ class CacheEngine:
         cost two (a Redis 200 ms away: 0.2 s of the request's TTFT). They land in the cpu
         pool, pinned with the rest. Only as many are read as the cost model would load
         were they all there (:meth:`LoadCosts.cut`), so a slow remote's probe reads one."""
+        return self._held(tokens, pin, fetch, predict=True)
+
+    def _held(self, tokens: object, pin: bool, fetch: bool, predict: bool) -> Held:
         arr = as_token_array(tokens)
         keys = self.keys.keys_for_array(arr)
         bounds = self.keys.chunk_bounds(len(arr))
@@ -294,7 +297,7 @@ class CacheEngine:
             for obj in fetched:  # pinned (or not offered) now: eviction may take the rest
                 obj.release()
         below = any(i < n for i in landed) or any(w != "cpu" for w in leading[:n])
-        expect = self.costs.predict_s(leading[:n], bounds[:n]) if n else 0.0
+        expect = self.costs.predict_s(leading[:n], bounds[:n]) if n and predict else 0.0
         return Held(bounds[n - 1][1] if n else 0, below, expect)
 
     def _fetch(
