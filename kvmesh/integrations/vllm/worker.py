@@ -41,6 +41,7 @@ import torch
 from kvmesh.admin.server import AdminServer, start_admin
 from kvmesh.core.engine import CacheEngine, RetrievedChunk
 from kvmesh.core.keys import ChunkKey, as_token_array
+from kvmesh.core.lower import BOUNDED
 from kvmesh.integrations.vllm import hybrid
 from kvmesh.integrations.vllm.asyncload import LoadJobs, LookupJobs
 from kvmesh.integrations.vllm.asyncsteps import AsyncLoadSteps
@@ -122,7 +123,11 @@ class WorkerSide(AsyncLoadSteps):
         self.async_loads = async_loads
         # skip_slow_loads weighs a recompute by the batch it would stall (loadcost.py)
         engine.costs.loads_beside_batch = async_loads != "off"
-        self._lookups = LookupJobs(functools.partial(self._lookup_now, fetch=True), self._unpin)
+        # A lookup that cannot reach the remote tier cannot block: the cpu pool and the
+        # disk's index are in memory (the disk's reads only start, on its I/O threads).
+        blocking = any(BOUNDED & set(e.lower) for e in (engine, *(g.engine for g in self.groups)))
+        look = functools.partial(self._lookup_now, fetch=True)
+        self._lookups = LookupJobs(look, self._unpin, inline=not blocking)
         self.loads = LoadJobs(
             engine, engine.config.remote_timeout_s + 1.0, self.release, _tokens, pd_budget_s=pd_budget_s
         )

@@ -265,6 +265,23 @@ def test_the_prefill_rate_is_learned_from_steps() -> None:
     assert ComputeMeter(1234.0).seconds_per_token() == pytest.approx(1 / 1234.0)
 
 
+def test_the_prefill_rate_is_the_median_of_the_window_and_follows_each_step() -> None:
+    """The median is kept between steps (every lookup asks for it) and taken afresh once a
+    step is observed: the window's median, as numpy computes it."""
+    meter = ComputeMeter()
+    rng = np.random.default_rng(1)
+    seen: list[float] = []
+    for i in range(150):
+        tokens = int(rng.integers(64, 4096))
+        seconds = float(rng.uniform(0.001, 0.5))
+        meter.observe(tokens, 1, seconds)
+        seen.append(seconds / tokens)
+        if i >= 3:
+            want = float(np.median(seen[-64:]))
+            assert meter.seconds_per_token() == pytest.approx(want, rel=1e-12)
+            assert meter.seconds_per_token() == pytest.approx(want, rel=1e-12)  # asked twice
+
+
 def test_two_step_sizes_do_not_switch_the_cpu_tier_off() -> None:
     """Found by kvmesh bench ttft: every step was a 1,000-token prompt or its 104-token reload
     tail; a fitted slope collapsed to its bound and every cpu hit was cut from then on."""

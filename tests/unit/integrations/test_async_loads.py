@@ -8,6 +8,7 @@ tests/integration)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -362,6 +363,39 @@ def test_polls_of_a_lookup_still_running_do_not_wait(slow_remote_worker: WorkerS
         assert w.lookup("b", 1, TOKENS[:1024], detail=True) == {"pending": True}
         waits.append(time.perf_counter() - t0)
     assert sorted(waits)[2] < 0.01  # the median poll: no LOOKUP_WAIT_S (20 ms) in it
+
+
+def test_a_lookup_without_a_remote_runs_in_the_callers_thread_and_one_with_it_on_the_pool(
+    slow_remote_worker: WorkerSide, tmp_path: Path
+) -> None:
+    """Nothing the lookup of an engine without a remote tier asks can block (the cpu pool and
+    the disk's index are in memory), so it runs in the RPC thread that asked: no hand-off to
+    the pool and back on the scheduler's path. One that may ask the remote runs on the
+    pool, so a slow remote answers "pending" instead of holding the step."""
+    threads: list[str] = []
+    config = {"chunk_size": 256, "max_local_cpu_size": 0.01, "local_disk": str(tmp_path)}
+    engine = CacheEngine(config, layout=LAYOUT, model_id="cpu-and-disk")
+    local = WorkerSide(engine, paged(num_blocks=24), BS)
+    try:
+        for w in (local, slow_remote_worker):
+            look = w._lookups._lookup
+            w._lookups._lookup = lambda arr, adapter, look=look: (
+                threads.append(threading.current_thread().name),
+                look(arr, adapter),
+            )[1]
+        local.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", TOKENS[:1024], SRC, 0)]))
+        assert local.wait_for_writes(10)
+        assert local.lookup("b", 1, TOKENS[:1024], detail=True) == {"tokens": 1024, "lower": False}
+        assert threads == [threading.current_thread().name]
+        assert local.release("b", 1) and local.engine.stats()["cpu"]["pinned"] == 0
+        local.clear("cpu")  # a disk hit: still in the caller's thread
+        assert local.lookup("d", 1, TOKENS[:1024], detail=True) == {"tokens": 1024, "lower": True}
+        assert threads == [threading.current_thread().name] * 2
+        assert local.release("d", 1)
+        settled(slow_remote_worker, "c", 1, TOKENS[:1024])
+        assert threads[2].startswith("kvmesh-lookup")
+    finally:
+        local.close()
 
 
 def test_a_load_past_its_budget_is_recomputed_and_never_written_late(slow_remote_worker: WorkerSide) -> None:
