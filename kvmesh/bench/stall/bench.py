@@ -35,6 +35,7 @@ from typing import Any
 
 from kvmesh.bench.runner import REPO_ROOT, interleaved, paired_ratios, print_table, provenance, ratio_summary
 from kvmesh.bench.runner import write_json as _write_json
+from kvmesh.bench.ttft.bench import QUIET_S
 from kvmesh.bench.ttft.proc import Worker
 from kvmesh.errors import ProcessError
 from kvmesh.harness.model import DEFAULT_BENCH_MODEL, ensure_model
@@ -87,10 +88,17 @@ def _trial(w: Worker, proxy: SlowProxy, source: str, k: int) -> dict[str, Any]:
     prep = w.call(300, op="prepare", source=source, trial=k)
     if source == "redis_hung":
         _signal(proxy, signal.SIGSTOP)
+    # Each timed run starts once every vLLM worker has stopped spinning: a worker busy-polls
+    # its queue (sched_yield) for ~1 s after each step, and all of them are bound to the
+    # compute core. Without the pause the run that followed another mode's trial (the loaded
+    # one) shared that core with its worker, the run after it (alone) did not: the ratio
+    # carried the other process's spin (an "alone" p99 of 114 ms beside 7-20 ms in one run).
+    time.sleep(QUIET_S)
     try:
         loaded = w.call(600, op="run", with_load=True, trial=k)
     finally:
         _signal(proxy, signal.SIGCONT)
+    time.sleep(QUIET_S)
     alone = w.call(600, op="run", with_load=False, trial=k)
     if source == "redis_hung":
         time.sleep(2.0)  # the breaker's probe finds Redis again before the next trial
