@@ -112,7 +112,7 @@ class LookupJobs:
     ):
         self._lookup = lookup
         self._unpin = unpin
-        # Nothing the lookup asks can block (no remote tier): it runs in the caller's
+        # Nothing the lookup asks can block (the cpu tier alone): it runs in the caller's
         # thread. The pool's hand-off (two thread wake-ups, each waiting for the GIL beside
         # vLLM's busy worker) cost a cpu-only lookup ~0.5 ms of the scheduler's step.
         self.inline = inline

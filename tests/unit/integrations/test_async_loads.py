@@ -365,19 +365,23 @@ def test_polls_of_a_lookup_still_running_do_not_wait(slow_remote_worker: WorkerS
     assert sorted(waits)[2] < 0.01  # the median poll: no LOOKUP_WAIT_S (20 ms) in it
 
 
-def test_a_lookup_without_a_remote_runs_in_the_callers_thread_and_one_with_it_on_the_pool(
+def test_a_cpu_only_lookup_runs_in_the_callers_thread_and_a_lower_tier_one_on_the_pool(
     slow_remote_worker: WorkerSide, tmp_path: Path
 ) -> None:
-    """Nothing the lookup of an engine without a remote tier asks can block (the cpu pool and
-    the disk's index are in memory), so it runs in the RPC thread that asked: no hand-off to
-    the pool and back on the scheduler's path. One that may ask the remote runs on the
-    pool, so a slow remote answers "pending" instead of holding the step."""
+    """Nothing the lookup of a cpu-only engine asks can block, so it runs in the RPC thread
+    that asked: no hand-off to the pool and back on the scheduler's path. An engine with a
+    lower tier keeps the pool: a slow remote answers "pending" instead of holding the step,
+    and a disk's lookup (which starts its reads) stays where it was measured faster."""
     threads: list[str] = []
-    config = {"chunk_size": 256, "max_local_cpu_size": 0.01, "local_disk": str(tmp_path)}
-    engine = CacheEngine(config, layout=LAYOUT, model_id="cpu-and-disk")
-    local = WorkerSide(engine, paged(num_blocks=24), BS)
+    local = WorkerSide(
+        CacheEngine({"chunk_size": 256, "max_local_cpu_size": 0.01}, layout=LAYOUT, model_id="cpu"),
+        paged(num_blocks=24),
+        BS,
+    )
+    disk_config = {"chunk_size": 256, "max_local_cpu_size": 0.01, "local_disk": str(tmp_path)}
+    disk = WorkerSide(CacheEngine(disk_config, layout=LAYOUT, model_id="disk"), paged(num_blocks=24), BS)
     try:
-        for w in (local, slow_remote_worker):
+        for w in (local, disk, slow_remote_worker):
             look = w._lookups._lookup
             w._lookups._lookup = lambda arr, adapter, look=look: (
                 threads.append(threading.current_thread().name),
@@ -388,14 +392,12 @@ def test_a_lookup_without_a_remote_runs_in_the_callers_thread_and_one_with_it_on
         assert local.lookup("b", 1, TOKENS[:1024], detail=True) == {"tokens": 1024, "lower": False}
         assert threads == [threading.current_thread().name]
         assert local.release("b", 1) and local.engine.stats()["cpu"]["pinned"] == 0
-        local.clear("cpu")  # a disk hit: still in the caller's thread
-        assert local.lookup("d", 1, TOKENS[:1024], detail=True) == {"tokens": 1024, "lower": True}
-        assert threads == [threading.current_thread().name] * 2
-        assert local.release("d", 1)
+        settled(disk, "c", 1, TOKENS[:1024])
         settled(slow_remote_worker, "c", 1, TOKENS[:1024])
-        assert threads[2].startswith("kvmesh-lookup")
+        assert [t.startswith("kvmesh-lookup") for t in threads[1:]] == [True, True]
     finally:
         local.close()
+        disk.close()
 
 
 def test_a_load_past_its_budget_is_recomputed_and_never_written_late(slow_remote_worker: WorkerSide) -> None:
