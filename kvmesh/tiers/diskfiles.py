@@ -89,8 +89,15 @@ class ChunkFiles:
         self._trace: TextIO | None = None
         self._trace_lock = threading.Lock()
         self._inflight = 0
-        # Its threads start on the first each (read) or advise, not here.
+        # Its threads start here, on the cores of the thread that opens the tier (the vLLM
+        # worker opens it on its background cores). Started by the first read instead, the
+        # eight starts (each waiting for the GIL beside vLLM's busy worker) took ~6 ms of the
+        # first lookup that advised the disk: past the scheduler's wait, a step for its request.
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvmesh-disk-io")
+        gate = threading.Event()
+        for _ in range(IO_THREADS):  # none idle while the gate is shut: each submit starts one
+            self._io.submit(gate.wait, 1.0)
+        gate.set()
         if io_trace:
             self._trace = open(io_trace, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
 

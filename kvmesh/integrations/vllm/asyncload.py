@@ -198,6 +198,7 @@ class LoadJob:
     extra: list[list[RetrievedChunk]] = field(default_factory=list)  # hybrid: the other groups' chunks
     started: float = field(default_factory=time.monotonic)
     expect_s: float | None = None  # the cost model's predicted duration (None: not measured yet)
+    waited: bool = False  # get_finished waited for it once (asyncsteps.py): never again
 
     def close(self) -> None:
         if self.stack is not None:

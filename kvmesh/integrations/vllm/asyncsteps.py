@@ -29,7 +29,10 @@ log = logging.getLogger(__name__)
 # A load the cost model predicts to end soon after the step's forward is waited for when
 # vLLM asks what finished, up to this share of the forward just run and at most
 # FINISH_WAIT_S: its request then starts computing at the next step instead of the one after
-# (a whole step later), and the batch's step grows by at most half of itself, once per load.
+# (a whole step later). Each load is waited for once at most, so the batch's step grows by at
+# most half of itself, once per load. A load the cost model has no figure for yet (a tier's
+# first loads in this process) is waited for once too, at the first step after it started:
+# never waiting cost each of a fresh engine's first lower-tier hits a step.
 # Measured (bench stall, 2,000 tokens from cold disk beside 4 decodes): see docs/datapath.md.
 FINISH_WAIT_SHARE = 0.5
 FINISH_WAIT_S = 0.005
@@ -91,19 +94,21 @@ class AsyncLoadSteps:
 
     def _await_nearly_done(self) -> None:
         """Wait, for at most ``FINISH_WAIT_SHARE`` of the forward just run (and
-        ``FINISH_WAIT_S``), for the loads predicted to end within that time. Only where the
-        reader copies into the pages itself (vLLM-CPU), so that an ended read is a request
-        ready to compute; and never for a load the cost model has no figure for."""
+        ``FINISH_WAIT_S``), for the loads predicted to end within that time, or with no
+        figure yet; each load once at most. Only where the reader copies into the pages
+        itself (vLLM-CPU), so that an ended read is a request ready to compute; never for a
+        PD pull (a transfer of the whole prompt, not predicted)."""
         last = self.clock.last_s
         if self.loads.copy_in is None or not last:
             return
         end = time.monotonic() + min(FINISH_WAIT_S, FINISH_WAIT_SHARE * last)
         for job in self.loads.snapshot():
-            if job.done.is_set() or job.expect_s is None or job.aborted:
+            if job.done.is_set() or job.aborted or job.waited or job.spec.pd is not None:
                 continue
             now = time.monotonic()
-            if now >= end or job.started + job.expect_s > end:
+            if now >= end or (job.expect_s is not None and job.started + job.expect_s > end):
                 continue  # predicted to end later: named at a later step
+            job.waited = True
             ended = job.done.wait(end - now)
             with self._lock:
                 self.counters["load_finish_waits"] += 1
