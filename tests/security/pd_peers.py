@@ -43,6 +43,11 @@ def options(key_path: str | None, **extra: Any) -> ConnectorOptions:
         "admin_enabled": False,
         "fleet_key_file": key_path,
         "pd_fetch_timeout_s": FETCH_TIMEOUT_S,
+        # A genuine pull's handshake gets the whole fetch budget, not the 1 s default: on a
+        # loaded CI host the first one in a long-lived pytest process once took over 1 s
+        # (a timeout, so recompute, which the slow-peer tests would read as a failure). The
+        # tests here measure refusals and delays, not the connect budget.
+        "pd_connect_timeout_s": FETCH_TIMEOUT_S,
         "pd_pin_timeout_s": 60,
     }
     return ConnectorOptions.from_extra_config({**base, **extra}, environ={})
