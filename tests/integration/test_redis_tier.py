@@ -134,6 +134,30 @@ def test_a_new_connection_sends_no_client_setinfo(redis_server, redis_url) -> No
         admin.close()
 
 
+def test_replies_are_parsed_by_hiredis(redis_url, open_redis) -> None:
+    """The tier's connections parse with hiredis (a dependency: redis-py picks it whenever it
+    is installed), and a multi-part chunk read through it comes back whole. Its pure-Python
+    parser took ~23 ms for a 2,000-token reload's 11.8 MB of replies, hiredis ~6 ms."""
+    from redis.utils import HIREDIS_AVAILABLE
+
+    from kvmesh.tiers.redis_wire import make_client
+
+    assert HIREDIS_AVAILABLE, "hiredis is a kvmesh dependency: pip install -e ."
+    client = make_client(redis_url, timeout_s=2.0)
+    conn = client.connection_pool.get_connection()
+    try:
+        assert type(conn._parser).__name__ == "_HiredisParser"
+    finally:
+        client.connection_pool.release(conn)
+        client.close()
+    tier = open_redis(redis_url)
+    tier.part_bytes = 1000  # many parts per chunk
+    keys, chunks = make_chunks(KB, 3)
+    assert tier.put(keys, chunks) == [True] * 3
+    for g, c in zip(tier.get(keys), chunks, strict=True):
+        assert_same(g, c)
+
+
 def test_batched_contains_and_get(redis_url, open_redis) -> None:
     tier = open_redis(redis_url)
     keys, chunks = make_chunks(KB, 6)
