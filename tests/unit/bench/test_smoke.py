@@ -37,8 +37,9 @@ SMOKE: dict[str, tuple[str, bool | None, tuple[pytest.MarkDecorator, ...]]] = {
     # the hybrid model's row (one vLLM; the dense rows' code is the same but for the model):
     # 512 tokens stored
     "ttft": ("--setups kvmesh_cpu:swa --lengths 600 --trials 1 --model {model}", True, VLLM),
-    # one source (the e2e tests run the far and hung Redis: test_async_stall, test_remote_stall)
-    "stall": ("--smoke --sources disk --model {model}", True, VLLM),
+    # one source and one mode, one vLLM (the e2e tests run the far and hung Redis and the
+    # synchronous path: test_async_stall, test_remote_stall)
+    "stall": ("--smoke --sources disk --modes async --model {model}", True, VLLM),
     "router": (
         "--quick --setups kvmesh:kvmesh --workloads default --loads light --repeats 1 --no-overhead "
         "--model {model}",
