@@ -133,12 +133,15 @@ def paired_ratio(new: Mapping[str, Any], old: Mapping[str, Any], key: str) -> fl
 
 
 def _step(new: Mapping[str, Any], old: Mapping[str, Any]) -> str:
-    """What changed from row ``old`` to row ``new``, in a clause (x: paired ratios)."""
+    """What changed from row ``old`` to row ``new``, in a clause. The x figures are medians of
+    paired ratios (same repeat, back to back) and the seconds are each row's medians over the
+    repeats, so on a noisy run a ratio below 1 can sit beside medians that rose: the
+    clause says which is which."""
     return (
         f"hit rate {old['hit_rate']:.2f} -> {new['hit_rate']:.2f}, "
         f"TTFT p50 {_x(paired_ratio(new, old, 'ttft_p50_s'))} and "
         f"p90 {_x(paired_ratio(new, old, 'ttft_p90_s'))} "
-        f"({old['ttft_p90_s']:.3f} -> {new['ttft_p90_s']:.3f} s), "
+        f"(paired; medians {old['ttft_p90_s']:.3f} -> {new['ttft_p90_s']:.3f} s), "
         f"requests/s {_x(paired_ratio(new, old, 'requests_per_s'))}"
     )
 
@@ -148,8 +151,8 @@ def _share(split: Mapping[str, Any], what: str) -> str:
     if cache is None:
         return f"{what} did not change"
     if not split["gain"]:
-        return f"{what} got worse overall (cache {cache:.0f}%, router {router:.0f}% of it)"
-    return f"of the gain in {what} the cache gives {cache:.0f}% and the router {router:.0f}%"
+        return f"{what} (medians) got worse overall (cache {cache:.0f}%, router {router:.0f}% of it)"
+    return f"of the gain in {what} (medians) the cache gives {cache:.0f}% and the router {router:.0f}%"
 
 
 def sentences(rows: Mapping[Setup, Mapping[str, Any]]) -> list[str]:

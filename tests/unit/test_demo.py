@@ -60,12 +60,12 @@ def test_one_sentence_per_row_with_each_share() -> None:
     assert len(lines) == 3
     assert lines[0].startswith("plain vLLM + round-robin (what users run today): hit rate 0.40")
     assert lines[1].startswith("kvmesh replicas + round-robin, the cache's share: hit rate 0.40 -> 0.68")
-    assert "p90 x0.80 (0.400 -> 0.320 s)" in lines[1]
+    assert "p90 x0.80 (paired; medians 0.400 -> 0.320 s)" in lines[1]
     assert lines[2].startswith("kvmesh replicas + kvmesh router, the router's share: hit rate 0.68 -> 0.70")
-    assert "p90 x0.88 (0.320 -> 0.280 s)" in lines[2]  # the router's step
-    assert "p90 x0.70 (0.400 -> 0.280 s)" in lines[2]  # the whole way from plain vLLM
-    assert "of the gain in TTFT p90 the cache gives 67% and the router 33%" in lines[2]
-    assert "of the gain in requests/s the cache gives 30% and the router 70%" in lines[2]
+    assert "p90 x0.88 (paired; medians 0.320 -> 0.280 s)" in lines[2]  # the router's step
+    assert "p90 x0.70 (paired; medians 0.400 -> 0.280 s)" in lines[2]  # the whole way from plain vLLM
+    assert "of the gain in TTFT p90 (medians) the cache gives 67% and the router 33%" in lines[2]
+    assert "of the gain in requests/s (medians) the cache gives 30% and the router 70%" in lines[2]
 
 
 def test_sentences_say_when_a_setup_has_no_figures() -> None:
@@ -74,7 +74,7 @@ def test_sentences_say_when_a_setup_has_no_figures() -> None:
         "kvmesh replicas + round-robin: no figures (ProcessError: vLLM replica exited)."
     ]
     worse = {**ROWS, demo.KVMESH: _row(0.70, 0.3, 0.5, 8.0)}
-    assert "TTFT p90 got worse overall" in demo.sentences(worse)[2]
+    assert "TTFT p90 (medians) got worse overall" in demo.sentences(worse)[2]
 
 
 def test_table_compares_every_p90_with_plain_vllm() -> None:
