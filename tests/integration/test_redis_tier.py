@@ -140,18 +140,14 @@ def test_replies_are_parsed_by_hiredis(redis_url, open_redis) -> None:
     parser took ~23 ms for a 2,000-token reload's 11.8 MB of replies, hiredis ~6 ms."""
     from redis.utils import HIREDIS_AVAILABLE
 
-    from kvmesh.tiers.redis_wire import make_client
-
     assert HIREDIS_AVAILABLE, "hiredis is a kvmesh dependency: pip install -e ."
-    client = make_client(redis_url, timeout_s=2.0)
-    conn = client.connection_pool.get_connection()
+    tier = open_redis(redis_url, part_bytes=1000)  # many parts per chunk
+    pool = tier._client.connection_pool
+    conn = pool.get_connection()
     try:
         assert type(conn._parser).__name__ == "_HiredisParser"
     finally:
-        client.connection_pool.release(conn)
-        client.close()
-    tier = open_redis(redis_url)
-    tier.part_bytes = 1000  # many parts per chunk
+        pool.release(conn)
     keys, chunks = make_chunks(KB, 3)
     assert tier.put(keys, chunks) == [True] * 3
     for g, c in zip(tier.get(keys), chunks, strict=True):
