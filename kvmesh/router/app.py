@@ -29,7 +29,7 @@ from kvmesh.router.config import RouterConfig
 from kvmesh.router.controller import Controller
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.pd import PDRouter
-from kvmesh.router.proxy import RETRYABLE, end_to_end, error_response, relay
+from kvmesh.router.proxy import RETRYABLE, end_to_end, error_response, opening, relay
 from kvmesh.router.rebuild import Rebuilder
 from kvmesh.router.upstream import Upstream
 from kvmesh.routing.body import drop_transfer_params
@@ -222,6 +222,7 @@ class RouterService:
             raise ClosedError("the router application was not started")
         headers = end_to_end(request.headers).items()
         attempts = 0
+        broke: str | None = None  # the last answer that broke off before its opening
         for name in ticket.ranked:
             replica = self.pool.replicas.get(name)
             if replica is None or not replica.healthy:
@@ -248,19 +249,39 @@ class RouterService:
             except UpstreamError as exc:
                 ticket.finished()
                 return self._refuse(path, 502, f"replica {name} failed: {exc}")
+            headed = time.perf_counter()
             try:
-                self._labels.get(self.metrics.upstream_latency, name).observe(time.perf_counter() - sent)
+                first = await opening(resp, ticket.stream)
+            except UpstreamError as exc:
+                # It died mid-answer (its connection closed) before anything of the answer
+                # reached the client: another replica may answer, as after a connect failure.
+                resp.release()
+                ticket.failed()
+                self._broken()
+                self.pool.mark_failed(name, f"POST {path}: the answer broke off: {exc}")
+                broke = f"replica {name} broke off its answer: {exc}"
+                continue
+            except BaseException as exc:
+                resp.release()
+                ticket.finished()
+                if isinstance(exc, TimeoutError):
+                    return self._refuse(path, 504, f"replica {name} did not answer in time")
+                raise
+            try:
+                self._labels.get(self.metrics.upstream_latency, name).observe(headed - sent)
                 ticket.served(name, resp.status)
                 if not ticket.stream:
                     ticket.first_byte()  # a whole answer: its headers come after its prefill
                 self._labels.get(self.metrics.requests, path, str(resp.status)).inc()
                 shown = name if self.config.replica_header else None
-                return await relay(request, resp, ticket.stream, name, self._broken, ticket.first_byte, shown,
-                                   self.config.write_timeout_s)  # fmt: skip
+                return await relay(request, resp, first, ticket.stream, name, self._broken, ticket.first_byte,
+                                   shown, self.config.write_timeout_s)  # fmt: skip
             finally:
                 resp.release()
                 ticket.finished()
         ticket.finished()
+        if broke is not None:
+            return self._refuse(path, 502, f"{broke} ({attempts} replica(s) tried)")
         if attempts:
             return self._unavailable(path, f"could not connect to {attempts} replica(s); retry later")
         return self._unavailable(path)

@@ -38,7 +38,10 @@ class RouterMetrics:
             "kvmesh_router_errors", "requests the router refused or failed", ("kind",), registry=r
         )
         self.retries = Counter(
-            "kvmesh_router_retries", "requests sent to another replica after a connect failure", registry=r
+            "kvmesh_router_retries",
+            "requests sent to another replica after a connect failure, or after an answer that broke off "
+            "before anything of it reached the client",
+            registry=r,
         )
         self.overhead = Histogram(
             "kvmesh_router_overhead_seconds",

@@ -2,7 +2,9 @@
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with vLLM's
 type names, so clients cannot tell the router from a replica. Streams are relayed chunk by
-chunk as they arrive; nothing is re-encoded.
+chunk as they arrive; nothing is re-encoded. Nothing goes to the client before an answer's
+opening has arrived (a whole answer's body, a stream's first chunk), so an answer that breaks
+off before it (the replica died) is sent to another replica, not to the client.
 """
 
 from __future__ import annotations
@@ -49,9 +51,26 @@ def error_response(status: int, message: str, param: str | None = None, **header
     )
 
 
+def is_stream(resp: UpstreamResponse, stream: bool) -> bool:
+    """Whether ``resp`` is relayed as an SSE stream (``stream``: the client asked for one)."""
+    return stream and resp.status == 200 and resp.content_type == "text/event-stream"
+
+
+async def opening(resp: UpstreamResponse, stream: bool) -> bytes:
+    """What must have arrived before anything of ``resp`` goes to the client: a whole
+    answer's body, or an SSE stream's first chunk (b"" for a stream that ends at once).
+
+    Raises :class:`UpstreamError` when the answer breaks off before that: the client has
+    seen nothing of it, so another replica may take the request. ``TimeoutError`` when the
+    replica is silent for longer than the read timeout.
+    """
+    return await (resp.read_chunk() if is_stream(resp, stream) else resp.read())
+
+
 async def relay(
     request: web.Request,
     resp: UpstreamResponse,
+    first: bytes,
     stream: bool,
     name: str,
     on_broken: Callable[[], None],
@@ -59,32 +78,30 @@ async def relay(
     shown: str | None = None,
     write_timeout_s: float = 30.0,
 ) -> web.StreamResponse:
-    """Answer ``request`` with the upstream's ``resp``: whole, or an SSE stream chunk by chunk.
+    """Answer ``request`` with the upstream's ``resp``, whose :func:`opening` was ``first``:
+    whole, or an SSE stream chunk by chunk.
 
-    ``on_first_chunk`` is called when a stream's first chunk arrives: the replica has
-    finished the prompt's prefill (vLLM streams nothing before the first token).
-    ``shown``: the replica name for the ``x-kvmesh-replica`` header (None: no header; it
-    would tell any client which replica caches which prefix). A client that takes none of
-    a stream's bytes for ``write_timeout_s`` is dropped, and the upstream stream with it.
+    ``on_first_chunk`` is called with a stream's first chunk: the replica has finished the
+    prompt's prefill (vLLM streams nothing before the first token). ``shown``: the replica
+    name for the ``x-kvmesh-replica`` header (None: no header; it would tell any client
+    which replica caches which prefix). A client that takes none of a stream's bytes for
+    ``write_timeout_s`` is dropped, and the upstream stream with it.
     """
     headers = end_to_end(resp.headers)
     if shown is not None:
         headers[REPLICA_HEADER] = shown
-    if not (stream and resp.status == 200 and resp.content_type == "text/event-stream"):
-        try:
-            body = await resp.read()
-        except (UpstreamError, TimeoutError) as exc:
-            on_broken()
-            return error_response(502, f"replica {name} broke off its answer: {exc!r}")
-        return web.Response(status=resp.status, body=body, headers=headers)
+    if not is_stream(resp, stream):
+        return web.Response(status=resp.status, body=first, headers=headers)
     out = web.StreamResponse(status=resp.status, headers=headers)
     await out.prepare(request)
     try:
-        while chunk := await resp.read_chunk():
+        chunk = first
+        while chunk:
             if on_first_chunk is not None:
                 on_first_chunk()
                 on_first_chunk = None
             await _write(out, chunk, write_timeout_s)
+            chunk = await resp.read_chunk()
         await out.write_eof()
     except ConnectionResetError:
         pass  # the client left (aiohttp's write error is one); releasing resp ends the upstream stream

@@ -60,6 +60,8 @@ class FakeVLLM:
     ``prefill_s`` (a stream's headers go at once, as vLLM's do, its first chunk this much
     later), ``chunks`` (SSE chunks per streamed answer), ``chunk_delay_s`` (between them),
     ``abort_after_chunks`` (cut the connection after that many chunks, like a crash),
+    ``abort_body_after`` (a whole answer: its headers and this many bytes of its body, then
+    the connection cut),
     ``gauges`` (False: ``/metrics`` without vLLM's gauges; ``metrics_requests`` counts scrapes),
     ``max_model_len`` (what ``/v1/models`` reports, as vLLM does; None: not reported),
     ``extra_metrics`` (text appended to ``/metrics``: kvmesh's own ``kvmesh:*`` gauges),
@@ -83,6 +85,7 @@ class FakeVLLM:
         self.chunks = 3
         self.chunk_delay_s = 0.0
         self.abort_after_chunks: int | None = None  # drop the connection mid-stream (a crash)
+        self.abort_body_after: int | None = None  # the same, mid-way through a whole answer
         self.gauges = True  # False: /metrics without vLLM's gauges (--disable-log-stats)
         self.max_model_len: int | None = 131072
         self.extra_metrics = ""
@@ -179,6 +182,13 @@ class FakeVLLM:
             usage = {"prompt_tokens": 1, "completion_tokens": self.chunks, "total_tokens": 1 + self.chunks}
             head = {"id": rid, "object": kind, "created": int(time.time()), "model": asked}
             body_out = json.dumps({**head, "choices": [choice], "usage": usage}).encode()
+            if self.abort_body_after is not None and request.transport is not None:
+                cut = web.StreamResponse(headers={"Content-Type": "application/json"})
+                cut.content_length = len(body_out)
+                await cut.prepare(request)
+                await cut.write(body_out[: self.abort_body_after])
+                request.transport.abort()
+                return cut
             self.responses.append(body_out)
             return web.Response(body=body_out, content_type="application/json")
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

@@ -222,6 +222,58 @@ def test_killed_replica_connect_failure_goes_to_the_next(
     assert "kvmesh_router_retries_total 1.0" in client.get(router.url + "/metrics").text
 
 
+def test_an_answer_broken_off_before_the_client_saw_it_goes_to_the_next(
+    make_router: MakeRouter, fakes: dict[str, FakeVLLM], client: httpx.Client
+) -> None:
+    """A replica killed after its answer's headers but before the end of its body (the
+    window a SIGKILL mid-answer leaves): nothing of it reached the client, so the router
+    sends the request to the next replica instead of answering 502."""
+    fakes["a"].abort_body_after = 20
+    router = make_router(health_interval_s=60)  # only the proxy itself can notice the death
+    for i in range(12):
+        resp = complete(client, router, words(200 + i, 30))
+        assert resp.status_code == 200, resp.text
+        assert served_by(resp) == "b" and resp.json()["choices"][0]["text"].startswith("b:0")
+    state = client.get(router.url + "/kvmesh/state").json()
+    a = next(r for r in state["replicas"] if r["name"] == "a")
+    assert not a["healthy"] and "the answer broke off" in a["last_error"]
+    metrics = client.get(router.url + "/metrics").text
+    assert "kvmesh_router_retries_total 1.0" in metrics
+    assert 'kvmesh_router_errors_total{kind="upstream_broken"} 1.0' in metrics
+    pool = router.service.pool
+    wait_for(lambda: all(r.state.in_flight == 0 for r in pool.replicas.values()))
+
+
+def test_a_stream_broken_off_before_its_first_chunk_goes_to_the_next(
+    make_router: MakeRouter, fakes: dict[str, FakeVLLM], client: httpx.Client
+) -> None:
+    """A stream's headers reach the client only with its first chunk: a replica that dies
+    during the prefill (headers sent, no token yet) leaves the request to the next one."""
+    fakes["a"].abort_after_chunks = 0
+    router = make_router(health_interval_s=60)
+    for i in range(6):
+        body = {"model": "tiny", "prompt": words(300 + i, 30), "stream": True}
+        with client.stream("POST", router.url + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200 and served_by(resp) == "b"
+            got = resp.read()
+        events = [e for e in got.split(b"\n\n") if e]
+        assert len(events) == 4 and events[-1] == b"data: [DONE]", got  # 3 chunks and [DONE]
+        assert all(b'"error"' not in e for e in events)
+    assert "kvmesh_router_retries_total 1.0" in client.get(router.url + "/metrics").text
+
+
+def test_answers_broken_off_by_every_replica_are_a_502(
+    make_router: MakeRouter, fakes: dict[str, FakeVLLM], client: httpx.Client
+) -> None:
+    for f in fakes.values():
+        f.abort_body_after = 5
+    router = make_router(health_interval_s=60)
+    err = assert_openai_error(complete(client, router, words(400, 30)), 502, "BadGatewayError")
+    assert "broke off its answer" in err["message"] and "2 replica(s) tried" in err["message"]
+    pool = router.service.pool
+    wait_for(lambda: all(r.state.in_flight == 0 for r in pool.replicas.values()))
+
+
 def test_health_checks_remove_and_readd(
     make_router: MakeRouter, fakes: dict[str, FakeVLLM], client: httpx.Client
 ) -> None:
