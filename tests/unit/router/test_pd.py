@@ -39,7 +39,8 @@ PARAMS = {
 class PDFake(FakeVLLM):
     """A fake vLLM that acts as a producer: a prefill request (``kv_transfer_params.
     do_remote_decode``) is answered per ``mode``: ``ok`` (with :data:`PARAMS`), ``500``,
-    ``hang`` (answers after ``hang_s``), ``none`` (a normal answer, no transfer parameters)."""
+    ``hang`` (answers after ``hang_s``), ``none`` (a normal answer, no transfer parameters),
+    ``cut`` (the answer's headers and a few bytes, then the connection cut: a crash)."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
@@ -59,6 +60,14 @@ class PDFake(FakeVLLM):
             return await super()._answer(request, body, chat)
         choice = {"index": 0, "text": "x", "finish_reason": "length"}
         out = {"id": "cmpl-p", "object": "text_completion", "choices": [choice], "kv_transfer_params": PARAMS}
+        if self.mode == "cut" and request.transport is not None:
+            data = json.dumps(out).encode()
+            cut = web.StreamResponse(headers={"Content-Type": "application/json"})
+            cut.content_length = len(data)
+            await cut.prepare(request)
+            await cut.write(data[:10])
+            request.transport.abort()
+            return cut
         return web.json_response(out)
 
 
@@ -227,6 +236,36 @@ def test_producer_gone_falls_back(make_router: MakeRouter, fakes: dict[str, PDFa
     assert bodies(fakes["d"]) == [expected]  # the router owns kv_transfer_params in pd mode
     reasons = ("unreachable", "no_prefill_replica")  # connect refused, or health already saw it
     assert sum(metric(router, "kvmesh_router_pd_fallbacks_total", reason=r) for r in reasons) == 1
+
+
+def test_a_prefill_answer_broken_off_goes_to_the_next_producer(
+    tok_dir: Path, fakes: dict[str, PDFake]
+) -> None:
+    """A producer killed between its answer's headers and the end of its body: the prefill
+    goes to the next producer (as after a connect failure), not to a decode-only fallback."""
+    fakes["p"].mode = "cut"
+    q = PDFake("q").start()
+    try:
+        base = pd_config(tok_dir, fakes)
+        replicas = (*base.replicas, ReplicaConfig(url=q.url, name="q", role="prefill"))
+        router = Router(RouterConfig.from_dict({**base.model_dump(), "replicas": replicas})).start()
+        try:
+            sent = 0
+            while sent < 4 or not bodies(fakes["p"]):  # until p has been tried (up to 20)
+                assert sent < 20, "the producer p was never tried"
+                resp = httpx.post(router.url + "/v1/completions", json=long_body(False, sent), timeout=10)
+                assert resp.status_code == 200 and resp.headers["x-kvmesh-replica"] == "d"
+                sent += 1
+            cut = len(bodies(fakes["p"]))
+            assert metric(router, "kvmesh_router_pd_requests_total", path="pd") == sent
+            assert metric(router, "kvmesh_router_pd_requests_total", path="fallback") == 0
+            assert len(bodies(q)) == sent  # every prefill ended on q
+            assert metric(router, "kvmesh_router_errors_total", kind="upstream_broken") == cut
+            assert all(b["kv_transfer_params"] == PARAMS for b in bodies(fakes["d"]))
+        finally:
+            router.stop()
+    finally:
+        q.stop()
 
 
 def test_no_decode_replica_is_a_503(make_router: MakeRouter, fakes: dict[str, PDFake]) -> None:
