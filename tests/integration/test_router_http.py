@@ -230,10 +230,13 @@ def test_an_answer_broken_off_before_the_client_saw_it_goes_to_the_next(
     sends the request to the next replica instead of answering 502."""
     fakes["a"].abort_body_after = 20
     router = make_router(health_interval_s=60)  # only the proxy itself can notice the death
-    for i in range(12):
+    i = 0
+    while i < 6 or not fakes["a"].requests:  # until a has been tried (its prompt ranked it first)
+        assert i < 40, "no prompt was routed to a first"
         resp = complete(client, router, words(200 + i, 30))
         assert resp.status_code == 200, resp.text
         assert served_by(resp) == "b" and resp.json()["choices"][0]["text"].startswith("b:0")
+        i += 1
     state = client.get(router.url + "/kvmesh/state").json()
     a = next(r for r in state["replicas"] if r["name"] == "a")
     assert not a["healthy"] and "the answer broke off" in a["last_error"]
@@ -251,7 +254,10 @@ def test_a_stream_broken_off_before_its_first_chunk_goes_to_the_next(
     during the prefill (headers sent, no token yet) leaves the request to the next one."""
     fakes["a"].abort_after_chunks = 0
     router = make_router(health_interval_s=60)
-    for i in range(6):
+    i = 0
+    while i < 6 or not fakes["a"].requests:  # until a has been tried (its prompt ranked it first)
+        assert i < 40, "no prompt was routed to a first"
+        i += 1
         body = {"model": "tiny", "prompt": words(300 + i, 30), "stream": True}
         with client.stream("POST", router.url + "/v1/completions", json=body) as resp:
             assert resp.status_code == 200 and served_by(resp) == "b"
