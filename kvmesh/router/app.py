@@ -261,11 +261,13 @@ class RouterService:
                 self.pool.mark_failed(name, f"POST {path}: the answer broke off: {exc}")
                 broke = f"replica {name} broke off its answer: {exc}"
                 continue
-            except BaseException as exc:
+            except TimeoutError:
                 resp.release()
                 ticket.finished()
-                if isinstance(exc, TimeoutError):
-                    return self._refuse(path, 504, f"replica {name} did not answer in time")
+                return self._refuse(path, 504, f"replica {name} did not answer in time")
+            except BaseException:  # cancelled (the client left): the connection is not kept
+                resp.release()
+                ticket.finished()
                 raise
             try:
                 self._labels.get(self.metrics.upstream_latency, name).observe(headed - sent)

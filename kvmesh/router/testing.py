@@ -52,6 +52,18 @@ def write_test_tokenizer(out_dir: str | Path, vocab: int = 600) -> Path:
     return write_tokenizer_files(train_bpe(corpus(), vocab, bos=BOS), out_dir)
 
 
+async def cut_answer(request: web.Request, body: bytes, keep: int) -> web.StreamResponse:
+    """A JSON answer's headers (its full Content-Length) and ``keep`` bytes of ``body``,
+    then the connection cut: a replica that dies mid-answer."""
+    cut = web.StreamResponse(headers={"Content-Type": "application/json"})
+    cut.content_length = len(body)
+    await cut.prepare(request)
+    await cut.write(body[:keep])
+    if request.transport is not None:
+        request.transport.abort()
+    return cut
+
+
 class FakeVLLM:
     """A fake vLLM OpenAI server on ``127.0.0.1:port`` (0: a free port), run on a thread.
 
@@ -182,13 +194,8 @@ class FakeVLLM:
             usage = {"prompt_tokens": 1, "completion_tokens": self.chunks, "total_tokens": 1 + self.chunks}
             head = {"id": rid, "object": kind, "created": int(time.time()), "model": asked}
             body_out = json.dumps({**head, "choices": [choice], "usage": usage}).encode()
-            if self.abort_body_after is not None and request.transport is not None:
-                cut = web.StreamResponse(headers={"Content-Type": "application/json"})
-                cut.content_length = len(body_out)
-                await cut.prepare(request)
-                await cut.write(body_out[: self.abort_body_after])
-                request.transport.abort()
-                return cut
+            if self.abort_body_after is not None:
+                return await cut_answer(request, body_out, self.abort_body_after)
             self.responses.append(body_out)
             return web.Response(body=body_out, content_type="application/json")
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

@@ -24,7 +24,7 @@ from kvmesh.router import RouterConfig
 from kvmesh.router.cli import add_router_parser, config_from_args
 from kvmesh.router.pd import decode_body, prefill_body
 from kvmesh.router.server import Router
-from kvmesh.router.testing import _WORDS, FakeVLLM
+from kvmesh.router.testing import _WORDS, FakeVLLM, cut_answer
 from kvmesh.routing.config import ReplicaConfig
 
 PARAMS = {
@@ -60,14 +60,8 @@ class PDFake(FakeVLLM):
             return await super()._answer(request, body, chat)
         choice = {"index": 0, "text": "x", "finish_reason": "length"}
         out = {"id": "cmpl-p", "object": "text_completion", "choices": [choice], "kv_transfer_params": PARAMS}
-        if self.mode == "cut" and request.transport is not None:
-            data = json.dumps(out).encode()
-            cut = web.StreamResponse(headers={"Content-Type": "application/json"})
-            cut.content_length = len(data)
-            await cut.prepare(request)
-            await cut.write(data[:10])
-            request.transport.abort()
-            return cut
+        if self.mode == "cut":
+            return await cut_answer(request, json.dumps(out).encode(), 10)
         return web.json_response(out)
 
 
