@@ -102,6 +102,14 @@ class UpstreamConnectError(UpstreamError):
     """
 
 
+class UpstreamBrokenError(UpstreamError):
+    """The answer began, then its connection closed or broke before the answer's end.
+
+    The replica most likely died mid-answer. Nothing of the answer has been relayed while its
+    head is still being read, so the request may go to another replica then.
+    """
+
+
 class ProcessError(KVMeshError):
     """A child process kvmesh started (vLLM, redis-server, a peer) failed to start or exited."""
 

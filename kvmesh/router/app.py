@@ -23,7 +23,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvmesh.core.fleetkey import FleetKey
-from kvmesh.errors import BodyError, ClosedError, UpstreamError
+from kvmesh.errors import BodyError, ClosedError, UpstreamBrokenError, UpstreamError
 from kvmesh.index import BlockIndex
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.controller import Controller
@@ -246,6 +246,9 @@ class RouterService:
             except TimeoutError:
                 ticket.finished()
                 return self._refuse(path, 504, f"replica {name} did not answer in time")
+            except UpstreamBrokenError as exc:  # mid-way through its head
+                broke = self._broke_off(ticket, name, path, exc)
+                continue
             except UpstreamError as exc:
                 ticket.finished()
                 return self._refuse(path, 502, f"replica {name} failed: {exc}")
@@ -253,13 +256,8 @@ class RouterService:
             try:
                 first = await opening(resp, ticket.stream)
             except UpstreamError as exc:
-                # It died mid-answer (its connection closed) before anything of the answer
-                # reached the client: another replica may answer, as after a connect failure.
                 resp.release()
-                ticket.failed()
-                self._broken()
-                self.pool.mark_failed(name, f"POST {path}: the answer broke off: {exc}")
-                broke = f"replica {name} broke off its answer: {exc}"
+                broke = self._broke_off(ticket, name, path, exc)
                 continue
             except TimeoutError:
                 resp.release()
@@ -290,6 +288,15 @@ class RouterService:
 
     def _broken(self) -> None:
         self.metrics.errors.labels("upstream_broken").inc()
+
+    def _broke_off(self, ticket: Ticket, name: str, path: str, exc: UpstreamError) -> str:
+        """The replica died mid-answer (its connection closed) before anything of the answer
+        reached the client: another replica may answer, as after a connect failure. Returns
+        the 502's message for when no replica answers."""
+        ticket.failed()
+        self._broken()
+        self.pool.mark_failed(name, f"POST {path}: the answer broke off: {exc}")
+        return f"replica {name} broke off its answer: {exc}"
 
     def _refuse(self, path: str, status: int, message: str, param: str | None = None) -> web.Response:
         self.metrics.errors.labels(ERROR_TYPES.get(status, str(status))).inc()

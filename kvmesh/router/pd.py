@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
-from kvmesh.errors import UpstreamError
+from kvmesh.errors import UpstreamBrokenError, UpstreamError
 from kvmesh.router.proxy import RETRYABLE, end_to_end
 from kvmesh.routing.dispatcher import Ticket
 from kvmesh.routing.scorers import ReplicaState, RoutingRequest
@@ -216,7 +216,7 @@ class PDRouter:
             except TimeoutError:
                 return None, "timeout"
             except UpstreamError as exc:
-                if headed:  # it died mid-answer: the next prefill replica may take it
+                if headed or isinstance(exc, UpstreamBrokenError):  # it died mid-answer: the next may take it
                     ticket.failed()
                     s.pool.mark_failed(name, f"POST {path} (prefill): the answer broke off: {exc}")
                     s._broken()

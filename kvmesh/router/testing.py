@@ -64,6 +64,15 @@ async def cut_answer(request: web.Request, body: bytes, keep: int) -> web.Stream
     return cut
 
 
+async def cut_head(request: web.Request) -> web.StreamResponse:
+    """A status line and part of a header, then the connection cut: a replica that dies
+    while it writes its answer's head."""
+    if request.transport is not None:
+        request.transport.write(b"HTTP/1.1 200 OK\r\nContent-Ty")
+        request.transport.abort()
+    return web.Response()  # never sent: the connection is gone
+
+
 class FakeVLLM:
     """A fake vLLM OpenAI server on ``127.0.0.1:port`` (0: a free port), run on a thread.
 
@@ -73,7 +82,7 @@ class FakeVLLM:
     later), ``chunks`` (SSE chunks per streamed answer), ``chunk_delay_s`` (between them),
     ``abort_after_chunks`` (cut the connection after that many chunks, like a crash),
     ``abort_body_after`` (a whole answer: its headers and this many bytes of its body, then
-    the connection cut),
+    the connection cut), ``abort_in_head`` (the connection cut mid-way through the head),
     ``gauges`` (False: ``/metrics`` without vLLM's gauges; ``metrics_requests`` counts scrapes),
     ``max_model_len`` (what ``/v1/models`` reports, as vLLM does; None: not reported),
     ``extra_metrics`` (text appended to ``/metrics``: kvmesh's own ``kvmesh:*`` gauges),
@@ -98,6 +107,7 @@ class FakeVLLM:
         self.chunk_delay_s = 0.0
         self.abort_after_chunks: int | None = None  # drop the connection mid-stream (a crash)
         self.abort_body_after: int | None = None  # the same, mid-way through a whole answer
+        self.abort_in_head = False  # the same, mid-way through the answer's head
         self.gauges = True  # False: /metrics without vLLM's gauges (--disable-log-stats)
         self.max_model_len: int | None = 131072
         self.extra_metrics = ""
@@ -184,6 +194,8 @@ class FakeVLLM:
         if (asked := body.get("model", self.model)) != self.model and asked not in self.adapters:
             err = {"message": f"The model `{body['model']}` does not exist.", "type": "NotFoundError"}
             return web.json_response({"error": {**err, "param": "model", "code": 404}}, status=404)
+        if self.abort_in_head:
+            return await cut_head(request)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{self.name}-{len(self.requests)}"
         kind = "chat.completion" if chat else "text_completion"
         pieces = [f"{self.name}:{i} " for i in range(self.chunks)]

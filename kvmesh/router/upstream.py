@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from kvmesh.errors import UpstreamConnectError, UpstreamError
+from kvmesh.errors import UpstreamBrokenError, UpstreamConnectError, UpstreamError
 
 _HEAD_LIMIT = 64 << 10  # status line + headers; also the stream buffer's unit
 _READ_SIZE = 64 << 10
@@ -133,12 +133,17 @@ class UpstreamResponse:
                 self._done = not data
                 return data
             data = await reader.read(min(self._left, _READ_SIZE))
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError, ValueError) as exc:
+        except (asyncio.IncompleteReadError, OSError) as exc:
             self._keep = False
-            raise UpstreamError(f"the answer broke off: {exc!r}") from exc
+            raise UpstreamBrokenError(f"the answer broke off: {exc!r}") from exc
+        except (asyncio.LimitOverrunError, ValueError) as exc:
+            self._keep = False
+            raise UpstreamError(f"the answer's framing is malformed: {exc!r}") from exc
         if not data:
             self._keep = False
-            raise UpstreamError(f"the connection closed {self._left} bytes before the end of the answer")
+            raise UpstreamBrokenError(
+                f"the connection closed {self._left} bytes before the end of the answer"
+            )
         self._left -= len(data)
         self._done = self._left == 0
         return data
@@ -263,15 +268,15 @@ class Upstream:
             except asyncio.IncompleteReadError as exc:
                 if first and not exc.partial:
                     raise _Unanswered from exc
-                raise UpstreamError(f"the answer's head broke off: {exc!r}") from exc
+                raise UpstreamBrokenError(f"the answer's head broke off: {exc!r}") from exc
             except (ConnectionResetError, BrokenPipeError) as exc:
                 if first:
                     raise _Unanswered from exc
-                raise UpstreamError(f"the connection broke: {exc!r}") from exc
+                raise UpstreamBrokenError(f"the connection broke: {exc!r}") from exc
             except (asyncio.LimitOverrunError, ValueError) as exc:
                 raise UpstreamError(f"the answer's head is larger than {_HEAD_LIMIT} bytes") from exc
             except OSError as exc:
-                raise UpstreamError(f"the connection broke: {exc!r}") from exc
+                raise UpstreamBrokenError(f"the connection broke: {exc!r}") from exc
             first = False
             status, version, headers = _parse_head(head)
             if 100 <= status < 200 and status != 101:

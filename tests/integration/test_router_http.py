@@ -222,13 +222,18 @@ def test_killed_replica_connect_failure_goes_to_the_next(
     assert "kvmesh_router_retries_total 1.0" in client.get(router.url + "/metrics").text
 
 
+@pytest.mark.parametrize("where", ["body", "head"])
 def test_an_answer_broken_off_before_the_client_saw_it_goes_to_the_next(
-    make_router: MakeRouter, fakes: dict[str, FakeVLLM], client: httpx.Client
+    where: str, make_router: MakeRouter, fakes: dict[str, FakeVLLM], client: httpx.Client
 ) -> None:
-    """A replica killed after its answer's headers but before the end of its body (the
-    window a SIGKILL mid-answer leaves): nothing of it reached the client, so the router
-    sends the request to the next replica instead of answering 502."""
-    fakes["a"].abort_body_after = 20
+    """A replica killed after its answer's headers but before the end of its body, or
+    mid-way through its headers (the windows a SIGKILL mid-answer leaves): nothing of it
+    reached the client, so the router sends the request to the next replica instead of
+    answering 502."""
+    if where == "body":
+        fakes["a"].abort_body_after = 20
+    else:
+        fakes["a"].abort_in_head = True
     router = make_router(health_interval_s=60)  # only the proxy itself can notice the death
     i = 0
     while i < 6 or not fakes["a"].requests:  # until a has been tried (its prompt ranked it first)

@@ -24,7 +24,7 @@ from kvmesh.router import RouterConfig
 from kvmesh.router.cli import add_router_parser, config_from_args
 from kvmesh.router.pd import decode_body, prefill_body
 from kvmesh.router.server import Router
-from kvmesh.router.testing import _WORDS, FakeVLLM, cut_answer
+from kvmesh.router.testing import _WORDS, FakeVLLM, cut_answer, cut_head
 from kvmesh.routing.config import ReplicaConfig
 
 PARAMS = {
@@ -40,7 +40,8 @@ class PDFake(FakeVLLM):
     """A fake vLLM that acts as a producer: a prefill request (``kv_transfer_params.
     do_remote_decode``) is answered per ``mode``: ``ok`` (with :data:`PARAMS`), ``500``,
     ``hang`` (answers after ``hang_s``), ``none`` (a normal answer, no transfer parameters),
-    ``cut`` (the answer's headers and a few bytes, then the connection cut: a crash)."""
+    ``cut`` (the answer's headers and a few bytes, then the connection cut: a crash),
+    ``cut_head`` (the connection cut mid-way through the answer's headers)."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
@@ -56,6 +57,8 @@ class PDFake(FakeVLLM):
             return web.json_response({"error": err}, status=500)
         if self.mode == "hang":
             await asyncio.sleep(self.hang_s)
+        if self.mode == "cut_head":
+            return await cut_head(request)
         if self.mode == "none":
             return await super()._answer(request, body, chat)
         choice = {"index": 0, "text": "x", "finish_reason": "length"}
@@ -232,12 +235,14 @@ def test_producer_gone_falls_back(make_router: MakeRouter, fakes: dict[str, PDFa
     assert sum(metric(router, "kvmesh_router_pd_fallbacks_total", reason=r) for r in reasons) == 1
 
 
+@pytest.mark.parametrize("mode", ["cut", "cut_head"])
 def test_a_prefill_answer_broken_off_goes_to_the_next_producer(
-    tok_dir: Path, fakes: dict[str, PDFake]
+    mode: str, tok_dir: Path, fakes: dict[str, PDFake]
 ) -> None:
-    """A producer killed between its answer's headers and the end of its body: the prefill
-    goes to the next producer (as after a connect failure), not to a decode-only fallback."""
-    fakes["p"].mode = "cut"
+    """A producer killed between its answer's headers and the end of its body, or mid-way
+    through its headers: the prefill goes to the next producer (as after a connect
+    failure), not to a decode-only fallback."""
+    fakes["p"].mode = mode
     q = PDFake("q").start()
     try:
         base = pd_config(tok_dir, fakes)

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from kvmesh.errors import UpstreamConnectError, UpstreamError
+from kvmesh.errors import UpstreamBrokenError, UpstreamConnectError, UpstreamError
 from kvmesh.harness.ports import free_port
 from kvmesh.router.upstream import Upstream
 
@@ -221,6 +221,17 @@ def test_timeouts_and_broken_answers() -> None:
         w.write(b"SMTP ready\r\n\r\n")
         return False
 
+    async def head_cut(r: asyncio.StreamReader, w: asyncio.StreamWriter, head: bytes, body: bytes) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Ty")
+        await w.drain()
+        return False  # the replica died mid-way through its head
+
+    async def bad_chunk(r: asyncio.StreamReader, w: asyncio.StreamWriter, head: bytes, body: bytes) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhelloXX0\r\n\r\n")
+        await w.drain()
+        await asyncio.sleep(0.3)
+        return False
+
     async def main() -> None:
         async with Server(slow_head) as srv:
             with pytest.raises(TimeoutError):
@@ -232,12 +243,23 @@ def test_timeouts_and_broken_answers() -> None:
                 await resp.read_chunk()
             resp.release()
             resp = await Upstream(2.0, 5.0).post(srv.url, "/", b"", [])
-            with pytest.raises(UpstreamError, match="broke off"):
+            with pytest.raises(UpstreamBrokenError, match="broke off"):
                 await resp.read()
             resp.release()
-        async with Server(garbage) as srv:
-            with pytest.raises(UpstreamError, match="status line"):
+        async with Server(head_cut) as srv:  # broken: another replica may take the request
+            with pytest.raises(UpstreamBrokenError, match="head broke off"):
                 await Upstream(2.0, 5.0).post(srv.url, "/", b"", [])
+        # Malformed answers are errors, but not broken connections.
+        async with Server(garbage) as srv:
+            with pytest.raises(UpstreamError, match="status line") as info:
+                await Upstream(2.0, 5.0).post(srv.url, "/", b"", [])
+            assert not isinstance(info.value, UpstreamBrokenError)
+        async with Server(bad_chunk) as srv:
+            resp = await Upstream(2.0, 5.0).post(srv.url, "/", b"", [])
+            with pytest.raises(UpstreamError, match="malformed") as info:
+                await resp.read()
+            assert not isinstance(info.value, UpstreamBrokenError)
+            resp.release()
 
     run(main())
 
