@@ -98,7 +98,9 @@ class RouterService:
         # For the router's own small calls (/v1/models, /tokenize): never the generation timeout.
         self._short_timeout = aiohttp.ClientTimeout(total=config.connect_timeout_s + config.health_timeout_s)
         # The proxied POSTs: a lean HTTP/1.1 client of its own (see kvmesh.router.upstream).
-        self._upstream = Upstream(config.connect_timeout_s, config.read_timeout_s)
+        self._upstream = Upstream(
+            config.connect_timeout_s, config.read_timeout_s, max_answer_bytes=config.max_answer_bytes
+        )
         if self.tokenizer is None and config.tokenizer == "local":
             log.warning("no --model given: requests are routed by load and session only, not by prefix")
         # The cache controller under /kvmesh/v1/: its section of the config, plus the environment.
@@ -255,10 +257,14 @@ class RouterService:
             headed = time.perf_counter()
             try:
                 first = await opening(resp, ticket.stream)
-            except UpstreamError as exc:
+            except UpstreamBrokenError as exc:
                 resp.release()
                 broke = self._broke_off(ticket, name, path, exc)
                 continue
+            except UpstreamError as exc:  # malformed or too large: the replica is up
+                resp.release()
+                ticket.finished()
+                return self._refuse(path, 502, f"replica {name} failed: {exc}")
             except TimeoutError:
                 resp.release()
                 ticket.finished()

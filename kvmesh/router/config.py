@@ -124,6 +124,11 @@ class RouterConfig(RoutingConfig):
         default=30.0, gt=0, description="on SIGTERM, how long answers in flight may take to finish"
     )
     read_timeout_s: float = Field(default=600.0, gt=0, description="longest silence mid-answer")
+    max_answer_bytes: int = Field(
+        default=256 << 20,
+        gt=0,
+        description="a replica's whole answer, or one chunk of a stream; larger is a 502",
+    )
     max_attempts: int = Field(default=3, ge=1, description="replicas tried when the connection fails")
     controller: ControllerConfig = Field(
         default_factory=ControllerConfig, description="the cache controller under /kvmesh/v1/"

@@ -199,11 +199,9 @@ class PDRouter:
             # so concurrent long prompts spread over the prefill replicas by the work they bring.
             ticket.sent(name)
             sent = time.perf_counter()
-            headed = False  # its answer's headers came: it took the request
             try:
                 async with asyncio.timeout(self.config.prefill_timeout_s):
                     resp = await s._upstream.post(replica.url, path, raw, headers)
-                    headed = True
                     try:
                         status, data = resp.status, await resp.read()
                     finally:
@@ -215,13 +213,13 @@ class PDRouter:
                 continue
             except TimeoutError:
                 return None, "timeout"
-            except UpstreamError as exc:
-                if headed or isinstance(exc, UpstreamBrokenError):  # it died mid-answer: the next may take it
-                    ticket.failed()
-                    s.pool.mark_failed(name, f"POST {path} (prefill): the answer broke off: {exc}")
-                    s._broken()
-                    continue
-                log.warning("prefill on %s broke off: %s", name, exc)
+            except UpstreamBrokenError as exc:  # it died mid-answer: the next prefill replica may take it
+                ticket.failed()
+                s.pool.mark_failed(name, f"POST {path} (prefill): the answer broke off: {exc}")
+                s._broken()
+                continue
+            except UpstreamError as exc:  # malformed or too large
+                log.warning("prefill on %s failed: %s", name, exc)
                 return None, "error"
             if status >= 400:
                 log.warning("prefill on %s answered %d: %s", name, status, data[:200])

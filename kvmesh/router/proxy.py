@@ -60,9 +60,10 @@ async def opening(resp: UpstreamResponse, stream: bool) -> bytes:
     """What must have arrived before anything of ``resp`` goes to the client: a whole
     answer's body, or an SSE stream's first chunk (b"" for a stream that ends at once).
 
-    Raises :class:`UpstreamError` when the answer breaks off before that: the client has
-    seen nothing of it, so another replica may take the request. ``TimeoutError`` when the
-    replica is silent for longer than the read timeout.
+    Raises :class:`UpstreamBrokenError` when the answer breaks off before that: the client
+    has seen nothing of it, so another replica may take the request;
+    :class:`UpstreamError` when it is malformed or over the upstream's ``max_answer_bytes``;
+    ``TimeoutError`` when the replica is silent for longer than the read timeout.
     """
     return await (resp.read_chunk() if is_stream(resp, stream) else resp.read())
 

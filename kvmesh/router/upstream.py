@@ -28,6 +28,7 @@ from kvmesh.errors import UpstreamBrokenError, UpstreamConnectError, UpstreamErr
 _HEAD_LIMIT = 64 << 10  # status line + headers; also the stream buffer's unit
 _READ_SIZE = 64 << 10
 _MAX_IDLE = 256  # kept connections per replica
+_MAX_INTERIM = 8  # 1xx answers before the real one (100 Continue, 103 Early Hints)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +92,25 @@ class UpstreamResponse:
         return ""
 
     async def read(self) -> bytes:
-        """The whole body; the read timeout bounds the whole of it here, not each piece."""
+        """The whole body; the read timeout bounds the whole of it here, not each piece.
+
+        Raises :class:`UpstreamError` for a body larger than the pool's ``max_answer_bytes``
+        (before reading it when its Content-Length says so).
+        """
         if self._done or self._conn is None:
             return b""
+        limit = self._pool.max_answer_bytes
+        if self._left is not None and self._left > limit:
+            self._keep = False
+            raise UpstreamError(f"the answer's {self._left} bytes are more than max_answer_bytes ({limit})")
         parts = []
+        size = 0
         async with asyncio.timeout(self._pool.read_timeout_s):
             while chunk := await self._next():
+                size += len(chunk)
+                if size > limit:
+                    self._keep = False
+                    raise UpstreamError(f"the answer is larger than max_answer_bytes ({limit})")
                 parts.append(chunk)
         return b"".join(parts)
 
@@ -119,6 +133,9 @@ class UpstreamResponse:
         try:
             if self._chunked:
                 size = int((await reader.readuntil(b"\r\n")).partition(b";")[0], 16)
+                if size > (limit := self._pool.max_answer_bytes):
+                    self._keep = False
+                    raise UpstreamError(f"a chunk of {size} bytes is larger than max_answer_bytes ({limit})")
                 if size == 0:
                     while await reader.readuntil(b"\r\n") != b"\r\n":
                         pass  # trailer fields: not passed on
@@ -162,10 +179,15 @@ class Upstream:
     """Kept-alive HTTP/1.1 connections to the replicas, for the proxied POSTs."""
 
     def __init__(
-        self, connect_timeout_s: float, read_timeout_s: float | None, keepalive_s: float = 60.0
+        self,
+        connect_timeout_s: float,
+        read_timeout_s: float | None,
+        keepalive_s: float = 60.0,
+        max_answer_bytes: int = 256 << 20,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
+        self.max_answer_bytes = max_answer_bytes  # a whole answer's body, or one chunk of a stream
         self.keepalive_s = keepalive_s
         self._targets: dict[str, _Target] = {}
         self._idle: dict[str, list[_Conn]] = {}
@@ -259,7 +281,7 @@ class Upstream:
     async def _response(self, key: str, conn: _Conn) -> UpstreamResponse:
         reader = conn.reader
         first = True
-        while True:
+        for _ in range(_MAX_INTERIM + 1):
             try:
                 async with asyncio.timeout(self.read_timeout_s):
                     head = await reader.readuntil(b"\r\n\r\n")
@@ -282,6 +304,7 @@ class Upstream:
             if 100 <= status < 200 and status != 101:
                 continue  # an interim answer (100 Continue, 103 Early Hints): the real one follows
             return _framed(self, key, conn, status, version, headers)
+        raise UpstreamError(f"more than {_MAX_INTERIM} interim (1xx) answers")
 
 
 class _Unanswered(Exception):

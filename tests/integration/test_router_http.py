@@ -285,6 +285,26 @@ def test_answers_broken_off_by_every_replica_are_a_502(
     wait_for(lambda: all(r.state.in_flight == 0 for r in pool.replicas.values()))
 
 
+def test_an_answer_over_max_answer_bytes_is_a_502_and_the_replica_stays(
+    make_router: MakeRouter, fakes: dict[str, FakeVLLM], client: httpx.Client
+) -> None:
+    """The router holds a whole answer in memory before relaying it, so it is bounded; one
+    over the bound is a 502 naming it, not retried elsewhere (every replica would answer
+    the same) and not a replica failure. A stream's chunks under the bound still flow."""
+    for f in fakes.values():
+        f.chunks = 40  # a whole answer of ~600 bytes; a stream's chunks ~200 bytes each
+    router = make_router(max_answer_bytes=300)
+    err = assert_openai_error(complete(client, router, words(500, 30)), 502, "BadGatewayError")
+    assert "max_answer_bytes (300)" in err["message"], err
+    assert sum(len(f.requests) for f in fakes.values()) == 1  # not retried
+    assert all(r.healthy for r in router.service.pool.replicas.values())
+    body = {"model": "tiny", "prompt": words(501, 30), "stream": True}
+    with client.stream("POST", router.url + "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        events = [e for e in resp.read().split(b"\n\n") if e]
+    assert len(events) == 41 and events[-1] == b"data: [DONE]"
+
+
 def test_health_checks_remove_and_readd(
     make_router: MakeRouter, fakes: dict[str, FakeVLLM], client: httpx.Client
 ) -> None:

@@ -287,3 +287,61 @@ def test_an_unread_answer_closes_its_connection() -> None:
             assert up._idle.get(srv.url, []) == []
 
     run(main())
+
+
+def test_answers_are_bounded() -> None:
+    """A replica's answer is read into memory whole (or a stream chunk by chunk), so each is
+    bounded by ``max_answer_bytes``; so are interim answers. Each is an error that does not
+    read on: a Content-Length or a chunk size over the bound is refused before its bytes."""
+    limit = 1000
+
+    async def declared(r: asyncio.StreamReader, w: asyncio.StreamWriter, head: bytes, body: bytes) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100000000000\r\n\r\n" + b"x" * 10)
+        return False
+
+    async def chunks(r: asyncio.StreamReader, w: asyncio.StreamWriter, head: bytes, body: bytes) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(3):  # 3 x 400 bytes: each chunk fits, the whole answer does not
+            w.write(b"190\r\n" + b"y" * 400 + b"\r\n")
+        w.write(b"0\r\n\r\n")
+        return True
+
+    async def big_chunk(r: asyncio.StreamReader, w: asyncio.StreamWriter, head: bytes, body: bytes) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffff\r\nzz")
+        await w.drain()
+        await asyncio.sleep(0.3)
+        return False
+
+    async def interim(r: asyncio.StreamReader, w: asyncio.StreamWriter, head: bytes, body: bytes) -> bool:
+        for _ in range(50):
+            w.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        w.write(ok(b"{}"))
+        return True
+
+    async def main() -> None:
+        async with Server(declared) as srv:
+            resp = await Upstream(2.0, 5.0, max_answer_bytes=limit).post(srv.url, "/", b"", [])
+            with pytest.raises(UpstreamError, match="100000000000 bytes are more than max_answer_bytes"):
+                await resp.read()
+            resp.release()
+        async with Server(chunks) as srv:
+            up = Upstream(2.0, 5.0, max_answer_bytes=limit)
+            resp = await up.post(srv.url, "/", b"", [])
+            with pytest.raises(UpstreamError, match="larger than max_answer_bytes") as info:
+                await resp.read()
+            assert not isinstance(info.value, UpstreamBrokenError)
+            resp.release()
+            assert up._idle.get(srv.url, []) == []  # not read to its end: not kept
+            resp = await Upstream(2.0, 5.0, max_answer_bytes=500).post(srv.url, "/", b"", [])
+            assert await resp.read_chunk() == b"y" * 400  # a stream's chunk by chunk: each fits
+            resp.release()
+        async with Server(big_chunk) as srv:
+            resp = await Upstream(2.0, 5.0, max_answer_bytes=limit).post(srv.url, "/", b"", [])
+            with pytest.raises(UpstreamError, match="a chunk of 281474976710655 bytes"):
+                await resp.read_chunk()
+            resp.release()
+        async with Server(interim) as srv:
+            with pytest.raises(UpstreamError, match="interim"):
+                await Upstream(2.0, 5.0).post(srv.url, "/", b"", [])
+
+    run(main())
