@@ -9,6 +9,7 @@ asserts the body each upstream received.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -41,7 +42,8 @@ class PDFake(FakeVLLM):
     do_remote_decode``) is answered per ``mode``: ``ok`` (with :data:`PARAMS`), ``500``,
     ``hang`` (answers after ``hang_s``), ``none`` (a normal answer, no transfer parameters),
     ``cut`` (the answer's headers and a few bytes, then the connection cut: a crash),
-    ``cut_head`` (the connection cut mid-way through the answer's headers)."""
+    ``cut_head`` (the connection cut mid-way through the answer's headers), ``big`` (a
+    Content-Length over the router's ``max_answer_bytes``, 256 MiB, and a byte of it)."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
@@ -59,6 +61,14 @@ class PDFake(FakeVLLM):
             await asyncio.sleep(self.hang_s)
         if self.mode == "cut_head":
             return await cut_head(request)
+        if self.mode == "big":
+            big = web.StreamResponse(headers={"Content-Type": "application/json"})
+            big.content_length = 300 << 20
+            await big.prepare(request)
+            with contextlib.suppress(ConnectionResetError):
+                await big.write(b"{")
+                await asyncio.sleep(1.0)  # the router refuses it on its Content-Length alone
+            return big
         if self.mode == "none":
             return await super()._answer(request, body, chat)
         choice = {"index": 0, "text": "x", "finish_reason": "length"}
@@ -202,7 +212,9 @@ def test_short_prompt_and_cached_prefix_decode_alone(
     assert metric(router, "kvmesh_router_pd_requests_total", path="pd") == 1
 
 
-@pytest.mark.parametrize(("mode", "reason"), [("500", "error"), ("none", "no_params"), ("hang", "timeout")])
+@pytest.mark.parametrize(
+    ("mode", "reason"), [("500", "error"), ("big", "error"), ("none", "no_params"), ("hang", "timeout")]
+)
 def test_failed_prefill_falls_back_to_decode_only(
     make_router: MakeRouter, fakes: dict[str, PDFake], mode: str, reason: str
 ) -> None:
