@@ -4,6 +4,7 @@ verified envelope like every payload, so the envelope's checksums still guard it
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -23,7 +24,9 @@ class SafetensorsCodec:
     def encode(self, data: memoryview, layout: KVLayout, n_tokens: int) -> bytes:
         from safetensors.torch import save
 
-        kv = torch.frombuffer(data, dtype=torch.uint8).view(torch_dtype(layout.dtype))
+        with warnings.catch_warnings():  # a read-only payload: save() only reads the tensor
+            warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+            kv = torch.frombuffer(data, dtype=torch.uint8).view(torch_dtype(layout.dtype))
         return save({TENSOR_NAME: kv.view(layout.shape(n_tokens))})
 
     def max_encoded(self, layout: KVLayout, n_tokens: int) -> int:
