@@ -240,37 +240,33 @@ class RouterService:
             sent = time.perf_counter()
             try:
                 resp = await self._upstream.post(replica.url, path, raw, headers)
+                headed = time.perf_counter()
+                try:
+                    first = await opening(resp, ticket.stream)
+                except BaseException:
+                    resp.release()  # not read to its end: the connection is closed, not kept
+                    raise
             except RETRYABLE as exc:
                 ticket.failed()
                 self.pool.mark_failed(name, f"POST {path} failed: {exc!r}")
                 self.metrics.errors.labels("upstream_connect").inc()
                 continue
-            except TimeoutError:
-                ticket.finished()
-                return self._refuse(path, 504, f"replica {name} did not answer in time")
-            except UpstreamBrokenError as exc:  # mid-way through its head
-                broke = self._broke_off(ticket, name, path, exc)
-                continue
-            except UpstreamError as exc:
-                ticket.finished()
-                return self._refuse(path, 502, f"replica {name} failed: {exc}")
-            headed = time.perf_counter()
-            try:
-                first = await opening(resp, ticket.stream)
             except UpstreamBrokenError as exc:
-                resp.release()
-                broke = self._broke_off(ticket, name, path, exc)
+                # It died mid-answer (its connection closed, in the head or before the
+                # opening) before anything of the answer reached the client: another replica
+                # may answer, as after a connect failure.
+                ticket.failed()
+                self._broken()
+                self.pool.mark_failed(name, f"POST {path}: the answer broke off: {exc}")
+                broke = f"replica {name} broke off its answer: {exc}"
                 continue
             except UpstreamError as exc:  # malformed or too large: the replica is up
-                resp.release()
                 ticket.finished()
                 return self._refuse(path, 502, f"replica {name} failed: {exc}")
             except TimeoutError:
-                resp.release()
                 ticket.finished()
                 return self._refuse(path, 504, f"replica {name} did not answer in time")
-            except BaseException:  # cancelled (the client left): the connection is not kept
-                resp.release()
+            except BaseException:  # cancelled (the client left)
                 ticket.finished()
                 raise
             try:
@@ -294,15 +290,6 @@ class RouterService:
 
     def _broken(self) -> None:
         self.metrics.errors.labels("upstream_broken").inc()
-
-    def _broke_off(self, ticket: Ticket, name: str, path: str, exc: UpstreamError) -> str:
-        """The replica died mid-answer (its connection closed) before anything of the answer
-        reached the client: another replica may answer, as after a connect failure. Returns
-        the 502's message for when no replica answers."""
-        ticket.failed()
-        self._broken()
-        self.pool.mark_failed(name, f"POST {path}: the answer broke off: {exc}")
-        return f"replica {name} broke off its answer: {exc}"
 
     def _refuse(self, path: str, status: int, message: str, param: str | None = None) -> web.Response:
         self.metrics.errors.labels(ERROR_TYPES.get(status, str(status))).inc()
