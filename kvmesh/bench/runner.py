@@ -108,10 +108,12 @@ def _git(*args: str) -> str | None:
 
 def git_state() -> tuple[str | None, bool | None]:
     """The short commit of the code a run measures and whether ``kvmesh/`` has changes not
-    committed; ``(None, None)`` outside a git checkout (an installed wheel)."""
+    committed; ``(None, None)`` outside a git checkout (an installed wheel). A copy of a
+    checkout made without its ``.git`` (a tree shipped to a GPU machine) names its commit in
+    ``KVMESH_COMMIT``: ``(that, None)``, the dirty flag unknown."""
     head = (_git("rev-parse", "--short", "HEAD") or "").strip()
     if not head:
-        return None, None
+        return os.environ.get("KVMESH_COMMIT") or None, None
     status = _git("status", "--porcelain", "kvmesh")
     return head, None if status is None else bool(status.strip())
 

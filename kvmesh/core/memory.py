@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvmesh.core.cudart import cuda_runtime
 from kvmesh.core.keys import ChunkKey, KVLayout
 from kvmesh.errors import ClosedError, ConfigError
 
@@ -172,10 +173,11 @@ class MemoryPool:
         this when the KV lives on a GPU): copies between it and the device then run
         asynchronously (``non_blocking``) at full PCIe/NVLink speed.
 
-        The existing buffer is registered with CUDA (``cudaHostRegister``) rather than
-        reallocated: torch's pinned allocator rounds every allocation up to a power of
-        two, which for a 40 GiB pool would lock 64 GiB. Where registering is not available
-        the buffer is reallocated pinned instead."""
+        The existing buffer is registered with CUDA (``cudaHostRegister``, through the
+        runtime torch loaded: :mod:`kvmesh.core.cudart`) rather than reallocated: torch's
+        pinned allocator rounds every allocation up to a power of two, which for a 40 GiB
+        pool would lock 64 GiB. Where registering fails or is not available the buffer is
+        reallocated pinned instead."""
         if self.pinned:
             return
         if not torch.cuda.is_available():
@@ -184,13 +186,11 @@ class MemoryPool:
             if len(self._free) != self.num_slots:
                 raise ClosedError("the pool must be pinned before any slot is allocated")
             nbytes = self.buffer.numel()
-            try:
-                cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-            except (AttributeError, RuntimeError):
-                cudart = None
+            cudart = cuda_runtime()
             ok = cudart is not None and register_host(cudart, self.buffer.data_ptr(), nbytes, self.slot_bytes)
             if not ok:
-                log.warning("kvmesh: cudaHostRegister failed; allocating the %d-byte pool pinned", nbytes)
+                why = "failed" if cudart is not None else "is not reachable (no libcudart loaded)"
+                log.warning("kvmesh: cudaHostRegister %s; allocating the %d-byte pool pinned", why, nbytes)
                 self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
                 self.array = self.buffer.numpy()
             self.pinned = True

@@ -1,6 +1,8 @@
 """``kvmesh bench gpu`` (and scripts/gpu_check.py): the connector's host-device path on a GPU.
 
-Three parts, all on CUDA, none needing vLLM (torch, numpy, xxhash and kvmesh only):
+Five parts, all on CUDA, none needing vLLM (torch, numpy, xxhash and kvmesh only). Each runs
+on its own: a part that raises is reported (with its traceback, in the output and the JSON)
+and the others still run; the JSON is rewritten after every part.
 
 1. **Round trips**: every page-layout adapter (K/V pages in each ``KVCacheLayout`` stride
    order, MLA latent pages, vLLM-CPU's packed page) in bf16/fp16/fp32/fp8: the chunk
@@ -8,11 +10,16 @@ Three parts, all on CUDA, none needing vLLM (torch, numpy, xxhash and kvmesh onl
    CPU copy of the pages (the CPU adapters are checked against vLLM's own layouts in
    tests/unit/integrations), scattering it into fresh pages must read back the same, and
    the full ``Transfer`` save (gather + D2H into a pinned pool slot) and load (H2D +
-   scatter, layer-wise) must reproduce it.
-2. **Bandwidth**: store (gather + D2H) and retrieve (H2D + scatter) of a llama-8b-shaped
+   scatter, layer-wise and batched) must reproduce it.
+2. **Pinning**: the pool's ``cudaHostRegister`` in slot-aligned pieces against the real
+   runtime, and a refused registration leaving no sticky CUDA error.
+3. **Concurrent savers**: four saver threads, each with its own stream and staging, saving
+   different chunks at once; every slot exact.
+4. **Bandwidth**: store (gather + D2H) and retrieve (H2D + scatter) of a llama-8b-shaped
    chunk (32 layers x 8 KV heads x 128, bf16, 256 tokens = 32 MiB) against torch's own
-   pinned ``copy_`` of the same bytes, interleaved in the same run; target >= 0.8x.
-3. **Overlap**: a matmul loop on the compute stream, alone and while the saver gathers and
+   pinned ``copy_`` of the same bytes, interleaved in the same run; target >= 0.8x. Also the
+   host time to queue a 2,048-token load.
+5. **Overlap**: a matmul loop on the compute stream, alone and while the saver gathers and
    copies 2,000 tokens' blocks on the save stream; target: <= 5% slower (median of paired
    ratios).
 
@@ -85,30 +92,40 @@ def _cases() -> list[tuple[str, str, str, Callable[[], PageLayout], int, int, in
 
 def check_round_trips(device: str = "cuda") -> list[dict[str, Any]]:
     """Part 1: every adapter on ``device`` against the same adapter on CPU, exactly."""
-    results = []
-    tokens = 5 * BS + 7  # a partial last block
-    for i, (name, order, dt, make, heads, d, planes) in enumerate(_cases()):
-        layers = 4
-        dev = make_pages(order, layers, 24, heads, BS, planes * d, dt, device, seed=i)
-        cpu = make_pages(order, layers, 24, heads, BS, planes * d, dt, "cpu", seed=i)
-        ids = torch.randperm(24, generator=torch.Generator().manual_seed(i))[: -(-tokens // BS)].tolist()
-        shape = (layers, planes, tokens, heads, d)
-        want = torch.empty(shape, dtype=torch_dtype(dt))
-        make().gather(cpu, ids, want)
-        got = torch.empty(shape, dtype=torch_dtype(dt), device=device)
-        page = make()
-        page.gather(dev, ids, got)
-        ok = _same_bytes(got, want)
-        fresh = make_pages(order, layers, 24, heads, BS, planes * d, dt, device, seed=1000 + i)
-        page.scatter(got, fresh, ids)
-        again = torch.empty_like(got)
-        page.gather(fresh, ids, again)
-        ok = ok and _same_bytes(again, want)
-        ok = ok and _transfer_round_trip(
-            page, dev, ids, want, KVLayout(layers, heads, d, dt, kv_planes=planes)
-        )
-        results.append({"case": name, "exact": ok})
+    results: list[dict[str, Any]] = []
+    for i, case in enumerate(_cases()):
+        try:
+            ok = _round_trip(i, *case[1:], device=device)
+        except Exception as e:  # one failing case must not hide the others' results
+            results.append({"case": case[0], "exact": False, "error": _error(e)})
+        else:
+            results.append({"case": case[0], "exact": ok})
     return results
+
+
+def _round_trip(
+    i: int, order: str, dt: str, make: Callable[[], PageLayout], heads: int, d: int, planes: int, device: str
+) -> bool:
+    """One adapter case on ``device``: its gather equals the CPU adapter's, byte for byte,
+    and so do a scatter read back and a save/load through a (pinned) pool slot."""
+    tokens = 5 * BS + 7  # a partial last block
+    layers = 4
+    dev = make_pages(order, layers, 24, heads, BS, planes * d, dt, device, seed=i)
+    cpu = make_pages(order, layers, 24, heads, BS, planes * d, dt, "cpu", seed=i)
+    ids = torch.randperm(24, generator=torch.Generator().manual_seed(i))[: -(-tokens // BS)].tolist()
+    shape = (layers, planes, tokens, heads, d)
+    want = torch.empty(shape, dtype=torch_dtype(dt))
+    make().gather(cpu, ids, want)
+    got = torch.empty(shape, dtype=torch_dtype(dt), device=device)
+    page = make()
+    page.gather(dev, ids, got)
+    ok = _same_bytes(got, want)
+    fresh = make_pages(order, layers, 24, heads, BS, planes * d, dt, device, seed=1000 + i)
+    page.scatter(got, fresh, ids)
+    again = torch.empty_like(got)
+    page.gather(fresh, ids, again)
+    ok = ok and _same_bytes(again, want)
+    return ok and _transfer_round_trip(page, dev, ids, want, KVLayout(layers, heads, d, dt, kv_planes=planes))
 
 
 def _transfer_round_trip(
@@ -137,6 +154,115 @@ def _transfer_round_trip(
             torch.cuda.synchronize()
         ok = ok and _same_bytes(back, want)
     return ok
+
+
+def check_pinning(device: str = "cuda") -> dict[str, Any]:
+    """The pool's page-locking against the real CUDA runtime (the one torch loaded, found by
+    :func:`kvmesh.core.cudart.cuda_runtime`): a buffer registered in several slot-aligned
+    pieces (a 4 MiB piece standing in for the 64 GiB one) takes an asynchronous D2H exactly;
+    registering it again is refused, and that refusal leaves no last error behind (the next
+    kernel runs). Then the same refusal through torch's own binding, which cannot clear it:
+    what the next kernel says then is recorded (the failure the clearing prevents)."""
+    from kvmesh.core.cudart import cuda_runtime
+    from kvmesh.core.memory import register_host
+
+    slot, slots, piece = 1 << 20, 10, 4 << 20
+    buf = torch.empty(slots * slot, dtype=torch.uint8)
+    src = torch.randint(0, 256, (buf.numel(),), dtype=torch.uint8, device=device)
+    cudart = cuda_runtime()
+    if cudart is None:
+        raise RuntimeError("no libcudart among this process's libraries: the pool would be allocated pinned")
+    pieces = register_host(cudart, buf.data_ptr(), buf.numel(), slot, piece=piece)
+    buf.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    copied = _same_bytes(buf, src)
+    again = register_host(cudart, buf.data_ptr(), buf.numel(), slot, piece=piece)
+    kernel_after = _kernel_error(src)
+    # torch's binding: the refusal's code comes back, the thread's last error stays set.
+    code = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0))  # type: ignore[no-untyped-call]
+    unclear = _kernel_error(src)
+    cudart.cudaGetLastError()  # whatever that left, for the parts after this one
+    for off in range(0, buf.numel(), piece):
+        cudart.cudaHostUnregister(buf.data_ptr() + off)
+    return {
+        "runtime": cudart.path,
+        "registered_in_pieces": pieces,
+        "async_copy_exact": copied,
+        "second_register_refused": not again,
+        "kernel_after_refusal": kernel_after or "ran",
+        "torch_binding_refusal_code": code,
+        "kernel_after_uncleared_refusal": unclear or "ran",
+        "ok": bool(pieces and copied and not again and kernel_after is None),
+    }
+
+
+def _kernel_error(t: torch.Tensor) -> str | None:
+    """Run one small kernel; the error it raises (a stale last error surfaces here), if any."""
+    try:
+        (t + 1).sum().item()
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+def check_concurrent_savers(device: str = "cuda", savers: int = 4, chunks: int = 12) -> dict[str, Any]:
+    """Several saver threads, each on its own stream and staging buffer, saving different
+    chunks of the same pages at once into one pinned pool: every slot must equal the CPU
+    adapter's gather of its blocks."""
+    lay = KVLayout(8, 4, 64, "bfloat16")
+    tokens = 4 * BS
+    blocks = chunks * tokens // BS
+    dev = make_pages(
+        "LBNHC", lay.num_layers, blocks, lay.num_kv_heads, BS, 2 * lay.head_size, lay.dtype, device
+    )
+    cpu = make_pages(
+        "LBNHC", lay.num_layers, blocks, lay.num_kv_heads, BS, 2 * lay.head_size, lay.dtype, "cpu"
+    )
+    nbytes = tokens * lay.bytes_per_token
+    pool = MemoryPool(chunks * nbytes, nbytes)
+    if device == "cuda":
+        pool.pin()
+    xfer = Transfer(KVPages(BS), dev, lay, tokens)
+    order = torch.randperm(blocks, generator=torch.Generator().manual_seed(7)).tolist()
+    ids = [order[c * tokens // BS : (c + 1) * tokens // BS] for c in range(chunks)]
+    slots = [
+        pool.buffer[c * nbytes : (c + 1) * nbytes].view(torch_dtype(lay.dtype)).view(lay.shape(tokens))
+        for c in range(chunks)
+    ]
+    after = xfer.after_forward()
+    errors: list[str] = []
+
+    def saver(k: int) -> None:
+        try:
+            for c in range(k, chunks, savers):
+                xfer.save(ids[c], slots[c], after)
+        except Exception as e:
+            errors.append(_error(e))
+
+    threads = [threading.Thread(target=saver, args=(k,)) for k in range(savers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    exact = 0
+    for c in range(chunks):
+        want = torch.empty(lay.shape(tokens), dtype=torch_dtype(lay.dtype))
+        KVPages(BS).gather(cpu, ids[c], want)
+        exact += _same_bytes(slots[c], want)
+    return {
+        "savers": savers,
+        "chunks": chunks,
+        "exact": exact,
+        "errors": errors,
+        "ok": exact == chunks and not errors,
+    }
+
+
+def _error(e: BaseException) -> str:
+    """``e`` and where it was raised, for a part that failed (printed and in the JSON)."""
+    import traceback
+
+    return "".join(traceback.format_exception(e)[-6:]).strip()
 
 
 def _timed(fn: Callable[[], None]) -> float:
@@ -296,55 +422,76 @@ def run(quick: bool = False, json_path: str | None = None, plot_path: str | None
             write_json(json_path, {"skipped": "no CUDA device"}, prov)
         return 0
     t0 = time.perf_counter()
-    trips = check_round_trips()
-    bw = bandwidth(reps=8 if quick else 20)
-    ov = overlap(reps=3 if quick else 7)
-    exact = all(r["exact"] for r in trips)
-    targets = {
-        "round_trips_exact": exact,
-        "store_ratio>=0.8": bw["store_ratio"] >= 0.8,
-        "retrieve_ratio>=0.8": bw["retrieve_ratio"] >= 0.8,
-        "slowdown<=5%": ov["slowdown"] <= 0.05,
-    }
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    targets: dict[str, bool] = {}
+
+    def part(name: str, fn: Callable[[], Any]) -> Any:
+        """Run one part; a part that raises is reported and recorded, and the rest still run.
+        The JSON is rewritten after each part, so a run cut short keeps what it measured."""
+        print(f"-- {name} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        try:
+            out = fn()
+        except Exception as e:
+            out = {"error": _error(e)}
+            print(f"{name}: FAILED\n{out['error']}", flush=True)
+        result[name] = out
+        result["targets"] = targets
+        result["wall_s"] = time.perf_counter() - t0
+        if json_path:
+            write_json(json_path, result, prov)
+        return out
+
+    trips = part("round_trips", check_round_trips)
+    targets["round_trips_exact"] = all(r["exact"] for r in trips)
     print_table(
         [r for r in trips if not r["exact"]] or [{"case": f"all {len(trips)} cases", "exact": True}],
         ["case", "exact"],
     )
-    g = bw["gbps"]
-    rows = [
-        ("store (gather+D2H)", g["store"], g["limit_d2h"], bw["store_ratio"]),
-        ("retrieve (H2D+scatter)", g["retrieve"], g["limit_h2d"], bw["retrieve_ratio"]),
-        ("retrieve, layer-wise", g["retrieve_layerwise"], g["limit_h2d"], bw["retrieve_layerwise_ratio"]),
-    ]
-    print_table(
-        [
-            {"path": p, "GB/s": f"{v:.1f}", "limit GB/s": f"{lim:.1f}", "ratio": f"{r:.2f}"}
-            for p, v, lim, r in rows
-        ],
-        ["path", "GB/s", "limit GB/s", "ratio"],
-    )
-    print(
-        f"host time to queue a 2,048-token load: {bw['load_host_ms']:.2f} ms "
-        f"(layer-wise: {bw['load_host_ms_layerwise']:.2f} ms)"
-    )
-    print(
-        f"compute-stream slowdown during a {ov['tokens']}-token save: {100 * ov['slowdown']:.1f}% "
-        f"(save {ov['save_s'] * 1e3:.1f} ms)"
-    )
+    for r in trips:
+        if "error" in r:
+            print(f"{r['case']}:\n{r['error']}")
+    pin = part("pinning", check_pinning)
+    targets["pinned_in_pieces_error_cleared"] = bool(pin.get("ok"))
+    if "error" not in pin:
+        print(f"pinning: {pin}")
+    savers = part("concurrent_savers", check_concurrent_savers)
+    targets["concurrent_savers_exact"] = bool(savers.get("ok"))
+    if "error" not in savers:
+        print(f"concurrent savers: {savers}")
+    bw = part("bandwidth", functools.partial(bandwidth, reps=8 if quick else 20))
+    targets["store_ratio>=0.8"] = bw.get("store_ratio", 0.0) >= 0.8
+    targets["retrieve_ratio>=0.8"] = bw.get("retrieve_ratio", 0.0) >= 0.8
+    if "gbps" in bw:
+        g = bw["gbps"]
+        rows = [
+            ("store (gather+D2H)", g["store"], g["limit_d2h"], bw["store_ratio"]),
+            ("retrieve (H2D+scatter)", g["retrieve"], g["limit_h2d"], bw["retrieve_ratio"]),
+            ("retrieve, layer-wise", g["retrieve_layerwise"], g["limit_h2d"], bw["retrieve_layerwise_ratio"]),
+        ]
+        print_table(
+            [
+                {"path": p, "GB/s": f"{v:.1f}", "limit GB/s": f"{lim:.1f}", "ratio": f"{r:.2f}"}
+                for p, v, lim, r in rows
+            ],
+            ["path", "GB/s", "limit GB/s", "ratio"],
+        )
+        print(
+            f"host time to queue a 2,048-token load: {bw['load_host_ms']:.2f} ms "
+            f"(layer-wise: {bw['load_host_ms_layerwise']:.2f} ms)"
+        )
+    ov = part("overlap", functools.partial(overlap, reps=3 if quick else 7))
+    targets["slowdown<=5%"] = ov.get("slowdown", 1.0) <= 0.05
+    if "slowdown" in ov:
+        print(
+            f"compute-stream slowdown during a {ov['tokens']}-token save: {100 * ov['slowdown']:.1f}% "
+            f"(save {ov['save_s'] * 1e3:.1f} ms)"
+        )
     for k, v in targets.items():
         print(f"target {k}: {'met' if v else 'MISSED'}")
-    result = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "round_trips": trips,
-        "bandwidth": bw,
-        "overlap": ov,
-        "targets": targets,
-        "wall_s": time.perf_counter() - t0,
-    }
+    result["wall_s"] = time.perf_counter() - t0
     if json_path:
         write_json(json_path, result, prov)
-    if plot_path:
+    if plot_path and "gbps" in bw and "slowdown" in ov:
         _plot(plot_path, bw, ov)
     return 0 if all(targets.values()) else 1
 

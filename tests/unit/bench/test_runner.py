@@ -94,3 +94,16 @@ def test_the_dirty_flag_reads_uncommitted_changes_under_kvmesh(
     assert head is not None and dirty is False and runner.git_commit() == head
     (tmp_path / "kvmesh" / "x.py").write_text("a = 2\n")
     assert runner.git_state() == (head, True) and runner.git_commit() == head + "+dirty"
+
+
+def test_outside_a_checkout_the_commit_comes_from_kvmesh_commit(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A tree copied without its .git (as to a GPU machine): no commit unless KVMESH_COMMIT
+    names it, and then the dirty flag is unknown, not claimed clean."""
+    monkeypatch.setattr(runner, "REPO_ROOT", tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    monkeypatch.delenv("KVMESH_COMMIT", raising=False)
+    assert runner.git_state() == (None, None)
+    monkeypatch.setenv("KVMESH_COMMIT", "abc1234")
+    assert runner.git_state() == ("abc1234", None) and runner.git_commit() == "abc1234"

@@ -55,3 +55,34 @@ def test_a_small_pool_is_one_call() -> None:
     cudart = FakeCudart()
     assert register_host(cudart, 0, 10 * GIB, GIB)
     assert cudart.registered == [(0, 10 * GIB)]
+
+
+def test_the_runtime_is_the_libcudart_this_process_loaded() -> None:
+    """The clearing call must reach torch's own runtime (a second copy keeps its own last
+    error): the path comes from the process's loaded libraries, versioned or not."""
+    from kvmesh.core.cudart import loaded_library
+
+    maps = (
+        "7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n"
+        "7f02-7f03 r-xp 00000000 08:01 2 /opt/venv/nvidia/cu13/lib/libcudart.so.13\n"
+        "7f04-7f05 rw-p 00000000 00:00 0 \n"
+        "7f06-7f07 r-xp 00000000 08:01 3 /opt/x/libcudart_static_helper.so\n"
+    )
+    assert loaded_library("libcudart", maps) == "/opt/venv/nvidia/cu13/lib/libcudart.so.13"
+    assert loaded_library("libcudart", "7f-8f r-xp 0 0:0 0 /t/lib/libcudart-8a2e1f.so.12\n") == (
+        "/t/lib/libcudart-8a2e1f.so.12"  # torch's own bundled, hashed name
+    )
+    assert loaded_library("libcudart", "7f-8f r-xp 0 0:0 0 /t/libcudart_static_helper.so\n") is None
+
+
+def test_without_a_loaded_runtime_the_pool_is_not_registered() -> None:
+    """On this machine (CPU torch) no libcudart is loaded: no runtime is offered, so no
+    registration that could leave an uncleared error is ever made."""
+    import pytest
+    import torch
+
+    from kvmesh.core.cudart import cuda_runtime, loaded_library
+
+    if torch.cuda.is_available() or loaded_library("libcudart") is not None:
+        pytest.skip("a CUDA build: scripts/gpu_check.py checks the real runtime there")
+    assert cuda_runtime() is None

@@ -83,3 +83,46 @@ def test_gpu_check_runs_on_a_bare_gpu_machine_without_cuda() -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "skipped: no CUDA device" in done.stdout
+
+
+def test_concurrent_savers_are_exact_on_cpu_tensors() -> None:
+    """The savers' part on CPU tensors (the CUDA streams are no-ops): four threads saving
+    different chunks of the same pages at once leave every slot exact."""
+    out = gpu.check_concurrent_savers(device="cpu")
+    assert out == {"savers": 4, "chunks": 12, "exact": 12, "errors": [], "ok": True}
+
+
+def test_a_part_that_raises_is_reported_and_the_others_still_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run's control flow with CUDA made to look present and each part stubbed (no GPU
+    here): a part that raises is a missed target with its traceback in the output and the
+    JSON, and the parts after it still run and are recorded."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in")
+
+    def broken() -> dict[str, object]:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(gpu, "check_round_trips", lambda: [{"case": "kv-x", "exact": True}])
+    monkeypatch.setattr(gpu, "check_pinning", broken)
+    monkeypatch.setattr(gpu, "check_concurrent_savers", lambda: {"ok": True})
+    monkeypatch.setattr(gpu, "bandwidth", lambda reps: {"store_ratio": 0.9, "retrieve_ratio": 0.85})
+    overlap = {"tokens": 2000, "slowdown": 0.01, "save_s": 0.005}
+    monkeypatch.setattr(gpu, "overlap", lambda reps: overlap)
+    out = tmp_path / "gpu.json"
+    assert gpu.run(quick=True, json_path=str(out)) == 1
+    text = capsys.readouterr().out
+    assert "pinning: FAILED" in text and "illegal memory access" in text
+    assert "target pinned_in_pieces_error_cleared: MISSED" in text
+    data = json.loads(out.read_text())
+    assert "illegal memory access" in data["pinning"]["error"]
+    assert data["targets"] == {
+        "round_trips_exact": True,
+        "pinned_in_pieces_error_cleared": False,
+        "concurrent_savers_exact": True,
+        "store_ratio>=0.8": True,
+        "retrieve_ratio>=0.8": True,
+        "slowdown<=5%": True,
+    }
+    assert data["overlap"] == overlap
