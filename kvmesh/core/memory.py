@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -121,26 +122,38 @@ def _cuda_ok(err: Any) -> bool:
     return int(code) == 0
 
 
-def register_host(cudart: Any, ptr: int, nbytes: int, slot_bytes: int, piece: int = REGISTER_PIECE) -> bool:
+def register_host(
+    cudart: Any, ptr: int, nbytes: int, slot_bytes: int, piece: int = REGISTER_PIECE
+) -> list[int]:
     """Page-lock ``nbytes`` at ``ptr`` with ``cudaHostRegister`` in pieces of at most
     ``piece`` bytes, each a whole number of slots (a slot never straddles two
-    registrations). On a failure the pieces done are unregistered and CUDA's sticky
-    last error is cleared, so the caller's fallback and later CUDA calls see no stale error."""
+    registrations). Returns the pieces' addresses (for :func:`unregister_host`), or ``[]``
+    on a failure: then the pieces done are unregistered and CUDA's last error is cleared,
+    so the caller's fallback and later CUDA calls see no stale error."""
     step = max(slot_bytes, piece // slot_bytes * slot_bytes)
     done: list[int] = []
     try:
         for off in range(0, nbytes, step):
             if not _cuda_ok(cudart.cudaHostRegister(ptr + off, min(step, nbytes - off), 0)):
                 raise RuntimeError("cudaHostRegister failed")
-            done.append(off)
-        return True
+            done.append(ptr + off)
+        return done
     except (AttributeError, RuntimeError, TypeError):
-        for off in done:
-            with contextlib.suppress(Exception):
-                cudart.cudaHostUnregister(ptr + off)
+        unregister_host(cudart, done)
         with contextlib.suppress(Exception):
             cudart.cudaGetLastError()  # clears the error the failed call left
-        return False
+        return []
+
+
+def unregister_host(cudart: Any, pieces: list[int]) -> None:
+    """Undo :func:`register_host`. Must run before the memory is freed: the driver keeps a
+    registration of freed memory, and a later allocation at the same addresses then fails
+    its copies ("invalid argument") and its own registration ("already registered")."""
+    for ptr in pieces:
+        with contextlib.suppress(Exception):
+            cudart.cudaHostUnregister(ptr)
+    with contextlib.suppress(Exception):
+        cudart.cudaGetLastError()
 
 
 class MemoryPool:
@@ -160,13 +173,17 @@ class MemoryPool:
             )
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
-        self.buffer = torch.empty(num_slots * slot_bytes, dtype=torch.uint8)
-        self.array: np.ndarray = self.buffer.numpy()
+        # torch allocates; a numpy array holds that tensor and every view the pool hands
+        # out holds the array, so the array dies only once the pool and all its views are
+        # gone, just before the memory is freed: when a registration is undone (pin()).
+        self.array: np.ndarray = torch.empty(num_slots * slot_bytes, dtype=torch.uint8).numpy()
+        self.buffer = torch.from_numpy(self.array)
         self._free = list(range(num_slots - 1, -1, -1))
         self._lock = threading.Lock()
         self._released = threading.Condition(self._lock)
         self._releases = 0  # references dropped so far; see wait_for_release
         self.pinned = False
+        self.registered = False  # pinned in place by cudaHostRegister (not reallocated pinned)
 
     def pin(self) -> None:
         """Page-lock the buffer, once, before any slot is used (the vLLM connector does
@@ -187,8 +204,17 @@ class MemoryPool:
                 raise ClosedError("the pool must be pinned before any slot is allocated")
             nbytes = self.buffer.numel()
             cudart = cuda_runtime()
-            ok = cudart is not None and register_host(cudart, self.buffer.data_ptr(), nbytes, self.slot_bytes)
-            if not ok:
+            pieces = (
+                []
+                if cudart is None
+                else register_host(cudart, self.buffer.data_ptr(), nbytes, self.slot_bytes)
+            )
+            if pieces:
+                # Unregistered when the array is freed (weakref callbacks run before numpy
+                # frees the data), not at exit, when CUDA may already be torn down.
+                weakref.finalize(self.array, unregister_host, cudart, pieces).atexit = False
+                self.registered = True
+            else:
                 why = "failed" if cudart is not None else "is not reachable (no libcudart loaded)"
                 log.warning("kvmesh: cudaHostRegister %s; allocating the %d-byte pool pinned", why, nbytes)
                 self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

@@ -184,7 +184,24 @@ def check_pinning(device: str = "cuda") -> dict[str, Any]:
     cudart.cudaGetLastError()  # whatever that left, for the parts after this one
     for off in range(0, buf.numel(), piece):
         cudart.cudaHostUnregister(buf.data_ptr() + off)
+    # Pools made, pinned and dropped one after another (as tests and restarts do): each is
+    # unregistered as its memory goes, so the next one at the same addresses registers and
+    # copies, and so does a plain pageable tensor there.
+    reused = exact = 0
+    for k in range(24):
+        pool = MemoryPool((k % 6 + 1) << 20, 1 << 20)
+        pool.pin()
+        reused += pool.registered
+        n = pool.buffer.numel()
+        pool.buffer.copy_(src[:n], non_blocking=True)
+        torch.cuda.synchronize()
+        exact += _same_bytes(pool.buffer, src[:n])
+        del pool
+    pageable = torch.zeros(6 << 20, dtype=torch.uint8).to(device)
     return {
+        "pools_registered": f"{reused}/24",
+        "pools_exact": f"{exact}/24",
+        "pageable_copy_after": bool(int(pageable.sum().item()) == 0),
         "runtime": cudart.path,
         "registered_in_pieces": pieces,
         "async_copy_exact": copied,
@@ -192,7 +209,7 @@ def check_pinning(device: str = "cuda") -> dict[str, Any]:
         "kernel_after_refusal": kernel_after or "ran",
         "torch_binding_refusal_code": code,
         "kernel_after_uncleared_refusal": unclear or "ran",
-        "ok": bool(pieces and copied and not again and kernel_after is None),
+        "ok": bool(pieces and copied and not again and kernel_after is None and reused == exact == 24),
     }
 
 
@@ -330,9 +347,52 @@ def bandwidth(reps: int = 20) -> dict[str, Any]:
             xfer.load(items, layerwise=layerwise)
             host_ms[key].append((time.perf_counter() - t) * 1e3)
             xfer.finish_loads()
+    # Where a store's and a retrieve's time goes on the GPU: each step alone, timed with
+    # events on the stream (what is not here is host time: issuing the work, waiting).
+    dev_chunk = torch.empty(lay.shape(CHUNK), dtype=torch_dtype(lay.dtype), device="cuda")
+    steps: dict[str, Callable[[], None]] = {
+        "gather": lambda: xfer.page.gather(layers, ids, dev_chunk),
+        "d2h": limit_d2h,
+        "h2d": limit_h2d,
+        "scatter": lambda: xfer.page.scatter(dev_chunk, layers, ids),
+    }
+    step_ms: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(reps):
+        for k, fn in steps.items():
+            step_ms[k].append(_event_ms(fn))
+    # Eight chunks (2,048 tokens) stored by two saver threads at once: one saver's gather
+    # overlaps the other's D2H. Against eight pinned copies of the same bytes.
+    many = MemoryPool(8 * nbytes, nbytes)
+    many.pin()
+    outs = [many.buffer[c * nbytes : (c + 1) * nbytes].view(slot.dtype).view(slot.shape) for c in range(8)]
+    one_dev = torch.empty(8 * nbytes, dtype=torch.uint8, device="cuda")
+
+    def saver(k: int) -> None:
+        for c in range(k, 8, 2):
+            xfer.save(ids, outs[c], None)
+
+    def store_8_two_savers() -> None:
+        threads = [threading.Thread(target=saver, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def limit_8() -> None:
+        many.buffer.copy_(one_dev, non_blocking=True)
+
+    pair: dict[str, list[float]] = {"store_8": [], "limit_8": []}
+    store_8_two_savers()
+    for _ in range(reps):
+        pair["limit_8"].append(_timed(limit_8))
+        pair["store_8"].append(_timed(store_8_two_savers))
     return {
         "chunk_bytes": nbytes,
         "gbps": gbps,
+        "step_ms": {k: statistics.median(v) for k, v in step_ms.items()},
+        "store_8_chunks_2_savers_ratio": statistics.median(
+            a / b for a, b in zip(pair["limit_8"], pair["store_8"], strict=True)
+        ),
         "store_ratio": statistics.median(
             d / s for d, s in zip(times["limit_d2h"], times["store"], strict=True)
         ),
@@ -400,6 +460,17 @@ def overlap(reps: int = 7, tokens: int = 2000, size: int = 8192, iters: int = 40
         "save_s": statistics.median(save_s),
         "slowdown": statistics.median(ratios) - 1.0,
     }
+
+
+def _event_ms(fn: Callable[[], None]) -> float:
+    """``fn``'s work on the current stream, in ms, by CUDA events."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end))
 
 
 def _timed_into(fn: Callable[[], None], out: list[float]) -> None:
@@ -478,6 +549,13 @@ def run(quick: bool = False, json_path: str | None = None, plot_path: str | None
         print(
             f"host time to queue a 2,048-token load: {bw['load_host_ms']:.2f} ms "
             f"(layer-wise: {bw['load_host_ms_layerwise']:.2f} ms)"
+        )
+        print(
+            "GPU time per step of one chunk (ms): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in bw["step_ms"].items())
+        )
+        print(
+            f"8 chunks stored by 2 savers at once: {bw['store_8_chunks_2_savers_ratio']:.2f}x the pinned copy"
         )
     ov = part("overlap", functools.partial(overlap, reps=3 if quick else 7))
     targets["slowdown<=5%"] = ov.get("slowdown", 1.0) <= 0.05

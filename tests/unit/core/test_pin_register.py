@@ -3,7 +3,10 @@ runtime (fault injection: no GPU here; the real call runs in scripts/gpu_check.p
 
 from __future__ import annotations
 
+import functools
 from typing import Any
+
+import pytest
 
 from kvmesh.core.memory import REGISTER_PIECE, register_host
 
@@ -78,7 +81,6 @@ def test_the_runtime_is_the_libcudart_this_process_loaded() -> None:
 def test_without_a_loaded_runtime_the_pool_is_not_registered() -> None:
     """On this machine (CPU torch) no libcudart is loaded: no runtime is offered, so no
     registration that could leave an uncleared error is ever made."""
-    import pytest
     import torch
 
     from kvmesh.core.cudart import cuda_runtime, loaded_library
@@ -86,3 +88,57 @@ def test_without_a_loaded_runtime_the_pool_is_not_registered() -> None:
     if torch.cuda.is_available() or loaded_library("libcudart") is not None:
         pytest.skip("a CUDA build: scripts/gpu_check.py checks the real runtime there")
     assert cuda_runtime() is None
+
+
+def test_a_pinned_pool_is_unregistered_when_its_memory_goes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver keeps a registration of freed memory, and a later allocation at the same
+    addresses then fails its copies with "invalid argument" (seen on an H200 when the GPU
+    check dropped pools without unregistering): the pool's pieces are unregistered once the
+    pool and every view of its memory are gone, and not before."""
+    import gc
+
+    import torch
+
+    from kvmesh.core import memory
+
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(memory, "cuda_runtime", lambda: cudart)
+    pool = memory.MemoryPool(10 << 20, 1 << 20)
+    monkeypatch.setattr(memory, "register_host", functools.partial(memory.register_host, piece=4 << 20))
+    pool.pin()
+    base = pool.buffer.data_ptr()
+    assert pool.pinned and cudart.registered == [
+        (base, 4 << 20),
+        (base + (4 << 20), 4 << 20),
+        (base + (8 << 20), 2 << 20),
+    ]
+    view = pool.buffer[5:9]  # a slot view handed out, outliving the pool
+    del pool
+    gc.collect()
+    assert cudart.unregistered == []  # the memory is still in use
+    del view
+    gc.collect()
+    assert cudart.unregistered == [p for p, _ in cudart.registered]
+
+
+def test_a_refused_registration_falls_back_to_torch_pinned_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runtime that refuses: the pool is reallocated pinned by torch (stood in for here,
+    no CUDA), nothing stays registered and no error is left set."""
+    import torch
+
+    from kvmesh.core import memory
+
+    cudart = FakeCudart(fail_at=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(memory, "cuda_runtime", lambda: cudart)
+    real_empty = torch.empty
+
+    def empty(*args: Any, pin_memory: bool = False, **kw: Any) -> torch.Tensor:
+        return real_empty(*args, **kw)  # CPU torch cannot pin: the call's shape is what counts
+
+    monkeypatch.setattr(torch, "empty", empty)
+    pool = memory.MemoryPool(4 << 20, 1 << 20)
+    pool.pin()
+    assert pool.pinned and cudart.registered == [] and cudart.last_error == 0
+    assert pool.array.ctypes.data == pool.buffer.data_ptr()

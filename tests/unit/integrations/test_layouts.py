@@ -7,6 +7,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
@@ -263,3 +265,45 @@ def test_mla_chunk_layout_and_unchanged_kv_namespaces() -> None:
     )
     with pytest.raises(ValueError, match="kv_planes"):
         KVLayout(3, 8, 128, "bfloat16", kv_planes=3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layout=st.sampled_from(list(KVCacheLayout)),
+    dtype=st.sampled_from(list(DTYPES)),
+    head_size=st.integers(1, 40),
+    heads=st.integers(1, 3),
+    mla=st.booleans(),
+    tokens=st.integers(1, 3 * BS),
+    stacked=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_word_wide_copies_move_exact_bits_for_any_head_size(
+    layout: KVCacheLayout,
+    dtype: str,
+    head_size: int,
+    heads: int,
+    mla: bool,
+    tokens: int,
+    stacked: bool,
+    seed: int,
+) -> None:
+    """The strided adapters copy content as the widest integer words its byte size allows
+    (8, 4, 2 or 1 bytes: a head of 3 bf16 values is three 2-byte words, of 64 is sixteen
+    8-byte ones). For any head size, dtype and layout the chunk is bit-identical to the
+    token-by-token reference, and scattering it into other blocks reads back the same.
+    ``stacked``: all layers as one strided view (one kernel per plane), else layer by layer."""
+    h = 1 if mla else heads
+    layers = vllm_layers(3, 8, BS, h, head_size, DTYPES[dtype], layout, mla=mla, seed=seed)
+    if not stacked:
+        layers = [t.clone() for t in layers]  # separate storages: the per-layer path
+    adapter: PageLayout = LatentPages(BS) if mla else KVPages(BS)
+    rng = random.Random(seed)
+    ids = rng.sample(range(8), -(-tokens // BS))
+    want = reference_gather(layers, ids, tokens, BS, adapter.planes)
+    got = torch.empty_like(want)
+    adapter.gather(layers, ids, got)
+    assert torch.equal(as_bytes(got), as_bytes(want))
+    others = rng.sample(range(8), len(ids))
+    adapter.scatter(got, layers, others)
+    assert torch.equal(as_bytes(reference_gather(layers, others, tokens, BS, adapter.planes)), as_bytes(want))
