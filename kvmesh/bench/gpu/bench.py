@@ -173,9 +173,17 @@ def check_pinning(device: str = "cuda") -> dict[str, Any]:
     if cudart is None:
         raise RuntimeError("no libcudart among this process's libraries: the pool would be allocated pinned")
     pieces = register_host(cudart, buf.data_ptr(), buf.numel(), slot, piece=piece)
-    buf.copy_(src, non_blocking=True)
+    for k in range(slots):  # slot by slot, as the pool copies: no copy crosses two pieces
+        buf[k * slot : (k + 1) * slot].copy_(src[k * slot : (k + 1) * slot], non_blocking=True)
     torch.cuda.synchronize()
     copied = _same_bytes(buf, src)
+    try:  # one copy across pieces: why the pieces end on slot boundaries
+        buf.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        across = "ran"
+    except RuntimeError as e:
+        across = str(e).splitlines()[0]
+        cudart.cudaGetLastError()
     again = register_host(cudart, buf.data_ptr(), buf.numel(), slot, piece=piece)
     kernel_after = _kernel_error(src)
     # torch's binding: the refusal's code comes back, the thread's last error stays set.
@@ -189,7 +197,7 @@ def check_pinning(device: str = "cuda") -> dict[str, Any]:
     # copies, and so does a plain pageable tensor there.
     reused = exact = 0
     for k in range(24):
-        pool = MemoryPool((k % 6 + 1) << 20, 1 << 20)
+        pool = MemoryPool((k % 6 + 1) << 20, 1 << 20)  # one piece: the whole pool copies at once
         pool.pin()
         reused += pool.registered
         n = pool.buffer.numel()
@@ -203,7 +211,8 @@ def check_pinning(device: str = "cuda") -> dict[str, Any]:
         "pools_exact": f"{exact}/24",
         "pageable_copy_after": bool(int(pageable.sum().item()) == 0),
         "runtime": cudart.path,
-        "registered_in_pieces": pieces,
+        "registered_in_pieces": len(pieces),
+        "copy_across_pieces": across,
         "async_copy_exact": copied,
         "second_register_refused": not again,
         "kernel_after_refusal": kernel_after or "ran",
