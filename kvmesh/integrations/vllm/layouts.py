@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvmesh.errors import ConfigError
@@ -71,15 +72,16 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
-def _words(page: torch.Tensor, chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``page`` and ``chunk`` (one plane each, same dtype, the content axis last and
-    contiguous) reinterpreted as the widest integer words both allow. The copy moves bits
-    and never converts values, and an indexing kernel's cost goes with its element count:
-    8-byte words are 4x fewer elements than bf16 (measured on an H200: the gather and
-    scatter, not PCIe, were what kept a chunk's store and load below the copy limit)."""
+def _words(page: torch.Tensor, chunk: torch.Tensor, unit: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``page`` and ``chunk`` (same dtype, the content axis last and contiguous)
+    reinterpreted as the widest integer words that divide ``unit`` bytes (default: the
+    content axis; a plane's bytes where the caller splits planes) and that both allow. The
+    copy moves bits and never converts values, and a copy kernel's cost goes with its
+    element count: 8-byte words are 4x fewer elements than bf16."""
     size = page.element_size()
+    unit = unit or page.shape[-1] * size
     for word in _WORDS:
-        if word.itemsize < size or (page.shape[-1] * size) % word.itemsize:
+        if word.itemsize < size or unit % word.itemsize:
             continue
         try:
             return page.view(word), chunk.view(word)
@@ -190,12 +192,16 @@ class StridedPages(PageLayout):
         layer = self._four(layers[0])
         n = int(layer.shape[2])
         r = self.block_size // n
-        dev = layer.device
-        # Built on the device: one small copy of the block ids, the rest device arithmetic
-        # (no per-token index vectors crossing PCIe from pageable memory).
-        ids = torch.as_tensor(list(block_ids), dtype=torch.long).to(dev, non_blocking=True)
-        t = torch.arange(tokens, dtype=torch.long, device=dev)
-        return ids[t // self.block_size] * r + (t % self.block_size) // n, t % n
+        # Computed on the host (a few microseconds of numpy) and sent in one small copy: on
+        # an H200 the copy path is bound by the host's time to queue work, and this was
+        # seven kernel launches. The copy is from pageable memory, which CUDA stages before
+        # returning, so the array may go at once.
+        t = np.arange(tokens, dtype=np.int64)
+        both = np.empty((2, tokens), dtype=np.int64)
+        both[0] = np.asarray(block_ids, dtype=np.int64)[t // self.block_size] * r + (t % self.block_size) // n
+        both[1] = t % n
+        dev = torch.from_numpy(both).to(layer.device, non_blocking=True)
+        return dev[0], dev[1]
 
     def _stacked(self, layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """All layers as one ``[L, B, H, N, C]`` view, or ``None`` if they are not evenly
@@ -235,12 +241,32 @@ class StridedPages(PageLayout):
             for li, layer in enumerate(layers):
                 self.gather_layer(layer, block_ids, out[li], prep)
             return
-        kb, off = self.prepare(layers, block_ids, out.shape[2])
-        d = out.shape[-1]
-        for p in range(self.planes):
-            # [tokens, layers, heads, d] order of advanced indexing, written into the chunk.
-            src, dst = _words(stack[..., p * d : (p + 1) * d], out[:, p].transpose(0, 1))
-            _index_into(src, [None, kb, None, off], dst)
+        self._gather_blocks(stack, block_ids, out)
+
+    def _gather_blocks(self, stack: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        """All layers at once, whole kernel blocks: one ``index_select`` of the blocks into a
+        temporary ``[L, blocks, H, N, C]`` and one permuting copy into the chunk (two if the
+        last block is partial). Few kernels on purpose: on an H200 this path is bound by
+        the host's time to queue work, and the per-token index kernels it replaces cost
+        more launches and elements (measured in scripts/gpu_check.py)."""
+        tokens = out.shape[2]
+        n = int(stack.shape[3])
+        r = self.block_size // n
+        nk = -(-tokens // n)  # kernel blocks holding the chunk's tokens
+        kblocks = np.add.outer(np.asarray(block_ids, dtype=np.int64) * r, np.arange(r)).ravel()[:nk]
+        idx = torch.from_numpy(kblocks).to(stack.device, non_blocking=True)
+        src, dst = _words(stack, out, out.shape[-1] * out.element_size())  # words within a plane
+        sel = src.index_select(1, idx)  # [L, nk, H, N, planes * dw], contiguous
+        layers, _, heads, _, c = sel.shape
+        dw = c // self.planes
+        blocks = sel.view(layers, nk, heads, n, self.planes, dw).permute(
+            0, 4, 1, 3, 2, 5
+        )  # [L, P, nk, N, H, dw]
+        full = tokens // n
+        if full:
+            dst[:, :, : full * n].view(layers, self.planes, full, n, heads, dw).copy_(blocks[:, :, :full])
+        if tokens > full * n:
+            dst[:, :, full * n :].copy_(blocks[:, :, full, : tokens - full * n])
 
     def scatter(self, chunk: torch.Tensor, layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> None:
         self._count(block_ids, chunk.shape[2])

@@ -276,6 +276,7 @@ def test_mla_chunk_layout_and_unchanged_kv_namespaces() -> None:
     mla=st.booleans(),
     tokens=st.integers(1, 3 * BS),
     stacked=st.booleans(),
+    kernel=st.sampled_from([None, 8, 4]),
     seed=st.integers(0, 2**16),
 )
 def test_word_wide_copies_move_exact_bits_for_any_head_size(
@@ -286,15 +287,21 @@ def test_word_wide_copies_move_exact_bits_for_any_head_size(
     mla: bool,
     tokens: int,
     stacked: bool,
+    kernel: int | None,
     seed: int,
 ) -> None:
     """The strided adapters copy content as the widest integer words its byte size allows
     (8, 4, 2 or 1 bytes: a head of 3 bf16 values is three 2-byte words, of 64 is sixteen
     8-byte ones). For any head size, dtype and layout the chunk is bit-identical to the
     token-by-token reference, and scattering it into other blocks reads back the same.
-    ``stacked``: all layers as one strided view (one kernel per plane), else layer by layer."""
+    ``stacked``: all layers as one strided view (whole blocks selected at once), else layer
+    by layer; ``kernel``: the backend's kernel block, a divisor of vLLM's block_size."""
     h = 1 if mla else heads
-    layers = vllm_layers(3, 8, BS, h, head_size, DTYPES[dtype], layout, mla=mla, seed=seed)
+    if layout not in (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC):
+        kernel = None  # vLLM splits blocks into kernel blocks in layer-compact layouts only
+    layers = vllm_layers(
+        3, 8, BS, h, head_size, DTYPES[dtype], layout, mla=mla, kernel_block_size=kernel, seed=seed
+    )
     if not stacked:
         layers = [t.clone() for t in layers]  # separate storages: the per-layer path
     adapter: PageLayout = LatentPages(BS) if mla else KVPages(BS)
