@@ -313,7 +313,8 @@ def bandwidth(reps: int = 20) -> dict[str, Any]:
     flat_dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = pool.buffer[:nbytes]
     xfer = Transfer(KVPages(BS), layers, lay, CHUNK)
-    ids = list(range(0, blocks, 4))[: CHUNK // BS]
+    ids = list(range(0, blocks, 4))[: CHUNK // BS]  # scattered blocks: the indexed copy
+    consecutive = list(range(1, 1 + CHUNK // BS))  # consecutive blocks (a fresh allocation): a plain copy
 
     def retrieve() -> None:
         xfer.load([(slot, ids)], layerwise=False)
@@ -331,11 +332,18 @@ def bandwidth(reps: int = 20) -> dict[str, Any]:
     def limit_h2d() -> None:
         flat_dev.copy_(host, non_blocking=True)
 
+    def retrieve_run() -> None:
+        xfer.load([(slot, consecutive)], layerwise=False)
+        xfer.wait_all_layers()
+        xfer.finish_loads()
+
     runs: dict[str, Callable[[], None]] = {
         "limit_d2h": limit_d2h,
         "store": lambda: xfer.save(ids, slot, None),
+        "store_consecutive": lambda: xfer.save(consecutive, slot, None),
         "limit_h2d": limit_h2d,
         "retrieve": retrieve,
+        "retrieve_consecutive": retrieve_run,
         "retrieve_layerwise": retrieve_layerwise,
     }
     for fn in runs.values():  # warm up (CUDA context, caching allocator, kernels)
@@ -407,6 +415,12 @@ def bandwidth(reps: int = 20) -> dict[str, Any]:
         ),
         "retrieve_ratio": statistics.median(
             h / r for h, r in zip(times["limit_h2d"], times["retrieve"], strict=True)
+        ),
+        "store_consecutive_ratio": statistics.median(
+            d / s for d, s in zip(times["limit_d2h"], times["store_consecutive"], strict=True)
+        ),
+        "retrieve_consecutive_ratio": statistics.median(
+            h / r for h, r in zip(times["limit_h2d"], times["retrieve_consecutive"], strict=True)
         ),
         **{k: statistics.median(v) for k, v in host_ms.items()},
         "retrieve_layerwise_ratio": statistics.median(
@@ -546,6 +560,18 @@ def run(quick: bool = False, json_path: str | None = None, plot_path: str | None
         rows = [
             ("store (gather+D2H)", g["store"], g["limit_d2h"], bw["store_ratio"]),
             ("retrieve (H2D+scatter)", g["retrieve"], g["limit_h2d"], bw["retrieve_ratio"]),
+            (
+                "store, consecutive blocks",
+                g["store_consecutive"],
+                g["limit_d2h"],
+                bw["store_consecutive_ratio"],
+            ),
+            (
+                "retrieve, consecutive blocks",
+                g["retrieve_consecutive"],
+                g["limit_h2d"],
+                bw["retrieve_consecutive_ratio"],
+            ),
             ("retrieve, layer-wise", g["retrieve_layerwise"], g["limit_h2d"], bw["retrieve_layerwise_ratio"]),
         ]
         print_table(

@@ -244,43 +244,70 @@ class StridedPages(PageLayout):
         self._gather_blocks(stack, block_ids, out)
 
     def _gather_blocks(self, stack: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor) -> None:
-        """All layers at once, whole kernel blocks: one ``index_select`` of the blocks into a
-        temporary ``[L, blocks, H, N, C]`` and one permuting copy into the chunk (two if the
-        last block is partial). Few kernels on purpose: on an H200 this path is bound by
-        the host's time to queue work, and the per-token index kernels it replaces cost
-        more launches and elements (measured in scripts/gpu_check.py)."""
-        tokens = out.shape[2]
-        n = int(stack.shape[3])
-        r = self.block_size // n
-        nk = -(-tokens // n)  # kernel blocks holding the chunk's tokens
-        kblocks = np.add.outer(np.asarray(block_ids, dtype=np.int64) * r, np.arange(r)).ravel()[:nk]
-        idx = torch.from_numpy(kblocks).to(stack.device, non_blocking=True)
-        src, dst = _words(stack, out, out.shape[-1] * out.element_size())  # words within a plane
-        sel = src.index_select(1, idx)  # [L, nk, H, N, planes * dw], contiguous
-        layers, _, heads, _, c = sel.shape
-        dw = c // self.planes
-        blocks = sel.view(layers, nk, heads, n, self.planes, dw).permute(
-            0, 4, 1, 3, 2, 5
-        )  # [L, P, nk, N, H, dw]
-        full = tokens // n
-        if full:
-            dst[:, :, : full * n].view(layers, self.planes, full, n, heads, dw).copy_(blocks[:, :, :full])
-        if tokens > full * n:
-            dst[:, :, full * n :].copy_(blocks[:, :, full, : tokens - full * n])
+        whole, run, tail, pages = self._blocks(stack, block_ids, out)
+        if whole is not None:
+            if run is not None:  # consecutive blocks: a plain strided copy, no index at all
+                whole[1].copy_(pages[:, :, run : run + whole[1].shape[2]])
+            else:
+                _index_into(pages, [None, None, whole[0]], whole[1])
+        if tail is not None:
+            tail[1].copy_(pages[:, :, tail[0], : tail[1].shape[2]])
 
     def scatter(self, chunk: torch.Tensor, layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> None:
         self._count(block_ids, chunk.shape[2])
         stack = self._stacked(layers)
-        prep = self.prepare(layers, block_ids, chunk.shape[2])
         if stack is None:
+            prep = self.prepare(layers, block_ids, chunk.shape[2])
             for li, layer in enumerate(layers):
                 self.scatter_layer(chunk[li], layer, block_ids, prep)
             return
-        kb, off = prep
-        d = chunk.shape[-1]
-        for p in range(self.planes):
-            dst, src = _words(stack[..., p * d : (p + 1) * d], chunk[:, p].transpose(0, 1))
-            dst[:, kb, :, off] = src
+        whole, run, tail, pages = self._blocks(stack, block_ids, chunk)
+        if whole is not None:
+            if run is not None:
+                pages[:, :, run : run + whole[1].shape[2]].copy_(whole[1])
+            else:
+                pages[:, :, whole[0]] = whole[1]
+        if tail is not None:  # only the tokens the chunk has: the rest of the block is not ours
+            pages[:, :, tail[0], : tail[1].shape[2]].copy_(tail[1])
+
+    def _blocks(self, stack: torch.Tensor, block_ids: Sequence[int], chunk: torch.Tensor) -> tuple[Any, ...]:
+        """The block-wise copy between all layers' pages and a chunk, in few kernels (on an
+        H200 the copy path is bound by the host's time to queue work, and the per-token
+        index kernels this replaced took a copy of indices and two launches per plane).
+
+        The pages are viewed as ``[L, planes, blocks, N, H, words]`` (a permutation of the
+        logical ``[L, B, H, N, C]``, no copy) and the chunk's whole kernel blocks as the
+        same shape, so they move in one indexed copy along the block axis (a plain strided
+        copy when the blocks are consecutive, as fresh allocations mostly are), plus one
+        copy for a partial last block. Returns ``(device index, chunk view)`` of the whole
+        blocks, their first block when consecutive, ``(block, chunk view)`` of the partial
+        one, and the pages view, all in words."""
+        tokens = chunk.shape[2]
+        n = int(stack.shape[3])
+        r = self.block_size // n
+        kblocks = np.add.outer(np.asarray(block_ids, dtype=np.int64) * r, np.arange(r)).ravel()[
+            : -(-tokens // n)
+        ]
+        if len(kblocks) and (int(kblocks.min()) < 0 or int(kblocks.max()) >= stack.shape[1]):
+            # checked here: an index kernel would fail on the device, and take the context with it
+            raise IndexError(f"block ids {list(block_ids)} are out of range for {stack.shape[1] // r} blocks")
+        src, dst = _words(stack, chunk, chunk.shape[-1] * chunk.element_size())  # words within a plane
+        layers, blocks, heads, _, c = src.shape
+        dw = c // self.planes
+        pages = src.view(layers, blocks, heads, n, self.planes, dw).permute(0, 4, 1, 3, 2, 5)
+        full, rem = divmod(tokens, n)
+        whole: tuple[torch.Tensor | None, torch.Tensor] | None = None
+        run = tail = None
+        if full:
+            ks = kblocks[:full]
+            view = dst[:, :, : full * n].view(layers, self.planes, full, n, heads, dw)
+            if int(ks[-1]) - int(ks[0]) == full - 1 and bool(np.all(np.diff(ks) == 1)):
+                run, whole = int(ks[0]), (None, view)
+            else:
+                whole = (torch.from_numpy(ks).to(stack.device, non_blocking=True), view)
+        if rem:
+            tail = (int(kblocks[full]), dst[:, :, full * n :])
+        return whole, run, tail, pages
 
     def gather_layer(
         self, layer: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor, prep: Any = None

@@ -277,6 +277,7 @@ def test_mla_chunk_layout_and_unchanged_kv_namespaces() -> None:
     tokens=st.integers(1, 3 * BS),
     stacked=st.booleans(),
     kernel=st.sampled_from([None, 8, 4]),
+    consecutive=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_word_wide_copies_move_exact_bits_for_any_head_size(
@@ -288,6 +289,7 @@ def test_word_wide_copies_move_exact_bits_for_any_head_size(
     tokens: int,
     stacked: bool,
     kernel: int | None,
+    consecutive: bool,
     seed: int,
 ) -> None:
     """The strided adapters copy content as the widest integer words its byte size allows
@@ -295,7 +297,8 @@ def test_word_wide_copies_move_exact_bits_for_any_head_size(
     8-byte ones). For any head size, dtype and layout the chunk is bit-identical to the
     token-by-token reference, and scattering it into other blocks reads back the same.
     ``stacked``: all layers as one strided view (whole blocks selected at once), else layer
-    by layer; ``kernel``: the backend's kernel block, a divisor of vLLM's block_size."""
+    by layer; ``kernel``: the backend's kernel block, a divisor of vLLM's block_size;
+    ``consecutive``: block ids in one run (copied as a slice, no index)."""
     h = 1 if mla else heads
     if layout not in (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC):
         kernel = None  # vLLM splits blocks into kernel blocks in layer-compact layouts only
@@ -306,7 +309,12 @@ def test_word_wide_copies_move_exact_bits_for_any_head_size(
         layers = [t.clone() for t in layers]  # separate storages: the per-layer path
     adapter: PageLayout = LatentPages(BS) if mla else KVPages(BS)
     rng = random.Random(seed)
-    ids = rng.sample(range(8), -(-tokens // BS))
+    nb = -(-tokens // BS)
+    if consecutive:
+        first = rng.randrange(8 - nb + 1)
+        ids = list(range(first, first + nb))
+    else:
+        ids = rng.sample(range(8), nb)
     want = reference_gather(layers, ids, tokens, BS, adapter.planes)
     got = torch.empty_like(want)
     adapter.gather(layers, ids, got)
@@ -314,3 +322,15 @@ def test_word_wide_copies_move_exact_bits_for_any_head_size(
     others = rng.sample(range(8), len(ids))
     adapter.scatter(got, layers, others)
     assert torch.equal(as_bytes(reference_gather(layers, others, tokens, BS, adapter.planes)), as_bytes(want))
+
+
+def test_block_ids_out_of_range_are_refused_on_the_host() -> None:
+    """An id past the cache is an IndexError before any copy is queued (an index kernel
+    would fail on the device, taking the CUDA context with it)."""
+    layers = vllm_layers(2, 4, BS, 2, 8, DTYPES["bfloat16"], KVCacheLayout.LBNHC)
+    chunk = torch.empty((2, 2, 2 * BS, 2, 8), dtype=DTYPES["bfloat16"])
+    for ids in ([1, 4], [-1, 2]):
+        with pytest.raises(IndexError, match="out of range for 4 blocks"):
+            KVPages(BS).gather(layers, ids, chunk)
+        with pytest.raises(IndexError, match="out of range"):
+            KVPages(BS).scatter(chunk, layers, ids)
