@@ -9,8 +9,9 @@ Checks that every page-layout adapter round-trips exactly on CUDA, measures stor
 (gather + D2H) and retrieve (H2D + scatter) GB/s of a llama-8b-shaped 32 MiB chunk against
 torch's pinned ``copy_`` of the same bytes (target >= 0.8x), and the compute-stream slowdown
 while 2,000 tokens' blocks are saved (target <= 5%). Exit status: 0 all targets met (or no
-CUDA: skipped), 1 a target missed. Expected to take well under a minute on an H200 (the
-budget is 8); not yet run on a GPU.
+CUDA: skipped), 1 a target missed. Took 7-11 s on an H200 (4 December 2026; figures in
+docs/bench/gpu.md). It also checks the pool's registration against the real CUDA runtime
+and four concurrent savers; a part that raises is reported and the others still run.
 Same as ``kvmesh bench gpu``.
 """
 

@@ -108,12 +108,16 @@ def _git(*args: str) -> str | None:
 
 def git_state() -> tuple[str | None, bool | None]:
     """The short commit of the code a run measures and whether ``kvmesh/`` has changes not
-    committed; ``(None, None)`` outside a git checkout (an installed wheel). A copy of a
-    checkout made without its ``.git`` (a tree shipped to a GPU machine) names its commit in
-    ``KVMESH_COMMIT``: ``(that, None)``, the dirty flag unknown."""
+    committed; ``(None, None)`` outside a git checkout (an installed wheel). A tree shipped
+    to another machine (a GPU machine gets the files, and a ``.git`` that need not match
+    them) names its commit in ``KVMESH_COMMIT``, which then wins: ``(that, None)``, the
+    dirty flag unknown there."""
+    shipped = os.environ.get("KVMESH_COMMIT")
+    if shipped:
+        return shipped, None
     head = (_git("rev-parse", "--short", "HEAD") or "").strip()
     if not head:
-        return os.environ.get("KVMESH_COMMIT") or None, None
+        return None, None
     status = _git("status", "--porcelain", "kvmesh")
     return head, None if status is None else bool(status.strip())
 

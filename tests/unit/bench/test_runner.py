@@ -96,14 +96,18 @@ def test_the_dirty_flag_reads_uncommitted_changes_under_kvmesh(
     assert runner.git_state() == (head, True) and runner.git_commit() == head + "+dirty"
 
 
-def test_outside_a_checkout_the_commit_comes_from_kvmesh_commit(
+def test_a_shipped_tree_names_its_commit_in_kvmesh_commit(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """A tree copied without its .git (as to a GPU machine): no commit unless KVMESH_COMMIT
-    names it, and then the dirty flag is unknown, not claimed clean."""
+    """A tree sent to a GPU machine arrives with a .git that need not match it (seen: the
+    session's starting commit, so every file read as dirty): KVMESH_COMMIT, when set, is the
+    commit, with the dirty flag unknown rather than claimed; outside a checkout and with no
+    KVMESH_COMMIT there is no commit."""
     monkeypatch.setattr(runner, "REPO_ROOT", tmp_path)
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
     monkeypatch.delenv("KVMESH_COMMIT", raising=False)
     assert runner.git_state() == (None, None)
     monkeypatch.setenv("KVMESH_COMMIT", "abc1234")
     assert runner.git_state() == ("abc1234", None) and runner.git_commit() == "abc1234"
+    monkeypatch.setattr(runner, "REPO_ROOT", Path(__file__).resolve().parents[3])  # a real checkout
+    assert runner.git_state() == ("abc1234", None)
