@@ -16,11 +16,9 @@ kernels are still queued), recording one event per layer. :meth:`Transfer.wait_l
 makes the compute stream wait for layer ``i``'s event only, so layer ``i + 1``'s copy
 overlaps layer ``i``'s attention.
 
-Staging buffers are allocated once, at start: nothing here allocates pinned memory per
-request, and device memory only from torch's caching allocator (the gather/scatter index
-vectors, a few bytes per token, and the block gather's one-chunk temporary, reused from
-the allocator's cache after the first save of each saver stream). On CPU the streams are
-no-ops and the same calls run in order.
+Staging buffers are allocated once, at start: nothing here allocates device or pinned
+memory per request (the block index vectors, a few bytes per block, come from torch's
+caching allocator). On CPU the streams are no-ops and the same calls run in order.
 """
 
 from __future__ import annotations
