@@ -139,9 +139,7 @@ def register_host(
             done.append(ptr + off)
         return done
     except (AttributeError, RuntimeError, TypeError):
-        unregister_host(cudart, done)
-        with contextlib.suppress(Exception):
-            cudart.cudaGetLastError()  # clears the error the failed call left
+        unregister_host(cudart, done)  # also clears the error the failed call left
         return []
 
 
@@ -153,7 +151,7 @@ def unregister_host(cudart: Any, pieces: list[int]) -> None:
         with contextlib.suppress(Exception):
             cudart.cudaHostUnregister(ptr)
     with contextlib.suppress(Exception):
-        cudart.cudaGetLastError()
+        cudart.cudaGetLastError()  # clears the thread's last error (a refusal leaves it set)
 
 
 class MemoryPool:

@@ -164,7 +164,7 @@ def check_pinning(device: str = "cuda") -> dict[str, Any]:
     kernel runs). Then the same refusal through torch's own binding, which cannot clear it:
     what the next kernel says then is recorded (the failure the clearing prevents)."""
     from kvmesh.core.cudart import cuda_runtime
-    from kvmesh.core.memory import register_host
+    from kvmesh.core.memory import register_host, unregister_host
 
     slot, slots, piece = 1 << 20, 10, 4 << 20
     buf = torch.empty(slots * slot, dtype=torch.uint8)
@@ -190,8 +190,7 @@ def check_pinning(device: str = "cuda") -> dict[str, Any]:
     code = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0))  # type: ignore[no-untyped-call]
     unclear = _kernel_error(src)
     cudart.cudaGetLastError()  # whatever that left, for the parts after this one
-    for off in range(0, buf.numel(), piece):
-        cudart.cudaHostUnregister(buf.data_ptr() + off)
+    unregister_host(cudart, pieces)
     # Pools made, pinned and dropped one after another (as tests and restarts do): each is
     # unregistered as its memory goes, so the next one at the same addresses registers and
     # copies, and so does a plain pageable tensor there.

@@ -244,12 +244,13 @@ class StridedPages(PageLayout):
         self._gather_blocks(stack, block_ids, out)
 
     def _gather_blocks(self, stack: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor) -> None:
-        whole, run, tail, pages = self._blocks(stack, block_ids, out)
+        whole, tail, pages = self._blocks(stack, block_ids, out)
         if whole is not None:
-            if run is not None:  # consecutive blocks: a plain strided copy, no index at all
-                whole[1].copy_(pages[:, :, run : run + whole[1].shape[2]])
+            where, into = whole
+            if isinstance(where, slice):  # consecutive blocks: a plain strided copy, no index
+                into.copy_(pages[:, :, where])
             else:
-                _index_into(pages, [None, None, whole[0]], whole[1])
+                _index_into(pages, [None, None, where], into)
         if tail is not None:
             tail[1].copy_(pages[:, :, tail[0], : tail[1].shape[2]])
 
@@ -261,12 +262,9 @@ class StridedPages(PageLayout):
             for li, layer in enumerate(layers):
                 self.scatter_layer(chunk[li], layer, block_ids, prep)
             return
-        whole, run, tail, pages = self._blocks(stack, block_ids, chunk)
+        whole, tail, pages = self._blocks(stack, block_ids, chunk)
         if whole is not None:
-            if run is not None:
-                pages[:, :, run : run + whole[1].shape[2]].copy_(whole[1])
-            else:
-                pages[:, :, whole[0]] = whole[1]
+            pages[:, :, whole[0]] = whole[1]  # a strided copy for a slice, index_put_ for an index
         if tail is not None:  # only the tokens the chunk has: the rest of the block is not ours
             pages[:, :, tail[0], : tail[1].shape[2]].copy_(tail[1])
 
@@ -279,9 +277,9 @@ class StridedPages(PageLayout):
         logical ``[L, B, H, N, C]``, no copy) and the chunk's whole kernel blocks as the
         same shape, so they move in one indexed copy along the block axis (a plain strided
         copy when the blocks are consecutive, as fresh allocations mostly are), plus one
-        copy for a partial last block. Returns ``(device index, chunk view)`` of the whole
-        blocks, their first block when consecutive, ``(block, chunk view)`` of the partial
-        one, and the pages view, all in words."""
+        copy for a partial last block. Returns ``(where, chunk view)`` of the whole blocks
+        (``where``: a slice of the block axis when they are consecutive, else a device
+        index), ``(block, chunk view)`` of the partial one, and the pages view, all in words."""
         tokens = chunk.shape[2]
         n = int(stack.shape[3])
         r = self.block_size // n
@@ -296,18 +294,18 @@ class StridedPages(PageLayout):
         dw = c // self.planes
         pages = src.view(layers, blocks, heads, n, self.planes, dw).permute(0, 4, 1, 3, 2, 5)
         full, rem = divmod(tokens, n)
-        whole: tuple[torch.Tensor | None, torch.Tensor] | None = None
-        run = tail = None
+        whole: tuple[slice | torch.Tensor, torch.Tensor] | None = None
+        tail = None
         if full:
             ks = kblocks[:full]
             view = dst[:, :, : full * n].view(layers, self.planes, full, n, heads, dw)
             if int(ks[-1]) - int(ks[0]) == full - 1 and bool(np.all(np.diff(ks) == 1)):
-                run, whole = int(ks[0]), (None, view)
+                whole = (slice(int(ks[0]), int(ks[0]) + full), view)
             else:
                 whole = (torch.from_numpy(ks).to(stack.device, non_blocking=True), view)
         if rem:
             tail = (int(kblocks[full]), dst[:, :, full * n :])
-        return whole, run, tail, pages
+        return whole, tail, pages
 
     def gather_layer(
         self, layer: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor, prep: Any = None
