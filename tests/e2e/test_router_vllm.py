@@ -395,7 +395,8 @@ def test_two_router_processes_one_sigkilled_lose_only_its_requests_and_no_hits(
 ) -> None:
     """Two ``kvmesh router`` processes over the same two replicas, each consuming both
     replicas' KV events and gauges; a client alternates between them and one is SIGKILLed
-    mid-run. No request fails but those in flight on the killed router, and the prefix hit
+    mid-run. No request fails but those in flight on the killed router (or sent to it while
+    it dies, which its socket accepts and then resets), and the prefix hit
     rate (vLLM's own cached-token counts, over the conversations no failure touched) is that
     of one router serving the same turns alone (caches reset in between), give or take one
     request's worth: a follow-up may go elsewhere by load in either run."""
@@ -440,7 +441,12 @@ def test_two_router_processes_one_sigkilled_lose_only_its_requests_and_no_hits(
     # in flight on the killed router: sent before it was gone, ended after the signal
     assert all(a.router == 1 and a.sent < killed_at and a.done >= kill_sent for a in failed), (killed, failed)
     assert {a.router for a in both if a.done < kill_sent} == {0, 1}  # both served before the kill
-    assert len(failed) <= 2  # one request in flight per client thread at most
+    # One request in flight per client thread at most when the signal went out. Between the
+    # signal and the process's end its listening socket still exists: the kernel accepts a
+    # connection into the backlog and resets it when the process is gone, so a request sent
+    # in that window fails at the transport (no status), never with an answer.
+    assert len([a for a in failed if a.sent < kill_sent]) <= 2, (killed, failed)
+    assert all(a.status == -1 for a in failed if a.sent >= kill_sent), (killed, failed)
     # A conversation whose turn failed is left out of the comparison: its next turn has no
     # prefix to hit, through any router.
     lost = {c for c, turns in enumerate(conversations) for a in failed if a.prompt in turns}
