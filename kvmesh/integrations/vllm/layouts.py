@@ -262,6 +262,9 @@ class StridedPages(PageLayout):
             for li, layer in enumerate(layers):
                 self.scatter_layer(chunk[li], layer, block_ids, prep)
             return
+        self._scatter_blocks(chunk, stack, block_ids)
+
+    def _scatter_blocks(self, chunk: torch.Tensor, stack: torch.Tensor, block_ids: Sequence[int]) -> None:
         whole, tail, pages = self._blocks(stack, block_ids, chunk)
         if whole is not None:
             pages[:, :, whole[0]] = whole[1]  # a strided copy for a slice, index_put_ for an index

@@ -63,9 +63,9 @@ def test_gpu_check_script_imports_no_vllm() -> None:
     assert "skipped: no CUDA device" in done.stdout
 
 
-def test_gpu_check_runs_on_a_bare_gpu_machine_without_cuda() -> None:
-    """scripts/gpu_check.py with only torch, numpy, xxhash and msgpack (pydantic, zstandard,
-    msgspec, blake3, yaml and vLLM made unimportable): runs to completion, says no CUDA."""
+def _on_a_bare_gpu_machine(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``scripts/<script>`` with only torch, numpy, xxhash and msgpack importable (pydantic,
+    zstandard, msgspec, blake3, yaml and vLLM made unimportable), as on the GPU machines."""
     code = (
         "import sys, importlib.abc, runpy\n"
         "BLOCK = {'pydantic', 'zstandard', 'msgspec', 'blake3', 'vllm', 'yaml'}\n"
@@ -74,15 +74,38 @@ def test_gpu_check_runs_on_a_bare_gpu_machine_without_cuda() -> None:
         "        if name.split('.')[0] in BLOCK:\n"
         "            raise ImportError(name + ' is not on a bare GPU machine')\n"
         "sys.meta_path.insert(0, B())\n"
-        "sys.argv = ['gpu_check.py']\n"
-        "runpy.run_path('scripts/gpu_check.py', run_name='__main__')\n"
+        f"sys.argv = {[script, *args]!r}\n"
+        f"runpy.run_path('scripts/{script}', run_name='__main__')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env
     )
+
+
+def test_gpu_check_runs_on_a_bare_gpu_machine_without_cuda() -> None:
+    """scripts/gpu_check.py on a bare GPU machine's imports: runs to completion, says no CUDA."""
+    done = _on_a_bare_gpu_machine("gpu_check.py")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "skipped: no CUDA device" in done.stdout
+
+
+def test_gpu_copy_variants_runs_its_control_flow_on_cpu(tmp_path: Path) -> None:
+    """scripts/gpu_copy_variants.py (the next GPU call's comparison of copy variants) on a
+    bare GPU machine's imports, ``--device cpu``: every variant is checked bit for bit
+    against the checkout's own path and found exact, and each is timed (the streams are
+    no-ops here, so the figures mean nothing; a variant that is not exact exits 1)."""
+    out = tmp_path / "variants.json"
+    done = _on_a_bare_gpu_machine(
+        "gpu_copy_variants.py", "--device", "cpu", "--pairs", "1", "--json", str(out)
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["exact"] and all(v is True for v in data["exact"].values()), data["exact"]
+    assert set(data["store"]) == {"v0", "v0_run", "groups2", "groups4"}
+    assert set(data["retrieve"]) == {"v0", "groups2", "groups4", "groups8"}
+    assert set(data["eight"]) == {"each", "queued", "double"}
+    assert all(r["ms"] > 0 for part in ("store", "retrieve", "eight") for r in data[part].values())
 
 
 def test_concurrent_savers_are_exact_on_cpu_tensors() -> None:
