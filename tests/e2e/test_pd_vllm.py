@@ -41,8 +41,11 @@ CS = shipped_chunk_size()  # the harness ships kvmesh's defaults
 PIN_TIMEOUT_S = 20.0
 FETCH_TIMEOUT_S = 15.0
 # The handshake's budget (default 1 s): on a loaded 2-core machine a first handshake took
-# just over 1 s here (the cold-compile stall the fixture's consumer warm-up avoids, below).
-CONNECT_TIMEOUT_S = 2.0
+# just over 1 s here (the cold-compile stall the fixture's consumer warm-up avoids, below),
+# and a CI run on 4 December 2026 saw the chat pull's handshake miss 2 s (a correct
+# recompute, but not what this module checks). Still well under the fetch budget, so the
+# hung producer below shows which of the two it costs.
+CONNECT_TIMEOUT_S = 5.0
 LOOSE = 1e-4
 GEN = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "logprobs": 5}
 
@@ -143,6 +146,7 @@ def pd_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         # starved the worker's threads and the first pull missed its handshake budget (a
         # correct recompute, but not what this module checks).
         complete(consumer.url, tokens(7, 300), **GEN)
+        chat(consumer.url, " ".join(f"v{i % 89}" for i in range(300)), **CHAT)  # and its chat path
         # 1. prefill -> decode.
         pre = complete(producer.url, p1, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         res["prefill1"] = pre
@@ -293,7 +297,8 @@ def test_hung_producer_costs_the_handshake_budget_not_the_fetch_timeout(pd_run: 
     ids, lp, _ = output(pd_run["decode5"])
     assert ids == ref_ids and top5_diff(lp, ref_lp) <= LOOSE
     assert pd_run["c_after_hang"]["pd_fallbacks_total"].get("timeout", 0) >= 1
-    assert CONNECT_TIMEOUT_S <= pd_run["decode5_s"] < FETCH_TIMEOUT_S + 30
+    # the handshake's budget (5 s) and the recompute, under the fetch budget (15 s)
+    assert CONNECT_TIMEOUT_S <= pd_run["decode5_s"] < FETCH_TIMEOUT_S, pd_run["decode5_s"]
     assert pd_run["plain_during_hang_s"] < FETCH_TIMEOUT_S + 30
 
 
