@@ -9,10 +9,34 @@ Wire format: :mod:`kvmesh.transport.wire` (framed msgpack control messages and k
 chunk format, no pickle). With a fleet key both ends prove it (:mod:`kvmesh.transport.auth`)
 and every chunk carries a MAC; the server runs on the bounded
 :class:`~kvmesh.transport.listener.Listener` (connection caps, frame caps, deadlines).
+
+Its public names are imported lazily: the wire format (``kvmesh.transport.wire``) is used by
+processes that must not pay for torch (the disk tier's reader process, the router).
 """
 
-from kvmesh.transport.client import PullResult, confirm, pull
-from kvmesh.transport.pins import PinLedger
-from kvmesh.transport.server import TransferServer
+from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvmesh.transport.client import PullResult, confirm, pull
+    from kvmesh.transport.pins import PinLedger
+    from kvmesh.transport.server import TransferServer
+
+_LAZY = {
+    "PullResult": "kvmesh.transport.client",
+    "confirm": "kvmesh.transport.client",
+    "pull": "kvmesh.transport.client",
+    "PinLedger": "kvmesh.transport.pins",
+    "TransferServer": "kvmesh.transport.server",
+}
 __all__ = ["PinLedger", "PullResult", "TransferServer", "confirm", "pull"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvmesh.transport' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
