@@ -86,6 +86,11 @@ class CacheConfig(BaseModel):
     )
     eviction_policy: str = Field("lru", description=f"cpu eviction order: {' | '.join(POLICIES)}")
     disk_o_direct: bool = Field(False, description="write disk chunks with O_DIRECT (aligned buffers)")
+    disk_read_process: bool = Field(
+        False,
+        description="read disk chunks in a child process of the tier's own (off the worker's GIL); "
+        "a failed child falls back to reads in the process",
+    )
     disk_io_trace: str | None = Field(None, description="path of a JSON-lines trace of every disk I/O")
     disk_subdir: str = Field(
         "auto",

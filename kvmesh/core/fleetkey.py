@@ -123,6 +123,11 @@ class FleetKey:
     def key_ids(self) -> tuple[bytes, ...]:
         return self._ids
 
+    def secrets(self) -> tuple[bytes, ...]:
+        """The key material, signing key first: only for kvmesh's own child processes (the
+        disk tier's reader), handed over a socket pair, never logged or put in argv/env."""
+        return self._keys
+
     def __repr__(self) -> str:  # never the secret
         return f"FleetKey({len(self._keys)} key(s), signing id {self.key_id.hex()}, from {self.source})"
 

@@ -90,6 +90,7 @@ class LowerTiers:
             codec=codec,
             chunk_size=cfg.chunk_size,
             o_direct=cfg.disk_o_direct,
+            read_process=cfg.disk_read_process,
             io_trace=io_trace,
             placement=cfg.disk_placement,
             ru_size=cfg.disk_ru_size,

@@ -80,6 +80,7 @@ class TierOptions:
     codec: str = "raw"
     chunk_size: int = 256
     o_direct: bool = False
+    read_process: bool = False  # disk: reads in a child process (kvmesh.tiers.diskproc)
     io_trace: str | None = None  # path of a JSON-lines I/O trace
     placement: str = "none"  # disk: none | hints | segments (kvmesh.tiers.placement)
     ru_size: int = 64 << 20  # disk: reclaim-unit (segment) size for segments placement

@@ -25,12 +25,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
+import logging
 import os
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey
@@ -49,10 +52,13 @@ from kvmesh.tiers.base import (
     url_path,
 )
 from kvmesh.tiers.diskfiles import ALIGN, SUFFIX, TMP_SUFFIX, ChunkFiles
+from kvmesh.tiers.diskproc import Read, ReaderProcess
 from kvmesh.tiers.placement import Placement, check_class
 
 if TYPE_CHECKING:
     from kvmesh.tiers.segments import SegmentTier
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ALIGN", "CULL_LIMIT", "SUFFIX", "TMP_SUFFIX", "DiskTier", "open_disk_tier"]
 
@@ -107,6 +113,16 @@ class DiskTier:
         except BaseException:
             self._dirlock.release()
             raise
+        # The reads in a process of their own (kvmesh.tiers.diskproc); not with an I/O trace,
+        # which records this process's reads.
+        self._reader: ReaderProcess | None = None
+        if opts.read_process and not opts.io_trace:
+            try:
+                self._reader = ReaderProcess(self.path, self.chunk_format)
+            except OSError as exc:
+                log.warning(
+                    "kvmesh disk tier %s: no reader process (%s); reading in this process", self.path, exc
+                )
 
     @property
     def o_direct(self) -> bool:
@@ -123,7 +139,7 @@ class DiskTier:
         self._check_open()
         with self.metrics.timed("get"):
             try:  # every file at once: a cold read waits for the slowest, not for the sum
-                items = self.files.each(partial(self._load, into=into, stamp=True), keys)
+                items = self._read_many(keys, into)
             except RuntimeError:  # closed meanwhile
                 self._check_open()
                 raise
@@ -173,6 +189,8 @@ class DiskTier:
         if self._closed:
             return
         self._closed = True
+        if self._reader is not None:
+            self._reader.close()
         self.files.close()
         self._dirlock.release()
 
@@ -236,6 +254,73 @@ class DiskTier:
             return self._used
 
     # ---- internals --------------------------------------------------------------------
+
+    def _read_many(self, keys: Sequence[ChunkKey], into: Into | None) -> list[StoredChunk | None]:
+        """``_load`` of every key, by the reader process when there is one and it is free
+        (what it could not read, read here)."""
+        items: list[StoredChunk | bool | None] = [False] * len(keys)  # False: not read yet
+        reader = self._reader
+        if reader is not None and len(keys) > 1:
+            with reader.held(blocking=False) as free:
+                if free:
+                    self._read_in_child(reader, keys, into, items)
+        todo = [i for i, item in enumerate(items) if item is False]
+        if todo:
+            loaded = self.files.each(partial(self._load, into=into, stamp=True), [keys[i] for i in todo])
+            for i, item in zip(todo, loaded, strict=True):
+                items[i] = item
+        return [item if isinstance(item, StoredChunk) else None for item in items]
+
+    def _read_in_child(
+        self,
+        reader: ReaderProcess,
+        keys: Sequence[ChunkKey],
+        into: Into | None,
+        items: list[StoredChunk | bool | None],
+    ) -> None:
+        """Fill ``items`` with what ``reader`` reads; those it cannot read stay ``False``."""
+        gens: dict[int, int] = {}
+        with self._lock:
+            for i, k in enumerate(keys):
+                ent = self._entries.get(k.text)
+                if ent is None:
+                    items[i] = None
+                else:
+                    gens[i] = ent.gen
+        todo = list(gens)
+        while todo:
+            reads = reader.batch([keys[i] for i in todo], [self.files.stamp() for _ in todo])
+            if reads is None:
+                self.metrics.inc("read_process_failures")
+                return  # the rest are read here
+            later = []
+            for i, r in zip(todo, reads, strict=True):
+                if r.status == "later":
+                    later.append(i)
+                    continue
+                items[i] = self._landed(keys[i], gens[i], r, reader, into)
+            if len(later) == len(todo):
+                return  # nothing fits the staging buffer: read here
+            todo = later
+
+    def _landed(
+        self, key: ChunkKey, gen: int, r: Read, reader: ReaderProcess, into: Into | None
+    ) -> StoredChunk | None:
+        if r.status == "gone":
+            self._drop(key.text, gen)
+            return None
+        if r.status in ("corrupt", "unauthenticated"):
+            if count_rejected(self.metrics, r.error()):
+                self._drop(key.text, gen)
+            return None
+        if r.status != "ok":
+            self.metrics.inc("errors")  # EIO and the like: a miss, but the file may be fine
+            return None
+        dst = into(r.nbytes) if into is not None else None
+        if dst is None:
+            dst = memoryview(bytearray(r.nbytes))
+        np.frombuffer(dst, dtype=np.uint8)[:] = reader.staging[r.offset : r.offset + r.nbytes]
+        return StoredChunk(r.chunk_header(), dst, r.stored, version=gen)
 
     def _load(self, key: ChunkKey, into: Into | None, stamp: bool) -> StoredChunk | None:
         """Read and verify ``key``'s file (``version`` = its write generation), or ``None``

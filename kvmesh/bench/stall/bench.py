@@ -44,8 +44,9 @@ from kvmesh.harness.slowproxy import SlowProxy
 
 MODES = ("async", "sync")
 # all: cpu hits through the async path too (async_loads: all); tail: the defaults plus
-# save_unfull_chunk (the prompt's partial last chunk cached: 1,999 of 2,000 tokens loaded)
-ALL_MODES = ("async", "sync", "all", "tail")
+# save_unfull_chunk (the prompt's partial last chunk cached: 1,999 of 2,000 tokens loaded);
+# proc: the defaults plus disk_read_process (the disk tier's reads in a child process)
+ALL_MODES = ("async", "sync", "all", "tail", "proc")
 SOURCES = ("disk", "redis_far", "redis_hung")
 # cpu: the prompt left in the cpu tier (sync vs async cpu hits); vllm: the prompt left in vLLM's
 # own prefix cache, nothing to load: the floor for any cache (a new request joins the batch)
@@ -70,6 +71,8 @@ def _spec(mode: str, model_dir: str, work: str, remote_url: str, tokens: int, de
         kvmesh["async_loads"] = "all"
     elif mode == "tail":
         kvmesh["save_unfull_chunk"] = True
+    elif mode == "proc":
+        kvmesh["disk_read_process"] = True
     return {
         "mode": mode,
         "model_dir": model_dir,
@@ -264,16 +267,19 @@ def summarize(
                 row["itl_vs_floor"] = ratio_summary(
                     paired_ratios([a for a, _ in paired], [b for _, b in paired])
                 )["median"]
+            if mode == "proc" and "async" in ttft:  # the child's reads against the worker's own
+                ks = sorted(set(ttft["proc"]) & set(ttft["async"]))
+                row["ttft_vs_async"] = ratio_summary(
+                    paired_ratios([ttft["proc"][k] for k in ks], [ttft["async"][k] for k in ks])
+                )["median"]
             if mode == "async" and "all" in ttft:
                 ks = sorted(set(ttft["async"]) & set(ttft["all"]))
                 row["ttft_vs_all"] = ratio_summary(
                     paired_ratios([ttft["async"][k] for k in ks], [ttft["all"][k] for k in ks])
                 )["median"]
-            if mode == "async" and "sync" in ttft:
-                ks = sorted(set(ttft["async"]) & set(ttft["sync"]))
-                vs = ratio_summary(
-                    paired_ratios([ttft["async"][k] for k in ks], [ttft["sync"][k] for k in ks])
-                )
+            if mode in ("async", "proc") and "sync" in ttft and mode in ttft:
+                ks = sorted(set(ttft[mode]) & set(ttft["sync"]))
+                vs = ratio_summary(paired_ratios([ttft[mode][k] for k in ks], [ttft["sync"][k] for k in ks]))
                 row["ttft_vs_sync"] = vs["median"]
                 row["ttft_met"] = (
                     None if vs["median"] is None or source == "redis_hung" else vs["median"] <= TTFT_TARGET
