@@ -260,7 +260,7 @@ class DiskTier:
         (what it could not read, read here)."""
         items: list[StoredChunk | bool | None] = [False] * len(keys)  # False: not read yet
         reader = self._reader
-        if reader is not None and len(keys) > 1:
+        if reader is not None and keys:
             with reader.held(blocking=False) as free:
                 if free:
                     self._read_in_child(reader, keys, into, items)

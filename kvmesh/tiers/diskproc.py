@@ -67,7 +67,7 @@ class Read:
     (the staging buffer was full: ask again)."""
 
     status: str
-    header: dict[str, Any] | None = None
+    header: Any = None  # the header's fields as the child sends them; a ChunkHeader once checked
     offset: int = 0
     nbytes: int = 0
     stored: int = 0
@@ -75,7 +75,9 @@ class Read:
     discard: bool = True
 
     def chunk_header(self) -> serde.ChunkHeader:
-        h = self.header or {}
+        if isinstance(self.header, serde.ChunkHeader):
+            return self.header
+        h = self.header
         return serde.ChunkHeader(
             key=str(h["key"]),
             layout=KVLayout.from_dict(h["layout"]),
@@ -173,10 +175,13 @@ class ReaderProcess:
                 raise WireError(f"the reader answered {len(items)} items for {len(keys)} keys")
             out = [Read(*item) for item in items]
             for r in out:
-                if r.status == "ok" and not (r.offset >= 0 and r.offset + r.nbytes <= self.staging.nbytes):
+                if r.status != "ok":
+                    continue
+                if not (r.offset >= 0 and r.offset + r.nbytes <= self.staging.nbytes):
                     raise WireError(
                         f"the reader placed a payload outside its staging buffer ({r.offset}+{r.nbytes})"
                     )
+                r.header = r.chunk_header()  # a reply that is not a header ends the child here
             self.served += sum(r.status == "ok" for r in out)
         except (OSError, WireError, KeyError, TypeError, ValueError) as exc:
             self._fail(exc)
@@ -255,12 +260,10 @@ class _Staging:
         self.view = view
         self.used = 0
         self._lock = threading.Lock()
-        self.full = False
 
     def take(self, n: int) -> tuple[int, memoryview] | None:
         with self._lock:
             if self.used + n > self.view.nbytes:
-                self.full = True
                 return None
             off = self.used
             self.used += n
@@ -326,7 +329,10 @@ def _serve(sock: socket.socket, fd: int) -> None:
                 return ["error", None, 0, 0, 0, str(exc)]
 
         items = list(zip(msg["keys"], msg["cs"], msg["stamps"], strict=True))
-        send_msg(sock, {"items": files.each(one, items)})
+        try:
+            send_msg(sock, {"items": files.each(one, items)})
+        except OSError:
+            return  # the tier went away while this batch was read
 
 
 def _header_fields(h: serde.ChunkHeader) -> dict[str, Any]:

@@ -65,14 +65,15 @@ def _spec(mode: str, model_dir: str, work: str, remote_url: str, tokens: int, de
         "socket_dir": os.path.join(work, "sock"),
         "admin_enabled": False,
     }
-    if mode == "sync":
-        kvmesh["async_loads"] = "off"
-    elif mode == "all":
-        kvmesh["async_loads"] = "all"
-    elif mode == "tail":
-        kvmesh["save_unfull_chunk"] = True
-    elif mode == "proc":
-        kvmesh["disk_read_process"] = True
+    for part in mode.split("+"):  # "tail+proc": both
+        if part == "sync":
+            kvmesh["async_loads"] = "off"
+        elif part == "all":
+            kvmesh["async_loads"] = "all"
+        elif part == "tail":
+            kvmesh["save_unfull_chunk"] = True
+        elif part == "proc":
+            kvmesh["disk_read_process"] = True
     return {
         "mode": mode,
         "model_dir": model_dir,
@@ -119,16 +120,20 @@ def run(
     decode_tokens: int | None = None,
     modes: list[str] | None = None,
 ) -> dict[str, Any]:
-    prov = provenance("stall")
-    model = ensure_model(model_dir or os.path.join(REPO_ROOT, DEFAULT_BENCH_MODEL), "bench")
     n_trials = trials if trials is not None else (3 if quick else 8)
     chosen = list(sources or (*SOURCES, FLOOR))
     unknown = set(chosen) - set(ALL_SOURCES)
     if unknown:
         raise ValueError(f"unknown source(s) {sorted(unknown)}; valid: {', '.join(ALL_SOURCES)}")
     run_modes = list(modes or MODES)
-    if set(run_modes) - set(ALL_MODES) or "async" not in run_modes:
-        raise ValueError(f"modes must include async and be among {', '.join(ALL_MODES)}, got {run_modes}")
+    parts = {part for m in run_modes for part in m.split("+")}
+    if parts - set(ALL_MODES) or "async" not in run_modes:
+        raise ValueError(
+            f"modes must include async and be among {', '.join(ALL_MODES)} (or several joined by +: "
+            f"tail+proc), got {run_modes}"
+        )
+    prov = provenance("stall")
+    model = ensure_model(model_dir or os.path.join(REPO_ROOT, DEFAULT_BENCH_MODEL), "bench")
     decode = decode_tokens or (60 if quick else 160)
     work = tempfile.mkdtemp(prefix="kvmesh-stall-", dir=os.path.join(REPO_ROOT, ".cache"))
     redis = RedisServer().start()
@@ -267,10 +272,11 @@ def summarize(
                 row["itl_vs_floor"] = ratio_summary(
                     paired_ratios([a for a, _ in paired], [b for _, b in paired])
                 )["median"]
-            if mode == "proc" and "async" in ttft:  # the child's reads against the worker's own
-                ks = sorted(set(ttft["proc"]) & set(ttft["async"]))
-                row["ttft_vs_async"] = ratio_summary(
-                    paired_ratios([ttft["proc"][k] for k in ks], [ttft["async"][k] for k in ks])
+            base = mode.removesuffix("+proc") if mode.endswith("+proc") else "async"
+            if mode.endswith("proc") and base in ttft:  # the child's reads against the worker's own
+                ks = sorted(set(ttft[mode]) & set(ttft[base]))
+                row["ttft_vs_without_proc"] = ratio_summary(
+                    paired_ratios([ttft[mode][k] for k in ks], [ttft[base][k] for k in ks])
                 )["median"]
             if mode == "async" and "all" in ttft:
                 ks = sorted(set(ttft["async"]) & set(ttft["all"]))

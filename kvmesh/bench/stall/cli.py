@@ -47,7 +47,7 @@ def register(bsub: argparse._SubParsersAction[Any]) -> None:
         help="comma-separated: async (the default config), sync (async_loads: off), all "
         "(async_loads: all: cpu hits through the async path too), tail (the defaults plus "
         "save_unfull_chunk: the partial last chunk cached), proc (the defaults plus disk_read_process: "
-        "the disk tier's reads in a child process); default async,sync",
+        "the disk tier's reads in a child process), or several joined by + (tail+proc); default async,sync",
     )
     p.add_argument("--model", help="model dir (default .cache/models/bench, built if missing)")
     p.add_argument("--json", help="write results here")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvmesh.bench.stall.bench import summarize
+import pytest
+
+from kvmesh.bench.stall.bench import _spec, run, summarize
 
 
 def _rec(mode: str, source: str, k: int, itl: float, alone: float, ttft: float) -> dict[str, Any]:
@@ -52,3 +54,26 @@ def test_each_source_is_read_against_the_floor_of_its_mode_and_trial() -> None:
     assert rows[("disk", "tail")]["itl_vs_floor"] == 2.0
     assert "itl_vs_floor" not in rows[("vllm", "async")]
     assert rows[("vllm", "async")]["itl_ratio_median"] == 3.0
+
+
+def test_joined_modes_take_each_part_and_proc_is_paired_with_the_mode_without_it() -> None:
+    spec = _spec("tail+proc", "m", "/w", "redis://x", 2000, 60)["kvmesh"]
+    assert spec["save_unfull_chunk"] is True and spec["disk_read_process"] is True
+    assert "async_loads" not in spec  # the default: asynchronous loads
+    recs = []
+    for k, drift in enumerate([1.0, 2.0, 4.0]):
+        recs += [
+            _rec("async", "disk", k, 0.03 * drift, 0.01 * drift, 0.10 * drift),
+            _rec("proc", "disk", k, 0.03 * drift, 0.01 * drift, 0.08 * drift),
+            _rec("tail", "disk", k, 0.03 * drift, 0.01 * drift, 0.05 * drift),
+            _rec("tail+proc", "disk", k, 0.03 * drift, 0.01 * drift, 0.06 * drift),
+        ]
+    rows = {r["mode"]: r for r in summarize(recs, ["disk"], ["async", "proc", "tail", "tail+proc"])}
+    assert rows["proc"]["ttft_vs_without_proc"] == 0.8  # against async
+    assert rows["tail+proc"]["ttft_vs_without_proc"] == 1.2  # against tail
+    assert "ttft_vs_without_proc" not in rows["tail"]
+
+
+def test_unknown_mode_parts_are_refused() -> None:
+    with pytest.raises(ValueError, match="joined by"):
+        run(modes=["async", "tail+bogus"], sources=["disk"])

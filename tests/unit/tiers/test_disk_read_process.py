@@ -172,14 +172,20 @@ def test_a_batch_larger_than_the_staging_buffer_goes_in_rounds(tmp_path: Path) -
         tier.close()
 
 
-def test_a_reply_out_of_bounds_ends_the_child_and_nothing_wrong_is_served(child_tier: DiskTier) -> None:
+@pytest.mark.parametrize("bogus", ["out_of_bounds", "no_header", "too_few", "not_a_list"])
+def test_a_nonsense_reply_ends_the_child_and_reads_go_on_here(child_tier: DiskTier, bogus: str) -> None:
     """Fault injection: the socket's other end is the test's, not the child's."""
     chunks, reader = stored(child_tier, 2, seed=15)
     ours, theirs = socket.socketpair()
     reader._sock.close()
     reader._sock = ours
-    bogus = ["ok", None, reader.staging.nbytes - 8, 64, 64]
-    send_msg(theirs, {"items": [bogus, bogus]})
+    item = {
+        "out_of_bounds": ["ok", None, reader.staging.nbytes - 8, 64, 64],
+        "no_header": ["ok", None, 0, 64, 64],
+        "too_few": ["ok", None, 0, 64, 64],
+        "not_a_list": 7,
+    }[bogus]
+    send_msg(theirs, {"items": [item] if bogus == "too_few" else [item, item]})
     got = child_tier.get([c.key for c in chunks])
     for g, c in zip(got, chunks, strict=True):
         assert_same(g, c)
