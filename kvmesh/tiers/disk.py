@@ -119,7 +119,7 @@ class DiskTier:
         if opts.read_process and not opts.io_trace:
             try:
                 self._reader = ReaderProcess(self.path, self.chunk_format)
-            except OSError as exc:
+            except (OSError, ValueError) as exc:  # no memfd, no process: the reads stay here
                 log.warning(
                     "kvmesh disk tier %s: no reader process (%s); reading in this process", self.path, exc
                 )
