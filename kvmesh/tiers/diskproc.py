@@ -111,7 +111,6 @@ class ReaderProcess:
         self.root = root
         self.chunk_format = chunk_format
         self.read_timeout_s = read_timeout_s
-        self.failures = 0
         self.served = 0  # chunks this process read and verified
         self._lock = threading.Lock()  # one batch at a time: the staging buffer is one batch's
         self._dead = False
@@ -227,7 +226,6 @@ class ReaderProcess:
         return self._ready
 
     def _fail(self, exc: BaseException) -> None:
-        self.failures += 1
         if not self._dead:
             log.warning(
                 "kvmesh disk tier %s: its reader process failed (%s); reading in this process", self.root, exc
