@@ -153,13 +153,16 @@ class PinnableTier(TierBase, Protocol):
 
 @dataclass
 class StoredChunk:
-    """A verified chunk as stored: header, decoded raw KV, the bytes it occupies, and an
-    opaque ``version`` that :meth:`RecodableTier.rewrite` checks (``None``: unversioned)."""
+    """A verified chunk as stored: header, decoded raw KV, the bytes it occupies, an
+    opaque ``version`` that :meth:`RecodableTier.rewrite` checks (``None``: unversioned),
+    and the header's bytes where the reader kept them (the disk tier's reader process sends
+    them to the tier, which verifies them again rather than trust a parsed copy)."""
 
     header: ChunkHeader
     raw: Buffer
     stored_bytes: int
     version: int | None = None
+    header_bytes: bytes = b""
 
 
 class RecodableTier(Tier, Protocol):

@@ -168,7 +168,8 @@ class ChunkFiles:
             if f is None:
                 raise CorruptChunkError(f"chunk file {text} is not a regular file")
             with f:
-                header = _read_header(f, key, fmt)
+                head = _header_bytes(f, fmt)
+                header = fmt.decode_header(head, key)
                 if st.st_size < header.header_size + header.payload_len:
                     raise CorruptChunkError(f"chunk file {text} is shorter than its header says")
                 body = payload_buffer(into, header)
@@ -183,7 +184,7 @@ class ChunkFiles:
                 if stamp:
                     t = self.stamp()
                     os.utime(f.fileno(), ns=(t, t))
-        return StoredChunk(header, raw, int(rec["bytes"]))
+        return StoredChunk(header, raw, int(rec["bytes"]), header_bytes=head)
 
     def check_header(self, path: str, text: str, file_size: int) -> CorruptChunkError | None:
         """``None`` when ``path`` holds a chunk of ``text`` this reader accepts (its header tag
@@ -318,9 +319,13 @@ class ChunkFiles:
                 self._trace = None
 
 
-def _read_header(f: BinaryIO, key: ChunkKey | str, fmt: ChunkFormat) -> serde.ChunkHeader:
+def _header_bytes(f: BinaryIO, fmt: ChunkFormat) -> bytes:
     prefix = f.read(serde.PREFIX_SIZE)
-    return fmt.decode_header(prefix + f.read(fmt.header_length(prefix) - len(prefix)), key)
+    return prefix + f.read(fmt.header_length(prefix) - len(prefix))
+
+
+def _read_header(f: BinaryIO, key: ChunkKey | str, fmt: ChunkFormat) -> serde.ChunkHeader:
+    return fmt.decode_header(_header_bytes(f, fmt), key)
 
 
 def _write_all(fd: int, mv: memoryview) -> None:

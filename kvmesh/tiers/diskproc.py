@@ -67,7 +67,7 @@ class Read:
     (the staging buffer was full: ask again)."""
 
     status: str
-    header: Any = None  # the header's fields as the child sends them; a ChunkHeader once checked
+    header: Any = None  # the header's bytes as the child sends them; a ChunkHeader once verified
     offset: int = 0
     nbytes: int = 0
     stored: int = 0
@@ -75,22 +75,8 @@ class Read:
     discard: bool = True
 
     def chunk_header(self) -> serde.ChunkHeader:
-        if isinstance(self.header, serde.ChunkHeader):
-            return self.header
-        h = self.header
-        return serde.ChunkHeader(
-            key=str(h["key"]),
-            layout=KVLayout.from_dict(h["layout"]),
-            shape=tuple(int(x) for x in h["shape"]),
-            codec=str(h["codec"]),
-            raw_len=int(h["raw_len"]),
-            payload_len=int(h["payload_len"]),
-            payload_checksum=str(h["payload_checksum"]),
-            tokens=np.frombuffer(bytes(h["tokens"]), dtype="<u4").copy(),
-            mode=serde.Mode(int(h["mode"])),
-            header_size=int(h["header_size"]),
-            tag=bytes(h["tag"]),
-        )
+        assert isinstance(self.header, serde.ChunkHeader), "checked in ReaderProcess.batch"
+        return self.header
 
     def error(self) -> CorruptChunkError:
         if self.status == "unauthenticated":
@@ -173,16 +159,22 @@ class ReaderProcess:
             if not isinstance(items, list) or len(items) != len(keys):
                 raise WireError(f"the reader answered {len(items)} items for {len(keys)} keys")
             out = [Read(*item) for item in items]
-            for r in out:
+            for key, r in zip(keys, out, strict=True):
                 if r.status != "ok":
                     continue
                 if not (r.offset >= 0 and r.offset + r.nbytes <= self.staging.nbytes):
                     raise WireError(
                         f"the reader placed a payload outside its staging buffer ({r.offset}+{r.nbytes})"
                     )
-                r.header = r.chunk_header()  # a reply that is not a header ends the child here
+                if not isinstance(r.header, bytes):
+                    raise WireError(f"the reader sent {type(r.header).__name__} for a chunk header")
+                # Verified again here (its tag, its key, its bounds): a reply that is not this
+                # key's header ends the child, and the payload is never copied.
+                r.header = self.chunk_format.decode_header(r.header, key)
+                if r.nbytes != r.header.raw_len:
+                    raise WireError(f"the reader sent {r.nbytes} bytes for a {r.header.raw_len}-byte chunk")
             self.served += sum(r.status == "ok" for r in out)
-        except (OSError, WireError, KeyError, TypeError, ValueError) as exc:
+        except (OSError, WireError, CorruptChunkError, KeyError, TypeError, ValueError) as exc:
             self._fail(exc)
             return None
         return out
@@ -314,7 +306,7 @@ def _serve(sock: socket.socket, fd: int) -> None:
                     buf[:] = raw
                 with contextlib.suppress(OSError):
                     os.utime(files.path(text), ns=(int(stamp), int(stamp)))
-                return ["ok", _header_fields(st.header), placed["offset"], raw.nbytes, st.stored_bytes]
+                return ["ok", st.header_bytes, placed["offset"], raw.nbytes, st.stored_bytes]
             except _Later:
                 return ["later"]
             except FileNotFoundError:
@@ -331,22 +323,6 @@ def _serve(sock: socket.socket, fd: int) -> None:
             send_msg(sock, {"items": files.each(one, items)})
         except OSError:
             return  # the tier went away while this batch was read
-
-
-def _header_fields(h: serde.ChunkHeader) -> dict[str, Any]:
-    return {
-        "key": h.key,
-        "layout": h.layout.to_dict(),
-        "shape": list(h.shape),
-        "codec": h.codec,
-        "raw_len": h.raw_len,
-        "payload_len": h.payload_len,
-        "payload_checksum": h.payload_checksum,
-        "tokens": np.ascontiguousarray(h.tokens, dtype="<u4").tobytes(),
-        "mode": int(h.mode),
-        "header_size": h.header_size,
-        "tag": h.tag,
-    }
 
 
 def main(argv: Sequence[str]) -> None:
