@@ -24,6 +24,13 @@ from kvmesh.errors import ProcessError
 from kvmesh.harness.ports import free_port
 from kvmesh.harness.processes import spawn, stop_process
 
+# vLLM's own KV cache for a test's replica: 256 blocks of 128 tokens (32,768 tokens), far
+# more than any test's prompts. Without a cap, VLLM_CPU_KVCACHE_SPACE=1 gives the tiny
+# model 262,144 tokens, and setting that cache up takes ~10 s of every start's "init engine"
+# here (0.2-0.8 s with the cap): measured 5 December 2026, plain vLLM and kvmesh alike.
+# Benchmarks size their replicas themselves (their figures depend on it).
+TEST_KV_BLOCKS = 256
+
 
 def vllm_env(cpu: int | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment with the PEERS.md fairness settings for a vLLM-CPU child."""

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvmesh.harness.replicas import TEST_KV_BLOCKS
 from tests.e2e.vllm_scenarios import compare, prompt, run_main
 
 MAX_RANK = 8
@@ -53,6 +54,7 @@ class LoraInstance:
             disable_hybrid_kv_cache_manager=True,
             enable_prefix_caching=True,
             max_model_len=4096,
+            num_gpu_blocks_override=TEST_KV_BLOCKS,
             seed=0,
             enable_lora=True,
             max_lora_rank=MAX_RANK,

@@ -28,7 +28,7 @@ import pytest
 from kvmesh.core.fleetkey import TRANSFER_PARAMS, FleetKey
 from kvmesh.harness.connector import consumer_config, fleet_key_file, producer_config, shipped_chunk_size
 from kvmesh.harness.ports import free_port
-from kvmesh.harness.replicas import Replica
+from kvmesh.harness.replicas import TEST_KV_BLOCKS, Replica
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -115,11 +115,13 @@ def pd_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     common = {"admin_port": 0, "socket_dir": str(work)}
     producer = Replica(
         str(tiny_model),
+        num_blocks=TEST_KV_BLOCKS,
         kv_transfer=producer_config(**{**common, "admin_port": p_admin, "pd_pin_timeout_s": PIN_TIMEOUT_S}),
         log_path=str(work / "producer.log"),
     )
     consumer = Replica(
         str(tiny_model),
+        num_blocks=TEST_KV_BLOCKS,
         kv_transfer=consumer_config(
             **{
                 **common,
@@ -154,6 +156,11 @@ def pd_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         res["decode1"] = complete(consumer.url, p1, **GEN, kv_transfer_params=pre["kv_transfer_params"])
         res["p_after_decode"] = admin_stats(p_admin)
         res["c_after_decode"] = admin_stats(c_admin)
+        # 2. a decode that never comes: its pins go after the timeout. Sent here, while no
+        # other request holds pins (decode1 confirmed its own), so the count is this
+        # prefill's; its timeout runs out while steps 1b-1d run, and is waited for after 1d.
+        complete(producer.url, p2, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        res["p_orphan_pinned"] = admin_stats(p_admin)
         # 1b. vLLM reports the producer's own prefix hits as a decode's cached tokens when the
         # parameters carry remote_prefill_cached_tokens (vLLM's P/D semantics); without them
         # the consumer reports its own count: the pulled prompt.
@@ -210,15 +217,8 @@ def pd_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         res["ref5"] = complete(producer.url, p5, **GEN)
         res["ref5b"] = complete(producer.url, p5b, **GEN)
         res["c_after_hang"] = admin_stats(c_admin)
-        # 2. a decode that never comes: the pins go after the timeout. First let step 1d's
-        # prefill (pinned for a consumer that pulled from the hung port instead) expire, so
-        # the count below is this step's own: 1d ends well within PIN_TIMEOUT_S, and CI
-        # failed on that race once (2 pinned requests where 1 was expected).
-        settle = time.monotonic() + PIN_TIMEOUT_S + 6
-        while time.monotonic() < settle and admin_stats(p_admin)["pd_pinned_requests"]:
-            time.sleep(0.25)
-        complete(producer.url, p2, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-        res["p_orphan_pinned"] = admin_stats(p_admin)
+        # 2, continued: every pin no decode confirmed (the orphan's, and those of 1d's two
+        # prefills, whose decodes went to the hung port) is gone within its timeout.
         deadline = time.monotonic() + PIN_TIMEOUT_S + 6
         while time.monotonic() < deadline and admin_stats(p_admin)["pd_pinned_requests"]:
             time.sleep(0.25)

@@ -31,7 +31,7 @@ from kvmesh.bench.common.workload import words
 from kvmesh.harness.connector import consumer_config, producer_config, shipped_chunk_size
 from kvmesh.harness.ports import free_port
 from kvmesh.harness.processes import spawn, stop_process
-from kvmesh.harness.replicas import Replica, start_replicas
+from kvmesh.harness.replicas import TEST_KV_BLOCKS, Replica, start_replicas
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -62,9 +62,10 @@ def pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
     work = tmp_path_factory.mktemp("router-pd")
     c_admin = free_port()
     common = {"socket_dir": str(work), "admin_port": 0}  # sockets of their own, beside other tests'
-    producer = Replica(str(tiny_model), name=MODEL, cpu=0, kv_transfer=producer_config(**common),
+    producer = Replica(str(tiny_model), name=MODEL, cpu=0, num_blocks=TEST_KV_BLOCKS,
+                       kv_transfer=producer_config(**common),
                        log_path=str(work / "producer.log"), pin_process=True)  # fmt: skip
-    consumer = Replica(str(tiny_model), name=MODEL, cpu=1,
+    consumer = Replica(str(tiny_model), name=MODEL, cpu=1, num_blocks=TEST_KV_BLOCKS,
                        kv_transfer=consumer_config(**{**common, "admin_port": c_admin}),
                        log_path=str(work / "consumer.log"), pin_process=True)  # fmt: skip
     port = free_port()

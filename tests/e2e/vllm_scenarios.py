@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvmesh.harness.replicas import TEST_KV_BLOCKS
+
 RESULT_MARK = "KVMESH_E2E_RESULT "
 ENV = {  # set before vllm is imported (it is imported lazily below): vllm reads them then
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -140,6 +142,7 @@ class Instance:
             dtype="float32",
             enable_prefix_caching=True,
             max_model_len=4096,
+            num_gpu_blocks_override=TEST_KV_BLOCKS,
             seed=0,
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KVMeshConnector",
@@ -339,6 +342,7 @@ def plain_run(model: str, prompts: list[list[int]]) -> list[Any]:
         dtype="float32",
         enable_prefix_caching=True,
         max_model_len=4096,
+        num_gpu_blocks_override=TEST_KV_BLOCKS,
         seed=0,
     )
     sp = SamplingParams(max_tokens=5, logprobs=5, temperature=0.0)

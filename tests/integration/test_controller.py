@@ -446,7 +446,7 @@ def test_the_service_builds_its_controller_from_its_config() -> None:
 def test_two_vllm_replicas_behind_the_router(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     from kvmesh.harness.model import PRESETS, make_tiny
-    from kvmesh.harness.replicas import Replica, start_replicas
+    from kvmesh.harness.replicas import TEST_KV_BLOCKS, Replica, start_replicas
     from kvmesh.router.testing import _WORDS
     from kvmesh.routing.config import ReplicaConfig
 
@@ -478,6 +478,7 @@ def test_two_vllm_replicas_behind_the_router(tmp_path: Path) -> None:
             Replica(
                 model,
                 cpu=i,
+                num_blocks=TEST_KV_BLOCKS,
                 kv_transfer=kv,
                 log_path=str(tmp_path / f"r{i}.log"),
                 env_extra={"VLLM_SERVER_DEV_MODE": "1"},
