@@ -75,9 +75,12 @@ class Params:
     prompt_tokens: tuple[int, int] = (1500, 2500)
     output_tokens: tuple[int, int] = (128, 256)
     transfer_mb: int = 256
+    num_blocks: int | None = None  # each replica's own KV cache in blocks (None: vLLM's default)
 
 
-def params(quick: bool) -> Params:
+def params(quick: bool, smoke: bool = False) -> Params:
+    if smoke:  # the command runs end to end (the test suite's); its figures mean nothing
+        return Params(1, 2, 1.0, (300, 600), (8, 16), transfer_mb=8, num_blocks=64)
     # 0.4 requests/s: the colocated pair sustains it (each request is ~0.6 s of prefill and
     # ~5 s of decode at ~25 ms a token, so about two run at a time) with room for bursts.
     return Params(1, 4, 0.4, transfer_mb=64) if quick else Params(2, 8, 0.4)
@@ -192,11 +195,14 @@ def front(setup: str, urls: Sequence[str], model_dir: str, log_path: str) -> Fro
 
 
 @contextlib.contextmanager
-def setup_replicas(setup: str, model_dir: str, workdir: str, log: Log) -> Iterator[list[Replica]]:
+def setup_replicas(
+    setup: str, model_dir: str, workdir: str, log: Log, num_blocks: int | None = None
+) -> Iterator[list[Replica]]:
     """Start the setup's two replicas (they load in parallel); stop them after."""
     with contextlib.ExitStack() as stack:
         reps = [
-            Replica(model_dir, name=MODEL_NAME, cpu=i, kv_transfer=transfer_config(setup, role, workdir),
+            Replica(model_dir, name=MODEL_NAME, cpu=i, num_blocks=num_blocks,
+                    kv_transfer=transfer_config(setup, role, workdir),
                     log_path=os.path.join(workdir, f"{setup}-replica{i}.log"), pin_process=True,
                     extra_args=list(EXTRA_ARGS.get(setup, ())))
             for i, role in enumerate(ROLES[setup])
@@ -246,10 +252,11 @@ def _start(
     workdir: str,
     log: Log,
     urls: dict[str, list[str]],
+    num_blocks: int | None = None,
 ) -> Front:
     """The setup's replicas (their URLs into ``urls``) and router, stopped when ``owner``
     closes; warmed up."""
-    reps = owner.enter_context(setup_replicas(setup, model_dir, workdir, log))
+    reps = owner.enter_context(setup_replicas(setup, model_dir, workdir, log, num_blocks))
     urls[setup] = [r.url for r in reps]
     svc = front(setup, [r.url for r in reps], model_dir, os.path.join(workdir, f"{setup}-router.log"))
     owner.callback(svc.stop)
@@ -278,7 +285,7 @@ def run_phases(p: Params, model_dir: str, workdir: str, setups: Sequence[str], l
                     owner = keep if s in later else stack
                     log(f"phase {pi + 1}: starting {s}")
                     try:
-                        live[s] = _start(s, owner, model_dir, workdir, log, urls)
+                        live[s] = _start(s, owner, model_dir, workdir, log, urls, p.num_blocks)
                     except (OSError, ProcessError, TimeoutError) as exc:
                         failures[s] = f"{type(exc).__name__}: {exc}"
                         log(f"  {s} cannot run: {failures[s]}")
@@ -329,13 +336,13 @@ def _probe_threshold(urls: Sequence[str], model_dir: str, workdir: str, log: Log
 
 
 def run(quick: bool, json_path: str, plot_path: str, model_dir: str | None = None,
-        setups: Sequence[str] | None = None) -> dict[str, Any]:  # fmt: skip
+        setups: Sequence[str] | None = None, smoke: bool = False) -> dict[str, Any]:  # fmt: skip
     from kvmesh.bench.ttft.proc import environment
     from kvmesh.harness.model import DEFAULT_TINY_MODEL, ensure_model
 
     prov = provenance("pd")  # the code this run measures: read now, the tree may move on
     install_signal_handlers()
-    p = params(quick)
+    p = params(quick, smoke)
     names = list(setups or SETUPS)
     bad = [s for s in names if s not in SETUPS]
     if bad:
@@ -356,7 +363,7 @@ def run(quick: bool, json_path: str, plot_path: str, model_dir: str | None = Non
         if r["setup"] in done["failures"]:
             r["error"] = done["failures"][r["setup"]]
     result = {
-        "environment": environment(model, quick, p.trials),
+        "environment": environment(model, quick or smoke, p.trials),
         "params": {**p.__dict__, "phases": [list(ph) for ph in PHASES]},
         "results": rows,
         "targets": targets(done["trials"]),
@@ -377,5 +384,5 @@ def run(quick: bool, json_path: str, plot_path: str, model_dir: str | None = Non
 def main(args: argparse.Namespace) -> int:
     """``kvmesh bench pd`` (the parser: :mod:`kvmesh.bench.pd.cli`)."""
     setups = [s.strip() for s in args.setups.split(",")] if args.setups else None
-    run(args.quick, args.json, args.plot, args.model, setups)
+    run(args.quick, args.json, args.plot, args.model, setups, smoke=args.smoke)
     return 0

@@ -46,7 +46,7 @@ SMOKE: dict[str, tuple[str, bool | None, tuple[pytest.MarkDecorator, ...]]] = {
         True,
         VLLM,
     ),
-    "pd": ("--quick --setups kvmesh-pd --model {model}", True, VLLM),
+    "pd": ("--smoke --setups kvmesh-pd --model {model}", True, VLLM),
 }
 
 
