@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 from typing import Any
+
+from kvmesh.errors import ConfigError
 
 
 def register(sub: argparse._SubParsersAction[Any]) -> None:
@@ -22,3 +26,22 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     bsub = bench.add_subparsers(dest="bench", required=True)
     for suite in (tiers, ttft, stall, router, gpu, disk, scale, epp, codecs, pd):
         suite(bsub)
+    for name, parser in bsub.choices.items():
+        parser.set_defaults(func=_said_plainly(f"kvmesh bench {name}", parser.get_default("func")))
+
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def _said_plainly(prog: str, func: Command) -> Command:
+    """``func``, with a bad setting (a :class:`~kvmesh.errors.ConfigError`: a ``--model`` that
+    holds no model, say) said in one line and exit status 2 instead of a traceback."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return int(func(args))
+        except ConfigError as exc:
+            print(f"{prog}: {exc}", file=sys.stderr)
+            return 2
+
+    return run

@@ -26,6 +26,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from kvmesh.errors import ConfigError
 from kvmesh.harness.tokenizer import BOS, train_bpe, write_tokenizer_files
 
 __all__ = [
@@ -144,10 +145,17 @@ def make_tiny(
 
 def ensure_model(model_dir: str | os.PathLike[str], preset: str = "tiny") -> str:
     """``model_dir`` as is when it holds a model (``config.json``: made here or not), else a
-    fresh :func:`make_tiny` of ``preset`` there; returns the directory."""
+    fresh :func:`make_tiny` of ``preset`` there (when it is missing or empty); returns the
+    directory. :class:`~kvmesh.errors.ConfigError` for a directory that holds other files, or
+    a path that is not a directory: nothing is written over what someone else put there."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; valid: {', '.join(PRESETS)}")
     if not os.path.exists(os.path.join(model_dir, "config.json")):
+        if os.path.exists(model_dir) and (not os.path.isdir(model_dir) or os.listdir(model_dir)):
+            raise ConfigError(
+                f"{model_dir} holds no model (no config.json); give a model directory, or a"
+                " missing or empty one to build a tiny model in (kvmesh model make-tiny)"
+            )
         print(f"building the {preset!r} model in {model_dir} ...", flush=True)
         make_tiny(out_dir=model_dir, **PRESETS[preset])
     return str(model_dir)

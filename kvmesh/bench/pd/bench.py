@@ -347,7 +347,7 @@ def run(quick: bool, json_path: str, plot_path: str, model_dir: str | None = Non
     bad = [s for s in names if s not in SETUPS]
     if bad:
         raise ValueError(f"unknown setup(s) {', '.join(bad)}; valid: {', '.join(SETUPS)}")
-    model = model_dir or str(ensure_model(DEFAULT_TINY_MODEL))
+    model = ensure_model(model_dir or DEFAULT_TINY_MODEL)
     print(f"kvmesh bench pd: {p}")
     # Kept after the run (the replicas' and routers' logs say why a setup failed); the
     # ExampleConnector's KV files are not.

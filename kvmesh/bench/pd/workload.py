@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from kvmesh.bench.runner import percentile
+from kvmesh.errors import ConfigError
 from kvmesh.router.testing import WORDS  # the words the tiny models' tokenizer was trained on
 
 
@@ -53,7 +54,11 @@ def make_workload(
     the count recorded is the tokenizer's), Poisson arrivals."""
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    path = Path(model_dir) / "tokenizer.json"
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception for a missing or bad file
+        raise ConfigError(f"{path}: the workload's prompts are tokenized with it ({exc})") from None
     rng = random.Random(seed)
     out: list[PDRequest] = []
     at = 0.0

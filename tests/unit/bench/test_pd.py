@@ -9,6 +9,7 @@ import pytest
 
 from kvmesh.bench.pd import bench as pd
 from kvmesh.bench.pd.workload import Outcome, PDRequest, make_workload, replay, summarize
+from kvmesh.errors import ConfigError
 from kvmesh.router.testing import FakeVLLM
 
 
@@ -62,6 +63,19 @@ def test_workload_lengths_uniqueness_and_arrivals(tiny_tokenizer_dir: Path) -> N
     assert len({r.prompt[:20] for r in reqs}) == len(reqs)  # no two share a first block
     assert [r.at_s for r in reqs] == sorted(r.at_s for r in reqs) and reqs[0].at_s == 0.0
     assert make_workload(tiny_tokenizer_dir, 8, 3, 2.0, (300, 400)) == reqs  # seeded
+
+
+def test_a_model_without_a_tokenizer_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvmesh.cli import main
+
+    with pytest.raises(ConfigError, match=r"tokenizer\.json: the workload's prompts are tokenized"):
+        make_workload(tmp_path, 2, seed=0, rate_per_s=1.0)
+    (tmp_path / "notes.txt").write_text("not a model")
+    assert main(["bench", "pd", "--smoke", "--model", str(tmp_path), "--json", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvmesh bench pd: ") and "holds no model" in err and "Traceback" not in err
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.config import CacheConfig
+from kvmesh.errors import ConfigError
 from kvmesh.harness import connector, model
 
 
@@ -23,6 +24,23 @@ def test_ensure_model_uses_any_existing_model_as_is(tmp_path: Path, monkeypatch:
     assert built == [(str(tmp_path / "new"), model.PRESETS["bench"])]
     with pytest.raises(ValueError, match="valid: tiny, bench"):
         model.ensure_model(tmp_path / "x", "huge")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert model.ensure_model(empty) == str(empty) and built[-1][0] == str(empty)
+
+
+def test_ensure_model_writes_nothing_over_other_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``--model`` that names a directory of other things (or a file) is a clear error, not a
+    tiny model built in among them."""
+    monkeypatch.setattr(model, "make_tiny", lambda out_dir, **kw: pytest.fail("built a model"))
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="holds no model"):
+        model.ensure_model(tmp_path)
+    with pytest.raises(ConfigError, match="holds no model"):
+        model.ensure_model(tmp_path / "notes.txt")
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
 def test_make_tiny_validates_before_writing(tmp_path: Path) -> None:
