@@ -152,16 +152,21 @@ def health(engine: CacheEngine) -> dict[str, Any]:
 
 
 def check_finish(engine: CacheEngine, wait: bool = False, timeout_s: float = 60.0) -> dict[str, Any]:
-    """Whether every write queued before this call has landed; with ``wait``, block (up to
-    ``timeout_s`` overall) until it has."""
+    """Whether every store handed over before this call is in the pool (``stored``) and every
+    write queued before it has landed; with ``wait``, block (up to ``timeout_s`` overall) until
+    both are."""
     t0 = time.monotonic()
-    marks = {name: w.submitted for name, w in engine.writers.items()}
     deadline = t0 + (timeout_s if wait else 0.0)
+    # Stores still on their way (the connector's saver, a store running now) queue their
+    # writes later: they count as queued before this call.
+    stored = engine.wait_for_stores(max(0.0, deadline - time.monotonic()))
+    marks = {name: w.submitted for name, w in engine.writers.items()}
     done: dict[str, bool] = {}
     for name, w in engine.writers.items():
         done[name] = w.wait(max(0.0, deadline - time.monotonic()), upto=marks[name])
     return {
-        "finished": all(done.values()),
+        "finished": stored and all(done.values()),
+        "stored": stored,
         "tiers": done,
         "pending": {name: w.pending for name, w in engine.writers.items()},
         "waited_s": round(time.monotonic() - t0, 4),

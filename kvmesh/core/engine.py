@@ -12,8 +12,11 @@ run under one deadline of ``remote_timeout_s`` for the remote tier (see
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Iterator, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -110,6 +113,12 @@ class CacheEngine:
             raise
         self.metrics.update(self._lower.metrics)
         self.prefetcher = Prefetcher()
+        # Stores running now (ids), and what hands stores over from elsewhere: "stored so far"
+        # (wait_for_stores, wait_for_writes, the admin API's check_finish) includes both.
+        self._storing: set[int] = set()
+        self._store_ids = itertools.count()
+        self._stores_cond = threading.Condition()
+        self.store_barriers: list[Callable[[float | None], bool]] = []
         self._closed = False
         self._adapter_views: dict[str, CacheEngine] = {}
         self._base = self
@@ -179,6 +188,17 @@ class CacheEngine:
         return self._store(as_token_array(tokens), fill, skip_tokens)
 
     def _store(self, arr: np.ndarray, fill: Any, skip_tokens: int = 0) -> int:
+        sid = next(self._store_ids)
+        with self._stores_cond:
+            self._storing.add(sid)
+        try:
+            return self._store_chunks(arr, fill, skip_tokens)
+        finally:
+            with self._stores_cond:
+                self._storing.discard(sid)
+                self._stores_cond.notify_all()
+
+    def _store_chunks(self, arr: np.ndarray, fill: Any, skip_tokens: int) -> int:
         keys = self.keys.keys_for_array(arr)
         bounds = self.keys.chunk_bounds(len(arr))
         present = self.cpu.contains(keys)
@@ -505,10 +525,28 @@ class CacheEngine:
         return moved
 
     # -- lifecycle -----------------------------------------------------------------------
+    def wait_for_stores(self, timeout: float | None = None) -> bool:
+        """Block until every store begun or handed over before this call is in the pool with
+        its writes queued: those waiting in a :attr:`store_barriers` entry (the vLLM
+        connector's saver registers its queue) and those running now. A chunk queued for the
+        disk is in the pool by then too: a lookup after this sees it in both. ``False`` on
+        timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for barrier in list(self.store_barriers):
+            if not barrier(_left(deadline)):
+                return False
+        with self._stores_cond:
+            running = set(self._storing)
+            return self._stores_cond.wait_for(lambda: running.isdisjoint(self._storing), _left(deadline))
+
     def wait_for_writes(self, timeout: float | None = None) -> bool:
-        """Block until every write queued so far has landed. ``False`` on timeout."""
+        """Block until every store begun so far is in the pool (:meth:`wait_for_stores`) and
+        every write queued so far has landed. ``False`` on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self.wait_for_stores(timeout):
+            return False
         marks = {name: w.submitted for name, w in self.writers.items()}
-        return all(w.wait(timeout, upto=marks[name]) for name, w in self.writers.items())
+        return all(w.wait(_left(deadline), upto=marks[name]) for name, w in self.writers.items())
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {name: m.snapshot() for name, m in self.metrics.items()}
@@ -571,3 +609,8 @@ def _leading(where: Sequence[str | None]) -> list[str]:
             break
         out.append(w)
     return out
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (a ``time.monotonic()``; ``None``: no limit), at least 0."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

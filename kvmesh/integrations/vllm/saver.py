@@ -41,11 +41,13 @@ class BackgroundSaver:
         self.max_pending_bytes = max_pending_bytes
         self._nice = nice
         self._cond = threading.Condition()
-        self._queues: list[collections.deque[tuple[Callable[[], None], int]]] = [
+        self._queues: list[collections.deque[tuple[Callable[[], None], int, int]]] = [
             collections.deque() for _ in range(max(1, workers))
         ]
         self._pending_bytes = 0
         self._busy = 0
+        self._seq = 0  # the next job's number
+        self._open: set[int] = set()  # numbers of the jobs not done yet
         self._closed = False
         self.done = 0
         self.failed = 0
@@ -75,7 +77,9 @@ class BackgroundSaver:
             if not room():
                 self.waits += 1
                 self._cond.wait_for(room)
-            self._queues[zlib.crc32(key.encode()) % len(self._queues)].append((job, nbytes))
+            self._queues[zlib.crc32(key.encode()) % len(self._queues)].append((job, nbytes, self._seq))
+            self._open.add(self._seq)
+            self._seq += 1
             self._pending_bytes += nbytes
             self._cond.notify_all()
 
@@ -83,6 +87,13 @@ class BackgroundSaver:
         """Block until every job submitted so far is done. ``False`` on timeout."""
         with self._cond:
             return self._cond.wait_for(lambda: not any(self._queues) and not self._busy, timeout)
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Block until every job submitted before this call is done; later ones may still
+        run (a busy replica's saver never drains). ``False`` on timeout."""
+        with self._cond:
+            mark = self._seq
+            return self._cond.wait_for(lambda: not any(n < mark for n in self._open), timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Finish the queued jobs (up to ``timeout``), then stop the threads."""
@@ -93,7 +104,7 @@ class BackgroundSaver:
         for t in self._threads:
             t.join(timeout)
 
-    def _run(self, jobs: collections.deque[tuple[Callable[[], None], int]]) -> None:
+    def _run(self, jobs: collections.deque[tuple[Callable[[], None], int, int]]) -> None:
         # Off vLLM-CPU's compute cores (cpus.py) it competes with no forward: full priority
         # there (at nice +5 beside the engine core's busy polling a save reached the pool
         # too late for the next request's lookup); on a shared core, below the forward.
@@ -110,7 +121,7 @@ class BackgroundSaver:
                 self._cond.wait_for(lambda: jobs or self._closed)
                 if not jobs:
                     return
-                job, nbytes = jobs.popleft()
+                job, nbytes, seq = jobs.popleft()
                 self._busy += 1
             try:
                 job()
@@ -120,6 +131,7 @@ class BackgroundSaver:
                 ok = False
             with self._cond:
                 self._busy -= 1
+                self._open.discard(seq)
                 self._pending_bytes -= nbytes
                 self.done += ok
                 self.failed += not ok

@@ -117,6 +117,8 @@ class WorkerSide(AsyncLoadSteps):
         # Host-device path: saves of different requests run side by side (each thread its
         # own save stream and staging, transfer.py); vLLM-CPU's snapshot path keeps one.
         self._saver = BackgroundSaver(workers=SAVERS if self.xfer is not None else 1)
+        for e in (engine, *(g.engine for g in self.groups)):
+            e.store_barriers.append(self._saver.settle)  # what "stored so far" waits for
         # Asynchronous loads (asyncload.py): "lower" = chunks below the cpu tier (and PD pulls)
         # load beside the steps, cpu hits within their step; "all" = every load; "off" = none.
         self.async_loads = async_loads
@@ -277,8 +279,7 @@ class WorkerSide(AsyncLoadSteps):
         """Block until every save handed over so far is in the pool and its tier writes
         have landed. ``False`` on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._saver.drain(timeout):
-            return False
+        # Each engine's wait settles the saver first (its store barrier).
         for engine in [self.engine, *(st.engine for st in self.groups)]:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not engine.wait_for_writes(left):

@@ -201,6 +201,43 @@ def test_wait_for_writes(make: Callable[..., CacheEngine], store_name: str) -> N
     assert eng.wait_for_writes(timeout=0) is True  # nothing pending
 
 
+def test_stored_so_far_includes_the_store_still_running(
+    make: Callable[..., CacheEngine], store_name: str
+) -> None:
+    """A chunk's disk or remote write is queued before the store puts it in the cpu tier, so
+    a wait that counted queued writes only could end with the write landed and the chunk not
+    in the pool yet (a controller test once saw 3 of 4 chunks in the cpu tier, all 4 below).
+    ``wait_for_stores`` and ``wait_for_writes`` wait for the stores running at the call, and
+    for what a registered barrier (the vLLM connector's saver) still holds."""
+    eng = make(remote_url=f"faulty://{store_name}")
+    toks = prompt(4 * CS, 12)
+    kv = kv_for(toks)
+    second, go = threading.Event(), threading.Event()
+
+    def fill(s: int, e: int, out: torch.Tensor) -> None:
+        if s == CS:  # the first chunk is in, its write queued; the second waits
+            second.set()
+            go.wait(10)
+        out.copy_(kv[:, :, s:e])
+
+    t = threading.Thread(target=eng.store_with, args=(toks, fill))
+    t.start()
+    try:
+        assert second.wait(10)
+        assert eng.wait_for_stores(timeout=0.05) is False
+        assert eng.wait_for_writes(timeout=0.05) is False
+        go.set()
+        assert eng.wait_for_writes(timeout=10) is True
+        assert eng.lookup(toks) == 4 * CS and eng.lower["remote"].contains(eng.keys.keys(toks)) == [True] * 4
+    finally:
+        go.set()
+        t.join(10)
+    held: list[float | None] = []
+    eng.store_barriers.append(lambda timeout: held.append(timeout) or False)  # a saver still busy
+    assert eng.wait_for_stores(timeout=1.0) is False and eng.wait_for_writes(timeout=1.0) is False
+    assert held and all(h is not None and 0 <= h <= 1.0 for h in held)
+
+
 # -- pins, clear, move ------------------------------------------------------------------
 def test_pinned_chunks_survive_eviction_until_unpinned(make: Callable[..., CacheEngine]) -> None:
     eng = make(max_local_cpu_size=cpu_gb(4))

@@ -104,6 +104,43 @@ def test_concurrent_savers_keep_each_requests_order_and_run_requests_side_by_sid
         saver.close()
 
 
+def test_settle_waits_for_the_jobs_submitted_before_it_only() -> None:
+    """What "stored so far" waits for on a busy replica: the saves handed over before the
+    call. drain() waits for an empty saver, which a replica under load may never have."""
+    saver = BackgroundSaver(workers=2)
+    first, later = threading.Event(), threading.Event()
+    done: list[str] = []
+    keys = ["a", "b"]
+    while len({hash_slot(k) for k in keys}) < 2:
+        keys[1] += "x"
+    try:
+        saver.submit(lambda: (first.wait(5), done.append("a")), 10, keys[0])
+        assert saver.settle(0.05) is False  # "a" is still running
+        first.set()
+        saver.submit(lambda: (later.wait(5), done.append("b")), 10, keys[1])
+        marked = threading.Event()
+        result: list[bool] = []
+        # submitted after "b": settle waits for "a" and "b" only
+        threading.Thread(target=lambda: (marked.set(), result.append(saver.settle(5)))).start()
+        assert marked.wait(5)
+        time.sleep(0.1)
+        assert result == []  # "b" is still running
+        later.set()
+        deadline = time.monotonic() + 5
+        while not result and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert result == [True] and sorted(done) == ["a", "b"]
+        gate = threading.Event()
+        saver.submit(lambda: gate.wait(5), 10, keys[0])  # after the mark of the next call
+        assert saver.settle(0) is False  # ... but before this one
+        gate.set()
+        assert saver.settle(5) is True
+    finally:
+        first.set()
+        later.set()
+        saver.close()
+
+
 def hash_slot(key: str) -> int:
     import zlib
 
