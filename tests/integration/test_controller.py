@@ -534,15 +534,17 @@ def test_two_vllm_replicas_behind_the_router(tmp_path: Path) -> None:
         served_url = replicas[idx].url
         answer = first.json()["choices"][0]["text"]
 
-        # check_finish(wait) returns once the disk files exist
+        # check_finish(wait) returns once the stores are in the pool and the disk files exist
         fin = ctl("check_finish", {"wait": True, "timeout_s": 60})
         assert fin[served]["result"]["finished"] is True
         assert list((tmp_path / f"disk{idx}").rglob("*.kvc"))
 
         # lookup: the replica that served it, and the shared remote tier
         look = ctl("lookup", {"prompt": text})
-        # Failed once in CI (768 of 1,024 tokens in the cpu tier, all 4 chunks on disk): on
-        # failure the message carries the replica's stats (evictions, skipped stores) to trace it.
+        # Failed twice (768 of 1,024 tokens in the cpu tier, all 4 chunks on disk) while
+        # check_finish waited for queued writes only: a chunk's disk write is queued before its
+        # store puts it in the pool, and the saver runs at a lower priority. It now waits for the
+        # stores too (CacheEngine.wait_for_stores). On failure the message carries the stats.
         assert look[served]["result"]["tiers"]["cpu"]["tokens"] >= chunked, (
             look[served],
             ctl("stats", {"replicas": [served]})[served]["result"],
