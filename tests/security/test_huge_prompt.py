@@ -87,7 +87,7 @@ with httpx.Client(timeout=60) as c:
 """
 # The control: receives a body and decodes it, at the body worker's priority; answers 400.
 _SINK = """
-import os, socket, sys, msgspec
+import os, socket, msgspec
 from aiohttp import web
 os.nice(10)
 async def sink(request):
