@@ -156,14 +156,9 @@ def check_finish(engine: CacheEngine, wait: bool = False, timeout_s: float = 60.
     write queued before it has landed; with ``wait``, block (up to ``timeout_s`` overall) until
     both are."""
     t0 = time.monotonic()
-    deadline = t0 + (timeout_s if wait else 0.0)
     # Stores still on their way (the connector's saver, a store running now) queue their
     # writes later: they count as queued before this call.
-    stored = engine.wait_for_stores(max(0.0, deadline - time.monotonic()))
-    marks = {name: w.submitted for name, w in engine.writers.items()}
-    done: dict[str, bool] = {}
-    for name, w in engine.writers.items():
-        done[name] = w.wait(max(0.0, deadline - time.monotonic()), upto=marks[name])
+    stored, done = engine.writes_landed(timeout_s if wait else 0.0)
     return {
         "finished": stored and all(done.values()),
         "stored": stored,

@@ -12,9 +12,7 @@ run under one deadline of ``remote_timeout_s`` for the remote tier (see
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -29,7 +27,7 @@ from kvmesh.core.keys import ChunkKey, KeyBuilder, KVLayout, as_token_array
 from kvmesh.core.loadcost import LoadCosts
 from kvmesh.core.lower import LowerTiers, chunk_format_for
 from kvmesh.core.memory import MemoryObj, MemoryPool, copy_kv, torch_dtype
-from kvmesh.core.offload import Prefetcher, WriteBehind
+from kvmesh.core.offload import InFlight, Prefetcher, WriteBehind
 from kvmesh.errors import ConfigError, TierError
 from kvmesh.metrics import TierMetrics, prometheus_collector
 from kvmesh.tiers.base import ChunkData, Tier
@@ -113,11 +111,9 @@ class CacheEngine:
             raise
         self.metrics.update(self._lower.metrics)
         self.prefetcher = Prefetcher()
-        # Stores running now (ids), and what hands stores over from elsewhere: "stored so far"
+        # Stores running now, and what hands stores over from elsewhere: "stored so far"
         # (wait_for_stores, wait_for_writes, the admin API's check_finish) includes both.
-        self._storing: set[int] = set()
-        self._store_ids = itertools.count()
-        self._stores_cond = threading.Condition()
+        self._stores = InFlight()
         self.store_barriers: list[Callable[[float | None], bool]] = []
         self._closed = False
         self._adapter_views: dict[str, CacheEngine] = {}
@@ -188,15 +184,11 @@ class CacheEngine:
         return self._store(as_token_array(tokens), fill, skip_tokens)
 
     def _store(self, arr: np.ndarray, fill: Any, skip_tokens: int = 0) -> int:
-        sid = next(self._store_ids)
-        with self._stores_cond:
-            self._storing.add(sid)
+        n = self._stores.begin()
         try:
             return self._store_chunks(arr, fill, skip_tokens)
         finally:
-            with self._stores_cond:
-                self._storing.discard(sid)
-                self._stores_cond.notify_all()
+            self._stores.end(n)
 
     def _store_chunks(self, arr: np.ndarray, fill: Any, skip_tokens: int) -> int:
         keys = self.keys.keys_for_array(arr)
@@ -535,18 +527,22 @@ class CacheEngine:
         for barrier in list(self.store_barriers):
             if not barrier(_left(deadline)):
                 return False
-        with self._stores_cond:
-            running = set(self._storing)
-            return self._stores_cond.wait_for(lambda: running.isdisjoint(self._storing), _left(deadline))
+        return self._stores.settle(_left(deadline))
+
+    def writes_landed(self, timeout: float | None = None) -> tuple[bool, dict[str, bool]]:
+        """Wait (up to ``timeout`` overall) for every store begun so far to be in the pool
+        (:meth:`wait_for_stores`), then for the writes queued by then: whether the stores are,
+        and per lower tier whether its writes have landed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        stored = self.wait_for_stores(timeout)
+        marks = {name: w.submitted for name, w in self.writers.items()}
+        return stored, {name: w.wait(_left(deadline), upto=marks[name]) for name, w in self.writers.items()}
 
     def wait_for_writes(self, timeout: float | None = None) -> bool:
-        """Block until every store begun so far is in the pool (:meth:`wait_for_stores`) and
-        every write queued so far has landed. ``False`` on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self.wait_for_stores(timeout):
-            return False
-        marks = {name: w.submitted for name, w in self.writers.items()}
-        return all(w.wait(_left(deadline), upto=marks[name]) for name, w in self.writers.items())
+        """Block until every store begun so far is in the pool and every write queued so far
+        has landed (:meth:`writes_landed`). ``False`` on timeout."""
+        stored, tiers = self.writes_landed(timeout)
+        return stored and all(tiers.values())
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {name: m.snapshot() for name, m in self.metrics.items()}

@@ -6,6 +6,9 @@ they have landed: a burst of evictions costs pool slots (a fixed budget), never 
 memory. When the queue is full, :meth:`WriteBehind.submit` waits up to ``wait_s`` and then
 drops the write (counted) — the caller's request never waits on disk or the network by
 default. A key already queued is not queued twice.
+
+:class:`InFlight` counts work that runs out of order (stores on several threads, a saver's
+jobs) so that a caller can wait for what began before it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,35 @@ from kvmesh.tiers.base import ChunkData, Tier
 
 log = logging.getLogger(__name__)
 BATCH = 8  # jobs per tier.put call: lets Redis pipeline several chunks
+
+
+class InFlight:
+    """Numbered work items between :meth:`begin` and :meth:`end`, and :meth:`settle`: a wait
+    for the items begun before the call only, not for an idle moment (a busy engine or saver
+    may never have one)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._next = 0
+        self._open: set[int] = set()
+
+    def begin(self) -> int:
+        with self._cond:
+            n = self._next
+            self._next += 1
+            self._open.add(n)
+            return n
+
+    def end(self, n: int) -> None:
+        with self._cond:
+            self._open.discard(n)
+            self._cond.notify_all()
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Block until every item begun before this call has ended. ``False`` on timeout."""
+        with self._cond:
+            mark = self._next
+            return self._cond.wait_for(lambda: not any(n < mark for n in self._open), timeout)
 
 
 class WriteBehind:

@@ -21,6 +21,7 @@ import threading
 import zlib
 from collections.abc import Callable
 
+from kvmesh.core.offload import InFlight
 from kvmesh.errors import ClosedError
 from kvmesh.integrations.vllm.cpus import background_cpus, background_thread
 
@@ -46,8 +47,7 @@ class BackgroundSaver:
         ]
         self._pending_bytes = 0
         self._busy = 0
-        self._seq = 0  # the next job's number
-        self._open: set[int] = set()  # numbers of the jobs not done yet
+        self._jobs = InFlight()  # what settle() waits for
         self._closed = False
         self.done = 0
         self.failed = 0
@@ -77,9 +77,9 @@ class BackgroundSaver:
             if not room():
                 self.waits += 1
                 self._cond.wait_for(room)
-            self._queues[zlib.crc32(key.encode()) % len(self._queues)].append((job, nbytes, self._seq))
-            self._open.add(self._seq)
-            self._seq += 1
+            self._queues[zlib.crc32(key.encode()) % len(self._queues)].append(
+                (job, nbytes, self._jobs.begin())
+            )
             self._pending_bytes += nbytes
             self._cond.notify_all()
 
@@ -91,9 +91,7 @@ class BackgroundSaver:
     def settle(self, timeout: float | None = None) -> bool:
         """Block until every job submitted before this call is done; later ones may still
         run (a busy replica's saver never drains). ``False`` on timeout."""
-        with self._cond:
-            mark = self._seq
-            return self._cond.wait_for(lambda: not any(n < mark for n in self._open), timeout)
+        return self._jobs.settle(timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Finish the queued jobs (up to ``timeout``), then stop the threads."""
@@ -131,7 +129,7 @@ class BackgroundSaver:
                 ok = False
             with self._cond:
                 self._busy -= 1
-                self._open.discard(seq)
+                self._jobs.end(seq)
                 self._pending_bytes -= nbytes
                 self.done += ok
                 self.failed += not ok
