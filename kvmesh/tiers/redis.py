@@ -150,6 +150,10 @@ class RedisTier:
             some = zip(keys[start:end], chunks[start:end], strict=True)
             encoded = [encode(k, c.layout, c.tokens, c.data, self.codec) for k, c in some]
             results.extend(self._store(keys[start:end], encoded))
+            # Dropped before the next group is encoded: sealed payloads go back to the codec
+            # buffers' recycler and the next group's reuse their pages (kept in ``encoded``,
+            # two groups were alive at once and half of every put's buffers were fresh).
+            del encoded
         return results
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:

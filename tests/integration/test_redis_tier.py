@@ -9,7 +9,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from kvmesh.core.fleetkey import FleetKey
 from kvmesh.core.keys import ChunkKey, KeyBuilder, KVLayout
+from kvmesh.core.serde import ChunkFormat
 from kvmesh.errors import ConfigError
 from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import ChunkData, TierOptions, open_tier, recode
@@ -104,6 +106,35 @@ def test_large_value_default_part_size(redis_server, redis_url, open_redis) -> N
     for g, c in zip(tier.get(keys), chunks, strict=True):
         assert_same(g, c)
     assert int(redis_server.client().hget(keys[0].text, "n")) == 8
+
+
+def test_sealed_stores_reuse_their_buffers(redis_url, open_redis, monkeypatch) -> None:
+    """With encrypt_at_rest every stored chunk is sealed into new memory. A put of two
+    transactions' worth (16 chunks of 8 MiB) takes its buffers from the recycler once it
+    has run before: the first group's go back before the second is encoded, and the
+    recycler keeps a whole group's (fresh pages cost more than sealing here)."""
+    import kvmesh.core.codecs.base as codecs
+
+    class Counting(codecs._Recycler):
+        fresh = 0
+
+        def get(self, nbytes: int) -> memoryview:
+            with self._lock:
+                reuse = any(nbytes <= b.size <= 2 * nbytes for b in self._free)
+            Counting.fresh += not reuse
+            return super().get(nbytes)
+
+    monkeypatch.setattr(codecs, "_RECYCLER", Counting(codecs._RECYCLER.limit))
+    kb = KeyBuilder("m", KVLayout(8, 8, 128, "float32"), chunk_size=128)  # 8 MiB per chunk
+    fmt = ChunkFormat(FleetKey([FleetKey.generate().encode()]), encrypt=True, layout=kb.layout)
+    tier = open_redis(redis_url, chunk_format=fmt, timeout_s=10.0)
+    keys, chunks = make_chunks(kb, 16)
+    assert all(tier.put(keys, chunks))
+    first = Counting.fresh
+    assert 0 < first <= 8  # one group's worth at most: the second reuses the first's
+    assert all(tier.put(keys, chunks))
+    assert Counting.fresh == first  # nothing fresh the second time
+    assert_same(tier.get(keys[-1:])[0], chunks[-1])
 
 
 def test_a_new_connection_sends_no_client_setinfo(redis_server, redis_url) -> None:

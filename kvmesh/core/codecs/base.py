@@ -80,7 +80,9 @@ class _Recycler:
                 self._free.append(base)
 
 
-_RECYCLER = _Recycler(limit=64 << 20)
+# 80 MiB: a Redis transaction's worth of sealed chunks (64 MiB of payload, each sealed chunk
+# a few bytes over its 16 or 32 MiB, so a 64 MiB limit kept three of four) with room to spare.
+_RECYCLER = _Recycler(limit=80 << 20)
 
 
 def reused_buffer(nbytes: int) -> memoryview:
