@@ -187,8 +187,9 @@ class WorkerSide(AsyncLoadSteps):
             current = self._ledger.get(req)
         if current is not None and current[0] != seq:
             self.release(req)  # a request looked up again replaces its earlier pins
+        # A number, or no wait; run() bounds it (negative or NaN: none, past the cap: the cap).
         wait_s = float(wait) if isinstance(wait, int | float) and not isinstance(wait, bool) else 0.0
-        got = self._lookups.run(req, seq, arr, adapter, wait_s=max(0.0, wait_s))
+        got = self._lookups.run(req, seq, arr, adapter, wait_s=wait_s)
         if got.pop("pending", False):
             return {"pending": True}
         if not got.pop("first"):
