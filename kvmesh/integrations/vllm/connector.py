@@ -48,7 +48,6 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvmesh.core.engine import CacheEngine
 from kvmesh.core.keys import KVLayout
-from kvmesh.integrations.vllm.asyncload import ALONE_LOOKUP_WAIT_S
 from kvmesh.integrations.vllm.cpus import spawning_background_threads
 from kvmesh.integrations.vllm.groups import Group, UnsupportedGroups, classify, main_group
 from kvmesh.integrations.vllm.hybrid import GroupStore
@@ -196,7 +195,6 @@ class KVMeshConnector(KVConnectorBase_V1, SupportsHMA):
                 async_loads=self.options.async_loads if tc.is_kv_consumer else "off",
                 groups=max(1, len(self.groups)),
                 main_group=self.main_group,
-                alone_wait_s=min(ALONE_LOOKUP_WAIT_S, self.options.rpc_timeout_s / 4),
             )
 
     def _hybrid_refusal(self, vllm_config: VllmConfig) -> str | None:

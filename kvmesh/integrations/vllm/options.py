@@ -39,8 +39,8 @@ CONNECTOR_KEYS = {
     "WAITING_FOR_REMOTE_KVS while the batch keeps stepping): lower (default: chunks below the cpu "
     "tier and PD pulls, while another request is in flight; cpu hits, and loads of an otherwise "
     "idle engine, run within their step, which is faster; lookups run beside the steps and read "
-    "what only the remote holds, and an idle engine waits up to 50 ms for one), all, off (every "
-    "load within its step, and lookups wait for slow tiers: the behaviour before)",
+    "what only the remote holds), all, off (every load within its step, and lookups wait for "
+    "slow tiers: the behaviour before)",
     "kv_ip": "prefill/decode: the host a producer's KV transfer server binds and advertises to "
     "consumers (default 127.0.0.1; the port is vLLM's kv_port, 0 = a free one)",
     "pd_advertise_host": "prefill/decode: the host consumers connect to when kv_ip is a wildcard "

@@ -27,7 +27,6 @@ from typing import Any, Protocol
 from kvmesh.core.fingerprint import adapter_fingerprint, local_model_dir
 from kvmesh.core.fleetkey import FleetKey
 from kvmesh.errors import ConfigError
-from kvmesh.integrations.vllm.asyncload import ALONE_LOOKUP_WAIT_S
 from kvmesh.integrations.vllm.metadata import BlockHash, KVMeshConnectorMetadata, LoadSpec, SaveSpec
 from kvmesh.integrations.vllm.pd_params import (
     Transfer,
@@ -109,12 +108,8 @@ class SchedulerSide:
         async_loads: str = "off",
         groups: int = 1,
         main_group: int = 0,
-        alone_wait_s: float = ALONE_LOOKUP_WAIT_S,
     ) -> None:
         self.chunk_size = chunk_size
-        # How long a lookup may wait on the worker with no other request in flight (below
-        # the lookup RPC's own timeout: the connector passes a quarter of it at most).
-        self.alone_wait_s = alone_wait_s
         # Hybrid models (groups.py): block ids come per KV cache group; ``block_ids`` are the
         # main (full-attention) group's, ``group_blocks`` all of them. vLLM cannot take back
         # block-level load errors with several groups, so their loads are all asynchronous
@@ -241,15 +236,7 @@ class SchedulerSide:
             self.stats["lookups"] += 1
         seq = self._seq if pending is None else pending
         hit, lower, waiting = cap, False, False
-        # Beside the batch, unless nothing else is in flight: then nobody waits for a load
-        # inside the step, and the asynchronous path would cost the request a step more (it
-        # is named at the end of the step its read ends in, computed at the next).
-        alone = self.async_loads == "lower" and self._inflight == {req_id}
         extra: dict[str, Any] = {"detail": True} if self.async_loads != "off" else {}
-        if alone:
-            # Nothing else to schedule: the worker may wait longer for a lookup that reads a
-            # remote (see ALONE_LOOKUP_WAIT_S) instead of answering "pending" at once.
-            extra["wait"] = self.alone_wait_s
         if adapter is not None:  # only then: a worker that predates adapters is never sent one
             extra["adapter"] = adapter
         for rank in self.ranks:
@@ -269,7 +256,11 @@ class SchedulerSide:
             self.stats["lookups_pending"] = self.stats.get("lookups_pending", 0) + 1
             return None
         hit = last if hit > last else hit - hit % self.block_size
-        # Hybrid models: never synchronous (see __init__).
+        # Beside the batch, unless nothing else is in flight: then nobody waits for a load
+        # inside the step, and the asynchronous path costs the request a step more (it is
+        # named at the end of the step its read ends in, computed at the next). Hybrid
+        # models: never synchronous (see __init__).
+        alone = self.async_loads == "lower" and self._inflight == {req_id}
         if ((lower and not alone) or self.groups > 1) and hit > num_computed_tokens:
             self._async[req_id] = None
         # Remember the lookup even on a miss: a rank may have pinned before the answer was

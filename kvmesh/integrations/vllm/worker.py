@@ -163,21 +163,14 @@ class WorkerSide(AsyncLoadSteps):
         }
 
     def lookup(
-        self,
-        req: str,
-        seq: int,
-        tokens: list[int],
-        detail: bool = False,
-        adapter: str | None = None,
-        wait: float = 0.0,
+        self, req: str, seq: int, tokens: list[int], detail: bool = False, adapter: str | None = None
     ) -> Any:
         """Leading tokens held in any tier, pinned under ``(req, seq)`` until released;
         ``adapter``: a LoRA request's adapter fingerprint (its chunks have their own keys).
 
         ``detail``: answer ``{"tokens": n, "lower": bool}`` (``lower``: some of them are
         below the cpu tier, so vLLM should load them asynchronously) within a few
-        milliseconds (``wait`` seconds when longer, capped: the scheduler has nothing else
-        to run), or ``{"pending": True}`` while the lookup waits on a slow tier (the
+        milliseconds, or ``{"pending": True}`` while the lookup waits on a slow tier (the
         scheduler asks again with the same ``seq``)."""
         arr = _tokens(tokens)
         if not detail:
@@ -187,9 +180,7 @@ class WorkerSide(AsyncLoadSteps):
             current = self._ledger.get(req)
         if current is not None and current[0] != seq:
             self.release(req)  # a request looked up again replaces its earlier pins
-        # A number, or no wait; run() bounds it (negative or NaN: none, past the cap: the cap).
-        wait_s = float(wait) if isinstance(wait, int | float) and not isinstance(wait, bool) else 0.0
-        got = self._lookups.run(req, seq, arr, adapter, wait_s=wait_s)
+        got = self._lookups.run(req, seq, arr, adapter)
         if got.pop("pending", False):
             return {"pending": True}
         if not got.pop("first"):

@@ -20,7 +20,6 @@ import torch
 pytest.importorskip("vllm")
 
 from kvmesh import CacheEngine, KVLayout
-from kvmesh.integrations.vllm.asyncload import ALONE_LOOKUP_WAIT_S
 from kvmesh.integrations.vllm.metadata import KVMeshConnectorMetadata, LoadSpec, SaveSpec
 from kvmesh.integrations.vllm.scheduler import SchedulerSide
 from kvmesh.integrations.vllm.worker import WorkerSide
@@ -74,22 +73,6 @@ def test_a_lower_tier_hit_with_nothing_else_in_flight_loads_in_the_step() -> Non
     assert not s._inflight
     every = SchedulerSide(256, BS, [AnswerRank([{"tokens": 1024, "lower": True}])], async_loads="all")
     assert every.lookup(request("c", 1025), 0) == 1024 and every.load_async("c")  # all: always
-
-
-def test_a_lookup_with_nothing_else_in_flight_may_wait_longer_on_the_worker() -> None:
-    """Alone, the scheduler has nothing to run while a lookup reads a remote: it lets the
-    worker wait ALONE_LOOKUP_WAIT_S rather than answer "pending" and step empty batches
-    beside the read. With another request in flight the lookup asks for no wait."""
-    answers = [{"tokens": 1024, "lower": True}, {"tokens": 1024, "lower": True}]
-    rank = AnswerRank(answers)
-    s = SchedulerSide(256, BS, [rank], async_loads="lower")
-    assert s.lookup(request("a", 1025), 0) == 1024
-    assert rank.calls[-1][1]["wait"] == ALONE_LOOKUP_WAIT_S
-    assert s.lookup(request("b", 1025), 0) == 1024  # a is still in flight
-    assert "wait" not in rank.calls[-1][1]
-    every = AnswerRank([{"tokens": 1024, "lower": True}])
-    assert SchedulerSide(256, BS, [every], async_loads="all").lookup(request("c", 1025), 0) == 1024
-    assert "wait" not in every.calls[-1][1]  # all: every load beside the batch, no waiting
 
 
 def test_cpu_hit_stays_synchronous_and_off_means_the_old_lookup() -> None:
@@ -380,32 +363,6 @@ def test_polls_of_a_lookup_still_running_do_not_wait(slow_remote_worker: WorkerS
         assert w.lookup("b", 1, TOKENS[:1024], detail=True) == {"pending": True}
         waits.append(time.perf_counter() - t0)
     assert sorted(waits)[2] < 0.01  # the median poll: no LOOKUP_WAIT_S (20 ms) in it
-
-
-def test_a_lookup_told_to_wait_answers_a_near_remote_at_once_and_a_far_one_within_the_cap(
-    slow_remote_worker: WorkerSide,
-) -> None:
-    """``wait``: a remote read of 12-24 ms ends inside the wait (no "pending", no second ask);
-    a slower one still answers "pending" after ALONE_LOOKUP_WAIT_S, however long the
-    scheduler asked for."""
-    w = slow_remote_worker
-    w.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", TOKENS[:1024], SRC, 0)]))
-    assert w.wait_for_writes(10)
-    w.clear("cpu")
-    remote = w.engine.lower["remote"]
-    remote.latency_s = 0.012  # type: ignore[attr-defined]  # a call or two: 12-24 ms
-    assert w.lookup("b", 1, TOKENS[:1024], detail=True) == {"pending": True}  # no wait: 5 ms
-    w.release("b")
-    assert w.lookup("c", 2, TOKENS[:1024], detail=True, wait=ALONE_LOOKUP_WAIT_S) == {
-        "tokens": 1024,
-        "lower": True,
-    }
-    w.release("c")
-    w.clear("cpu")  # the lookup read the chunks into the pool
-    remote.latency_s = 0.4  # type: ignore[attr-defined]
-    t0 = time.monotonic()
-    assert w.lookup("d", 3, TOKENS[:1024], detail=True, wait=30.0) == {"pending": True}
-    assert ALONE_LOOKUP_WAIT_S * 0.9 <= time.monotonic() - t0 < 0.3
 
 
 def test_a_cpu_only_lookup_runs_in_the_callers_thread_and_a_lower_tier_one_on_the_pool(
