@@ -65,6 +65,11 @@ MAX_PREDICTION_S = 3600.0
 _COLUMNS = np.array([3, 2, 1, 4, 0])
 _LOAD = np.array([load_i(j) for j in range(len(MEDIA))])
 _LAT = np.array([lat_i(j) for j in range(len(MEDIA))])
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+# _LOAD and _LAT as slices: views, not copies
+_LOAD_COLUMNS = slice(load_i(0), load_i(len(MEDIA)), 2)
+_LAT_COLUMNS = slice(lat_i(0), lat_i(len(MEDIA)), 2)
+_MEDIA_AT = np.arange(len(MEDIA))
 
 
 @dataclass(frozen=True)
@@ -86,25 +91,76 @@ class CostSettings:
 
 
 class Prediction:
-    """Per candidate: predicted TTFT and its parts, the features the fit learns from."""
+    """Per candidate: predicted TTFT and its parts, and the features the fit learns from.
 
-    __slots__ = ("computing", "features", "loading", "names", "rows", "service", "ttft", "waiting")
+    The features are kept as their ingredients (a candidate that holds nothing of the prompt
+    has four non-zero ones) and built for the candidate a request is sent to
+    (:meth:`feature_row`), or for every candidate on demand (:attr:`features`).
+    """
+
+    __slots__ = (
+        "_computed",
+        "_cut",
+        "_decoding",
+        "_held",
+        "_holders",
+        "_queued",
+        "computing",
+        "loading",
+        "names",
+        "rows",
+        "service",
+        "ttft",
+        "waiting",
+    )
 
     def __init__(
         self,
         names: tuple[str, ...],
         rows: np.ndarray,
         ttft: np.ndarray,
-        features: np.ndarray,
         service: np.ndarray,
         parts: tuple[np.ndarray, np.ndarray, np.ndarray],
+        inputs: tuple[np.ndarray, np.ndarray, np.ndarray],
+        holdings: tuple[np.ndarray, np.ndarray, np.ndarray],
     ) -> None:
         self.names = names
         self.rows = rows
         self.ttft = ttft
-        self.features = features
         self.service = service
         self.waiting, self.loading, self.computing = parts
+        self._computed, self._queued, self._decoding = inputs  # per candidate
+        # the candidates holding some of the prompt (positions), their thousands of tokens
+        # per medium, and the last medium each loads from
+        self._holders, self._held, self._cut = holdings
+
+    def feature_row(self, i: int) -> np.ndarray:
+        """Candidate ``i``'s features (a fresh array of N_PARAMS)."""
+        x = np.zeros(N_PARAMS)
+        x[BASE] = 1.0
+        x[COMPUTE] = self._computed[i]
+        x[QUEUE] = self._queued[i]
+        x[DECODE] = self._computed[i] * self._decoding[i]
+        at = np.flatnonzero(self._holders == i)
+        if at.size:
+            k = at[0]
+            used = self._cut[k] >= _MEDIA_AT
+            x[_LOAD_COLUMNS] = self._held[k] * used
+            x[_LAT_COLUMNS] = (self._held[k] > 0) & used
+        return x
+
+    @property
+    def features(self) -> np.ndarray:
+        """Every candidate's features, ``(len(names), N_PARAMS)``."""
+        x = np.zeros((len(self.names), N_PARAMS))
+        x[:, BASE] = 1.0
+        x[:, COMPUTE] = self._computed
+        x[:, QUEUE] = self._queued
+        x[:, DECODE] = self._computed * self._decoding
+        used = _MEDIA_AT[None, :] <= self._cut[:, None]
+        x[self._holders, _LOAD_COLUMNS] = self._held * used
+        x[self._holders, _LAT_COLUMNS] = (self._held > 0) & used
+        return x
 
 
 class CostModel:
@@ -127,7 +183,15 @@ class CostModel:
         self._row: dict[str, int] = {}
         self._theta = np.zeros((0, N_PARAMS))
         self._unmeasured = np.zeros((0, len(MEDIA)), dtype=bool)
-        self._evidence = np.zeros((0, N_PARAMS))
+        # per coefficient, the weight of the replica's own fit: evidence / (evidence + POOL_EVIDENCE)
+        self._blend = np.zeros((0, N_PARAMS))
+        self._rest = np.zeros((0, N_PARAMS))  # 1 - _blend: the pooled fit's weight
+        # effective() of every row, recomputed in place when a fit or the pooled fit changed
+        # (each observation changes the pooled one): in place, because fresh arrays of every
+        # row per request cost more in page faults than in arithmetic (the simulator's heap grows).
+        self._eff = np.zeros((0, N_PARAMS))
+        self._eff_tmp = np.zeros((0, N_PARAMS))
+        self._eff_stale = True
         # the ledger, one row per replica
         self._queued = np.zeros(0)  # predicted prefill seconds sent, no first byte yet
         self._pending = np.zeros(0)  # requests sent, no first byte yet
@@ -146,7 +210,10 @@ class CostModel:
             self._row[name] = len(self._theta)
             self._theta = np.vstack([self._theta, got.rls.theta])
             self._unmeasured = np.vstack([self._unmeasured, got.unmeasured])
-            self._evidence = np.vstack([self._evidence, got.evidence()])
+            evidence = got.evidence()
+            self._blend = np.vstack([self._blend, evidence / (evidence + POOL_EVIDENCE)])
+            self._rest = np.vstack([self._rest, 1.0 - self._blend[-1]])
+            self._eff_stale = True
             for attr in ("_queued", "_pending", "_in_flight", "_service"):
                 setattr(self, attr, np.append(getattr(self, attr), 0.0))
             self._gauges_at = np.append(self._gauges_at, np.nan)
@@ -173,7 +240,10 @@ class CostModel:
         row, fit = self._row[name], self.fits[name]
         self._theta[row] = fit.rls.theta
         self._unmeasured[row] = fit.unmeasured
-        self._evidence[row] = fit.evidence()
+        evidence = fit.evidence()
+        self._blend[row] = evidence / (evidence + POOL_EVIDENCE)
+        self._rest[row] = 1.0 - self._blend[row]
+        self._eff_stale = True
 
     def report(self, name: str, report: Report) -> None:
         """A replica's own measured figures (bounded by :mod:`kvmesh.routing.reports`)."""
@@ -203,8 +273,9 @@ class CostModel:
         pending = self._pending[rows]
         queued = self._queued[rows].copy()
         decoding = np.maximum(self._in_flight[rows] - pending, 0.0)
-        waiting = np.clip(np.nan_to_num(table.waiting, nan=0.0), 0.0, s.max_gauge)
-        running = np.clip(np.nan_to_num(table.running, nan=0.0), 0.0, s.max_gauge)
+        # fmax/fmin: NaN → 0, ±inf → the bounds (nan_to_num then clip, in two calls)
+        waiting = np.fmin(np.fmax(table.waiting, 0.0), s.max_gauge)
+        running = np.fmin(np.fmax(table.running, 0.0), s.max_gauge)
         if self.live_gauges:
             fresh = np.ones(len(rows), dtype=bool)
         else:
@@ -219,53 +290,109 @@ class CostModel:
     def predict(self, request: RoutingRequest, table: ReplicaTable) -> Prediction:
         names = table.names
         rows = self.rows(names)
-        theta = self.effective(rows)
         n = len(names)
         total = request.num_tokens / 1e3
         tokens = medium_tokens(request, table) if request.num_tokens else None
-        held = np.zeros((n, len(MEDIA)))
-        if tokens is not None:  # the index's counts; bounded anyway (never more than the prompt)
-            held = np.clip(
-                np.nan_to_num(tokens[:, _COLUMNS] / 1e3, nan=0.0, posinf=total, neginf=0.0), 0.0, total
-            )
+        holders = _NO_ROWS
+        if tokens is not None:  # the index's counts; bounded below (never more than the prompt)
+            # fmax ignores NaN: a row holds something when one of MEDIA's columns is above 0
+            holders = np.flatnonzero(np.fmax.reduce(tokens[:, : len(MEDIA)], axis=1) > 0)
         queued, decoding = self._load_state(table, rows)
-        per_ktok = theta[:, COMPUTE] + theta[:, DECODE] * decoding
+        # A candidate holding nothing of the prompt computes all of it: four coefficients and
+        # no choice of media. At 1,000 candidates it is most of them, so only the holders go
+        # through the whole prediction (_predict_holders). Every array here is one value per
+        # candidate: arrays of every candidate's 14 features, fresh per request, grew the
+        # simulator's heap (its long-lived entries pin the freed ones) and page faults, not
+        # arithmetic, were most of a decision's time.
+        eff = self._effective_all()
+        base, compute, queue, decode = (eff[rows, j] for j in (BASE, COMPUTE, QUEUE, DECODE))
+        computed = np.full(n, total)
+        c_part = compute * total
+        q_part = queue * queued
+        d_part = decode * (total * decoding)
+        # Summed in the order numpy sums a row of the 14 parts (pairwise, eight at a time,
+        # then the rest in turn), so a prediction does not depend on how it was computed.
+        ttft = (base + c_part) + (q_part + d_part)
+        waiting = q_part + d_part
+        loading = np.zeros(n)
+        computing = c_part
+        service = c_part + d_part
+        held = np.zeros((0, len(MEDIA)))
+        cut = _NO_ROWS
+        if tokens is not None and len(holders):
+            held = np.fmin(np.fmax(tokens[np.ix_(holders, _COLUMNS)] / 1e3, 0.0), total)  # NaN → 0
+            h = self._predict_holders(rows[holders], held, total, queued[holders], decoding[holders])
+            ttft[holders], waiting[holders], loading[holders], computing[holders] = h[:4]
+            service[holders], computed[holders], cut = h[4:]
+        ttft = _bounded(ttft)
+        service = np.clip(np.nan_to_num(service), 0.0, MAX_PREDICTION_S)
+        self.prompt_ktok += 0.02 * (total - self.prompt_ktok)
+        return Prediction(
+            names,
+            rows,
+            ttft,
+            service,
+            (waiting, loading, computing),
+            (computed, queued, decoding),
+            (holders, held, cut),
+        )
+
+    def _predict_holders(
+        self, rows: np.ndarray, held: np.ndarray, total: float, queued: np.ndarray, decoding: np.ndarray
+    ) -> tuple[np.ndarray, ...]:
+        """The whole prediction for candidates holding some of the prompt (``held``: thousands
+        of tokens per medium, MEDIA's order): ttft, waiting, loading, computing and service
+        (unbounded), the tokens computed and the last medium loaded from (``cut``)."""
+        eff = self._effective_all()
+        n = len(rows)
+        base, compute, queue, decode = (eff[rows, j] for j in (BASE, COMPUTE, QUEUE, DECODE))
+        per_ktok = compute + decode * decoding
         has = held > 0
-        load_cost = theta[:, _LOAD] * held + theta[:, _LAT] * has
+        load_cost = eff[rows, _LOAD_COLUMNS] * held + eff[rows, _LAT_COLUMNS] * has
         cum_tok = np.cumsum(held, axis=1)
         # Load media 0..k (the GPU cache always), compute the rest: the cheapest k.
         options = np.cumsum(load_cost, axis=1) + per_ktok[:, None] * np.maximum(total - cum_tok, 0.0)
         cut = np.argmin(options, axis=1)
-        used = np.arange(len(MEDIA))[None, :] <= cut[:, None]
+        used = _MEDIA_AT[None, :] <= cut[:, None]
         computed = np.maximum(total - cum_tok[np.arange(n), cut], 0.0)
-        x = np.zeros((n, N_PARAMS))
-        x[:, BASE] = 1.0
-        x[:, COMPUTE] = computed
-        x[:, QUEUE] = queued
-        x[:, DECODE] = computed * decoding
-        x[:, _LOAD] = held * used
-        x[:, _LAT] = has * used
-        parts = theta * x
-        ttft = _bounded(parts.sum(axis=1))
-        waiting = parts[:, QUEUE] + parts[:, DECODE]
-        loading = parts[:, _LOAD].sum(axis=1) + parts[:, _LAT].sum(axis=1)
-        computing = parts[:, COMPUTE]
-        service = np.clip(np.nan_to_num(loading + computing + parts[:, DECODE]), 0.0, MAX_PREDICTION_S)
-        self.prompt_ktok += 0.02 * (total - self.prompt_ktok)
-        return Prediction(names, rows, ttft, x, service, (waiting, loading, computing))
+        c_part = compute * computed
+        q_part = queue * queued
+        d_part = decode * (computed * decoding)
+        load_parts = eff[rows, _LOAD_COLUMNS] * (held * used)
+        lat_parts = eff[rows, _LAT_COLUMNS] * (has & used)
+        # A row of the 14 parts summed as numpy sums it (see predict): pairwise over the first
+        # eight (BASE, COMPUTE, QUEUE, DECODE and the first two media's load and latency),
+        # then the other six in turn.
+        ttft = ((base + c_part) + (q_part + d_part)) + (
+            (load_parts[:, 0] + lat_parts[:, 0]) + (load_parts[:, 1] + lat_parts[:, 1])
+        )
+        for j in range(2, len(MEDIA)):
+            ttft += load_parts[:, j]
+            ttft += lat_parts[:, j]
+        loading = load_parts.sum(axis=1) + lat_parts.sum(axis=1)
+        service = loading + c_part + d_part
+        return ttft, q_part + d_part, loading, c_part, service, computed, cut
 
     def effective(self, rows: np.ndarray) -> np.ndarray:
         """The coefficients predictions use, per row: each replica's own blended with the
         pooled fleet fit by evidence (fit.POOL_EVIDENCE); a medium neither has measured
         loads at UNMEASURED_FRACTION of the prefill cost."""
-        own = self._theta[rows]
-        w = self._evidence[rows]
-        w = w / (w + POOL_EVIDENCE)
-        theta = w * own + (1.0 - w) * self.pooled.rls.theta
-        blind = self._unmeasured[rows] & self.pooled.unmeasured
-        theta[:, _LOAD] = np.where(blind, UNMEASURED_FRACTION * theta[:, COMPUTE, None], theta[:, _LOAD])
-        out: np.ndarray = theta
+        out: np.ndarray = self._effective_all()[rows]
         return out
+
+    def _effective_all(self) -> np.ndarray:
+        if self._eff_stale:
+            if self._eff.shape != self._theta.shape:
+                self._eff = np.empty_like(self._theta)
+                self._eff_tmp = np.empty_like(self._theta)
+            eff = self._eff
+            np.multiply(self._blend, self._theta, out=eff)
+            np.multiply(self._rest, self.pooled.rls.theta, out=self._eff_tmp)
+            eff += self._eff_tmp
+            blind = self._unmeasured & self.pooled.unmeasured
+            np.copyto(eff[:, _LOAD_COLUMNS], UNMEASURED_FRACTION * eff[:, COMPUTE, None], where=blind)
+            self._eff_stale = False
+        return self._eff
 
     def reference(self, table: ReplicaTable) -> np.ndarray:
         """Predicted TTFT per candidate of a typical new request (the recent mean prompt
@@ -286,12 +413,13 @@ class CostModel:
         self._in_flight[row] += 1
         self._service[row] += 0.1 * (service - self._service[row]) if self._service[row] else service
         return Ticket(
-            self, prediction.names[i], row, prediction.features[i].copy(), float(prediction.ttft[i]), service
+            self, prediction.names[i], row, prediction.feature_row(i), float(prediction.ttft[i]), service
         )
 
     def _observe_all(self, name: str, row: int, x: np.ndarray, predicted: float, observed: float) -> None:
         start = self.effective(np.array([row]))[0]
         self.pooled.observe(x, self.pooled.rls.predict(x), observed)
+        self._eff_stale = True
         self.fits[name].observe(x, predicted, observed, start)
         self._sync(name)
         if self.on_observation is not None:

@@ -4,7 +4,9 @@
   finite, positive and bounded;
 * the fit converges on data drawn from a known model, outliers included;
 * adversarial observations keep the fit inside its box, with a finite covariance;
-* a replica's report, whatever its JSON, is parsed without raising and leaves predictions bounded.
+* a replica's report, whatever its JSON, is parsed without raising and leaves predictions bounded;
+* the prediction (holders of the prompt in full, the others by their four coefficients) equals,
+  bit for bit, the same model computed over every candidate's 14 features at once.
 """
 
 from __future__ import annotations
@@ -13,11 +15,20 @@ import json
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmesh.core.rls import RobustRLS
-from kvmesh.routing.cost import MAX_PREDICTION_S, MIN_PREDICTION_S, CostModel, CostSettings
+from kvmesh.routing.cost import (
+    _COLUMNS,
+    _LAT,
+    _LOAD,
+    MAX_PREDICTION_S,
+    MIN_PREDICTION_S,
+    CostModel,
+    CostSettings,
+)
 from kvmesh.routing.fit import (
     BASE,
     COMPUTE,
@@ -92,6 +103,105 @@ def test_predictions_are_finite_positive_and_bounded(n: int, tokens: int, data: 
     assert (p.service >= 0).all() and (p.computing >= 0).all() and (p.loading >= 0).all()
     ref = model.reference(table)
     assert np.isfinite(ref).all() and (ref >= MIN_PREDICTION_S).all() and (ref <= MAX_PREDICTION_S).all()
+
+
+def _whole_matrix(model: CostModel, req: RoutingRequest, table: ReplicaTable) -> dict[str, np.ndarray]:
+    """The prediction as the model computed it before it split holders from the rest: every
+    candidate's 14 coefficients and features as matrices (the reference for the test below)."""
+    rows = model.rows(table.names)
+    theta = model.effective(rows)
+    n, total = len(rows), req.num_tokens / 1e3
+    assert req.aligned is not None
+    tokens = req.aligned[2]
+    held = np.clip(np.nan_to_num(tokens[:, _COLUMNS] / 1e3, nan=0.0, posinf=total, neginf=0.0), 0.0, total)
+    queued, decoding = model._load_state(table, rows)
+    per_ktok = theta[:, COMPUTE] + theta[:, DECODE] * decoding
+    has = held > 0
+    load_cost = theta[:, _LOAD] * held + theta[:, _LAT] * has
+    cum_tok = np.cumsum(held, axis=1)
+    options = np.cumsum(load_cost, axis=1) + per_ktok[:, None] * np.maximum(total - cum_tok, 0.0)
+    cut = np.argmin(options, axis=1)
+    used = np.arange(len(MEDIA))[None, :] <= cut[:, None]
+    computed = np.maximum(total - cum_tok[np.arange(n), cut], 0.0)
+    x = np.zeros((n, N_PARAMS))
+    x[:, BASE] = 1.0
+    x[:, COMPUTE] = computed
+    x[:, QUEUE] = queued
+    x[:, DECODE] = computed * decoding
+    x[:, _LOAD] = held * used
+    x[:, _LAT] = has * used
+    parts = theta * x
+    loading = parts[:, _LOAD].sum(axis=1) + parts[:, _LAT].sum(axis=1)
+    service = loading + parts[:, COMPUTE] + parts[:, DECODE]
+    return {
+        "ttft": np.clip(
+            np.nan_to_num(parts.sum(axis=1), nan=MAX_PREDICTION_S), MIN_PREDICTION_S, MAX_PREDICTION_S
+        ),
+        "waiting": parts[:, QUEUE] + parts[:, DECODE],
+        "loading": loading,
+        "computing": parts[:, COMPUTE],
+        "service": np.clip(np.nan_to_num(service), 0.0, MAX_PREDICTION_S),
+        "features": x,
+    }
+
+
+HELD = st.one_of(st.just(0.0), st.floats(0, 300_000), WILD)  # zeros often: most candidates hold nothing
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 12), tokens=st.integers(0, 200_000), data=st.data())
+def test_prediction_equals_the_whole_matrix_computation(n: int, tokens: int, data: st.DataObject) -> None:
+    clock = _Clock()
+    model = CostModel(CostSettings(), clock)
+    names = [f"r{i}" for i in range(n)]
+    states = [ReplicaState(name, waiting=data.draw(WILD), running=data.draw(WILD)) for name in names]
+    for name in names:
+        for i in data.draw(st.lists(st.integers(0, N_PARAMS - 1), max_size=N_PARAMS)):
+            model.set_param(name, i, data.draw(st.floats(float(LOWER[i]), float(UPPER[i]))))
+    table = ReplicaTable.of(states)
+    held = np.array([[data.draw(HELD) for _ in range(8)] for _ in range(n)])  # medium_tokens' 8 columns
+    for _ in range(data.draw(st.integers(0, 3))):  # some ledger and some learning
+        p = model.predict(_request(tokens, table, held), table)
+        t = model.sent(p, data.draw(st.integers(0, n - 1)))
+        clock.t += data.draw(st.floats(0.001, 10))
+        t.first_byte()
+    req = _request(tokens, table, held)
+    want = _whole_matrix(model, req, table)
+    got = model.predict(req, table)
+    for name, arr in want.items():
+        np.testing.assert_array_equal(getattr(got, name), arr, err_msg=name)
+    for i in range(n):
+        np.testing.assert_array_equal(got.feature_row(i), want["features"][i])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_prediction_equals_the_whole_matrix_computation_on_plain_values(seed: int) -> None:
+    """The same with unremarkable values (hypothesis favours 0, 1 and the bounds, which add
+    exactly in any order; these are where summing in another order shows in the last bit)."""
+    rng = np.random.default_rng(seed)
+    clock = _Clock()
+    model = CostModel(CostSettings(), clock)
+    n = 60
+    names = [f"r{i}" for i in range(n)]
+    table = ReplicaTable.of(
+        [ReplicaState(m, waiting=float(rng.integers(9)), running=float(rng.integers(30))) for m in names]
+    )
+    for name in names:
+        for i in range(N_PARAMS):
+            if rng.random() < 0.7:
+                model.set_param(name, i, float(rng.uniform(LOWER[i], UPPER[i] / 50)))
+    held = rng.uniform(0, 3000, size=(n, 8)) * (rng.random((n, 8)) < 0.1)
+    model.live_gauges = True  # the gauges count: queues and decodes in every prediction
+    for _ in range(20):
+        req = _request(int(rng.integers(500, 4000)), table, held)
+        t = model.sent(model.predict(req, table), int(rng.integers(0, n)))
+        clock.t += float(rng.uniform(0.01, 2))
+        t.first_byte()
+    req = _request(3000, table, held)
+    want = _whole_matrix(model, req, table)
+    got = model.predict(req, table)
+    for name, arr in want.items():
+        np.testing.assert_array_equal(getattr(got, name), arr, err_msg=name)
 
 
 def _features(rng: np.random.Generator) -> np.ndarray:

@@ -5,7 +5,9 @@ seeded workloads, recorded with the per-replica (dict) scorers before they were 
 (commit b039ddc), and recorded again when the simulator moved onto the routing core's
 dispatcher (which, as the router always did, adds no speculative entry for a prompt whose
 whole blocks the index already has on the picked replica's GPU; the lists were otherwise
-equal). The fleet, the index and the scorers are all deterministic, so any difference in
+equal). The ``cost`` policy's lists were recorded at d06b237, before its prediction stopped
+computing every candidate's 14 features as one matrix. The fleet, the index and the scorers
+are all deterministic, so any difference in
 one decision changes what follows: equal lists mean equal decisions.
 Re-record (only for a deliberate change of policy): ``python tests/unit/sim/test_picks.py``.
 """
@@ -24,7 +26,7 @@ from kvmesh.sim.workload import generate
 
 DATA = Path(__file__).parent / "data" / "picks.json"
 COST = PROFILES["h100-llama8b"]
-POLICIES = ("kvmesh", "llm-d", "least-loaded", "round-robin", "prefix")
+POLICIES = ("kvmesh", "llm-d", "least-loaded", "round-robin", "prefix", "cost")
 FLEETS = {
     "plain": FleetConfig(24, 40),
     "tiers": FleetConfig(24, 40, cpu_blocks=60, shared_blocks=400),
