@@ -374,6 +374,11 @@ class Dispatcher:
         t._cost = -1.0
         if t._tracked is not None and t.stream:  # a whole answer's time is no TTFT
             t._tracked.first_byte()
+        # The answer has begun: nothing goes elsewhere now. A decision's per-candidate arrays
+        # (and the request's candidates-by-media table) are a few hundred KB at 1,000 replicas,
+        # and a ticket lives as long as its answer streams: a decoding request keeps neither.
+        t.decision = None
+        t.request.aligned = None
 
     def _served(self, t: Ticket, endpoint: str | None, status: int) -> None:
         if t._done:

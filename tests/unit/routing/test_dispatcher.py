@@ -176,6 +176,26 @@ def test_the_cost_policys_own_tickets_ride_on_the_dispatchers_hooks() -> None:
     assert all(state(pool, n) == (0, 0, 0.0) for n in NAMES)
 
 
+def test_an_answering_request_keeps_no_per_candidate_arrays() -> None:
+    """A ticket lives as long as its answer streams; once the first byte is in, its decision's
+    per-candidate arrays and the request's candidates-by-media table are let go (a few hundred
+    KB a request at 1,000 replicas), while the bookkeeping after it still works."""
+    d, pool, index = make("cost", speculative_ttl_s=0)
+    toks = tokens(128)
+    index.apply("b", stored(toks[:64], "CPU"))
+    t = d.route(d.request(toks, session="s"), pool.candidates(), stream=True)
+    assert t.decision is not None and t.request.aligned is not None
+    t.sent()
+    t.served(t.ranked[0], 200)
+    t.first_byte()
+    assert t.decision is None and t.request.aligned is None
+    assert t.request.matches  # the match stays: pd reads it after the prefill's first byte
+    assert t.scores == {}
+    t.finished()
+    assert all(state(pool, n) == (0, 0, 0.0) for n in NAMES)
+    assert d.sessions.get("s") == t.ranked[0]
+
+
 def test_two_routers_fed_the_same_events_and_gauges_decide_alike() -> None:
     """Active-active: each router consumes every replica's events and reads shared load from
     the replicas' gauges; for the same state they pick the same replica."""
