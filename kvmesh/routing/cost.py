@@ -258,7 +258,7 @@ class CostModel:
 
     def rows(self, names: tuple[str, ...]) -> np.ndarray:
         cached = self._rows_cache
-        if cached is not None and cached[0] == names:
+        if cached is not None and (cached[0] is names or cached[0] == names):
             return cached[1]
         for n in names:
             self.fit(n)
@@ -325,7 +325,7 @@ class CostModel:
             ttft[holders], waiting[holders], loading[holders], computing[holders] = h[:4]
             service[holders], computed[holders], cut = h[4:]
         ttft = _bounded(ttft)
-        service = np.clip(np.nan_to_num(service), 0.0, MAX_PREDICTION_S)
+        service = np.fmin(np.fmax(service, 0.0), MAX_PREDICTION_S)  # NaN → 0
         self.prompt_ktok += 0.02 * (total - self.prompt_ktok)
         return Prediction(
             names,
@@ -377,8 +377,14 @@ class CostModel:
         """The coefficients predictions use, per row: each replica's own blended with the
         pooled fleet fit by evidence (fit.POOL_EVIDENCE); a medium neither has measured
         loads at UNMEASURED_FRACTION of the prefill cost."""
-        out: np.ndarray = self._effective_all()[rows]
-        return out
+        if not self._eff_stale or len(rows) > 1:
+            out: np.ndarray = self._effective_all()[rows]
+            return out
+        # one row (an observation's starting point): computed alone, as _effective_all would
+        theta: np.ndarray = self._blend[rows] * self._theta[rows] + self._rest[rows] * self.pooled.rls.theta
+        blind = self._unmeasured[rows] & self.pooled.unmeasured
+        np.copyto(theta[:, _LOAD_COLUMNS], UNMEASURED_FRACTION * theta[:, COMPUTE, None], where=blind)
+        return theta
 
     def _effective_all(self) -> np.ndarray:
         if self._eff_stale:
@@ -488,11 +494,9 @@ class Ticket:
 
 
 def _bounded(values: np.ndarray) -> np.ndarray:
-    out: np.ndarray = np.clip(
-        np.nan_to_num(values, nan=MAX_PREDICTION_S, posinf=MAX_PREDICTION_S),
-        MIN_PREDICTION_S,
-        MAX_PREDICTION_S,
-    )
+    """``values`` within [MIN_PREDICTION_S, MAX_PREDICTION_S], NaN as the maximum."""
+    out: np.ndarray = np.clip(values, MIN_PREDICTION_S, MAX_PREDICTION_S)  # ±inf to the bounds
+    np.copyto(out, MAX_PREDICTION_S, where=np.isnan(out))
     return out
 
 
