@@ -63,10 +63,8 @@ MIN_PREDICTION_S = 1e-4
 MAX_PREDICTION_S = 3600.0
 # medium_tokens' columns (REMOTE, DISK, CPU, GPU, unknown) in MEDIA's order
 _COLUMNS = np.array([3, 2, 1, 4, 0])
-_LOAD = np.array([load_i(j) for j in range(len(MEDIA))])
-_LAT = np.array([lat_i(j) for j in range(len(MEDIA))])
 _NO_ROWS = np.zeros(0, dtype=np.int64)
-# _LOAD and _LAT as slices: views, not copies
+# each medium's load-rate and latency coefficient (or feature) columns, as slices (views, not copies)
 _LOAD_COLUMNS = slice(load_i(0), load_i(len(MEDIA)), 2)
 _LAT_COLUMNS = slice(lat_i(0), lat_i(len(MEDIA)), 2)
 _MEDIA_AT = np.arange(len(MEDIA))
@@ -348,7 +346,8 @@ class CostModel:
         base, compute, queue, decode = (eff[rows, j] for j in (BASE, COMPUTE, QUEUE, DECODE))
         per_ktok = compute + decode * decoding
         has = held > 0
-        load_cost = eff[rows, _LOAD_COLUMNS] * held + eff[rows, _LAT_COLUMNS] * has
+        rate, latency = eff[rows, _LOAD_COLUMNS], eff[rows, _LAT_COLUMNS]  # per medium
+        load_cost = rate * held + latency * has
         cum_tok = np.cumsum(held, axis=1)
         # Load media 0..k (the GPU cache always), compute the rest: the cheapest k.
         options = np.cumsum(load_cost, axis=1) + per_ktok[:, None] * np.maximum(total - cum_tok, 0.0)
@@ -358,8 +357,8 @@ class CostModel:
         c_part = compute * computed
         q_part = queue * queued
         d_part = decode * (computed * decoding)
-        load_parts = eff[rows, _LOAD_COLUMNS] * (held * used)
-        lat_parts = eff[rows, _LAT_COLUMNS] * (has & used)
+        load_parts = rate * (held * used)
+        lat_parts = latency * (has & used)
         # A row of the 14 parts summed as numpy sums it (see predict): pairwise over the first
         # eight (BASE, COMPUTE, QUEUE, DECODE and the first two media's load and latency),
         # then the other six in turn.

@@ -22,8 +22,6 @@ from hypothesis import strategies as st
 from kvmesh.core.rls import RobustRLS
 from kvmesh.routing.cost import (
     _COLUMNS,
-    _LAT,
-    _LOAD,
     MAX_PREDICTION_S,
     MIN_PREDICTION_S,
     CostModel,
@@ -103,6 +101,10 @@ def test_predictions_are_finite_positive_and_bounded(n: int, tokens: int, data: 
     assert (p.service >= 0).all() and (p.computing >= 0).all() and (p.loading >= 0).all()
     ref = model.reference(table)
     assert np.isfinite(ref).all() and (ref >= MIN_PREDICTION_S).all() and (ref <= MAX_PREDICTION_S).all()
+
+
+_LOAD = np.array([load_i(j) for j in range(len(MEDIA))])
+_LAT = np.array([lat_i(j) for j in range(len(MEDIA))])
 
 
 def _whole_matrix(model: CostModel, req: RoutingRequest, table: ReplicaTable) -> dict[str, np.ndarray]:
