@@ -54,7 +54,19 @@ def _fleet(replicas: int, args: argparse.Namespace, tiers: bool, shared_blocks: 
         cpu_blocks=args.cpu_blocks if tiers else 0,
         disk_blocks=args.disk_blocks if tiers else 0,
         shared_blocks=shared_blocks if tiers else 0,
+        slowdowns=args.slowdowns,
     )
+
+
+def _slowdowns(text: str) -> tuple[float, ...]:
+    """``--slowdowns``: comma-separated prefill time multipliers, each finite and in [0.1, 100]."""
+    try:
+        out = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
+    if not all(0.1 <= x <= 100.0 for x in out):  # NaN fails too
+        raise argparse.ArgumentTypeError(f"each slowdown must be between 0.1 and 100, got {text!r}")
+    return out
 
 
 def shared_per_copy(args: argparse.Namespace, base: Workload) -> int:
@@ -78,7 +90,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         # Same offered load per replica at every fleet size: more users (copies) and the
         # arrivals stretched so that recomputing everything would keep `load` of the fleet busy.
         copies = max(1, n // per_copy)
-        scale = time_scale_for(base, per_copy, args.load, 1.0 / cost.prefill_tps)
+        # a mixed fleet's capacity in replicas of the profile's rate
+        capacity = FleetConfig(per_copy, 0, slowdowns=args.slowdowns).capacity()
+        scale = time_scale_for(base, capacity, args.load, 1.0 / cost.prefill_tps)
         work = tile(base, copies, scale)
         # The shared tier grows with the users (copies) it serves, like a Redis cluster would.
         bounds[str(n)] = {**bound(work, cost), "shared_blocks": shared * copies}
@@ -294,6 +308,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=SHARED_FRACTION,
         help=f"the shared tier as a fraction of the trace's distinct blocks (default {SHARED_FRACTION}: "
         "smaller than the working set, so capacity and placement matter)",
+    )
+    r.add_argument(
+        "--slowdowns",
+        type=_slowdowns,
+        default=(),
+        help="a mixed fleet: prefill time multipliers cycled over the replicas (1,2: every other "
+        "replica prefills at half the rate; the offered load counts that capacity)",
     )
     r.add_argument("--json")
     r.add_argument("--plot")

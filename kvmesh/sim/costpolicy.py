@@ -57,10 +57,9 @@ class CostPolicy(RouterPolicy):
         ):
             if on and per_token > 0:
                 media[medium] = (1.0 / per_token, latency, 1)  # bytes_per_token 1: bytes = tokens
-        for name in self.states.names:
-            model.report(
-                name, Report(at=0.0, bytes_per_token=1.0, prefill_tokens_per_s=cost.prefill_tps, media=media)
-            )
+        for i, name in enumerate(self.states.names):
+            tps = cost.prefill_tps / cfg.slowdown(i)  # what this replica measures (a mixed fleet)
+            model.report(name, Report(at=0.0, bytes_per_token=1.0, prefill_tokens_per_s=tps, media=media))
 
     def summary(self) -> dict[str, Any]:
         err = median_error(self.picker.model)

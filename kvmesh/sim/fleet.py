@@ -48,6 +48,17 @@ class FleetConfig:
     cpu_blocks: int = 0  # kvmesh CPU tier per replica; 0 = none
     disk_blocks: int = 0  # kvmesh disk tier per replica; 0 = none
     shared_blocks: int = 0  # kvmesh shared tier (Redis / fs) for the fleet; 0 = none
+    # A mixed fleet: each replica's prefill time multiplier, cycled over the replicas ((1, 2):
+    # every other replica prefills at half the rate); () = every replica the profile's.
+    slowdowns: tuple[float, ...] = ()
+
+    def slowdown(self, i: int) -> float:
+        """Replica ``i``'s prefill time multiplier."""
+        return self.slowdowns[i % len(self.slowdowns)] if self.slowdowns else 1.0
+
+    def capacity(self) -> float:
+        """The fleet's prefill capacity in replicas of the profile's rate."""
+        return sum(1.0 / self.slowdown(i) for i in range(self.replicas))
 
 
 class _LRU:
@@ -126,6 +137,7 @@ class Fleet:
         self._seq = itertools.count()
         self.now = 0.0
         self._rng = random.Random(seed)  # service-time jitter; seeded: a run replays exactly
+        self._slow = [config.slowdown(i) for i in range(config.replicas)]
         self._rest: dict[int, tuple[SimRequest, ...]] = {}  # closed loop: a session's later turns
         policy.bind(self)
 
@@ -219,6 +231,7 @@ class Fleet:
         hit = g + c + dk + sh
         computed = max(0, req.tokens - hit * bt)
         dt = self.cost.prefill_s(computed, c * bt, dk * bt, sh * bt, r.decoding) * self._noise()
+        dt *= self._slow[i]  # a mixed fleet's slower replica (1.0: the profile's rate, dt unchanged)
         r.busy = True
         r.busy_s += dt
         r.active_blocks += len(req.blocks)

@@ -166,7 +166,7 @@ def tile(work: Workload, copies: int, time_scale: float = 1.0) -> Workload:
     )
 
 
-def time_scale_for(work: Workload, replicas: int, load: float, seconds_per_token: float) -> float:
+def time_scale_for(work: Workload, replicas: float, load: float, seconds_per_token: float) -> float:
     """The arrival stretch at which recomputing every prompt would keep ``replicas`` busy
     ``load`` of the time (the offered load before any cache hit)."""
     reqs = work.requests

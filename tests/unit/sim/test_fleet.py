@@ -92,3 +92,20 @@ def test_the_infinite_cache_is_no_ceiling_and_the_bound_is() -> None:
     assert violations([{**inf, "fleet": "plain"}, {**km, "fleet": "plain"}], b) == []
     # the floor of the second request's TTFT: all 8 blocks reusable, 100 tokens computed
     assert b["ttft_p50_s_min"] == round(COST.overhead_s + 100 / COST.prefill_tps, 4)
+
+
+def test_a_mixed_fleets_slower_replica_prefills_at_its_own_rate() -> None:
+    """slowdowns (1, 2): every other replica takes twice as long for the same prefill, and the
+    cost policy's model is told each replica's own rate, as a real replica's meters would."""
+    work = open_loop((0.0, (1, 2, 3)), (10.0, (4, 5, 6)))
+    config = FleetConfig(2, 100, slowdowns=(1.0, 2.0))
+    assert config.slowdown(0) == 1.0 and config.slowdown(3) == 2.0 and config.capacity() == 1.5
+    recs = {r.replica: r for r in Fleet(config, COST, 512, make("round-robin", 100)).run(work)}
+    one = COST.prefill_s(3 * 512 + 100, 0, 0, 0, 0)
+    assert abs(recs[0].ttft_s - one) < 1e-9 and abs(recs[1].ttft_s - 2 * one) < 1e-9
+
+    policy = make("cost", 100)
+    Fleet(FleetConfig(2, 100, cpu_blocks=10, slowdowns=(1.0, 2.0)), COST, 512, policy)
+    fits = policy.picker.model.fits  # type: ignore[union-attr]
+    rate = {n: float(f.rls.theta[1]) for n, f in fits.items()}  # COMPUTE: seconds per 1k tokens
+    assert 1.9 < rate["r1"] / rate["r0"] < 2.1  # a report is fused with the prior, not copied
