@@ -114,6 +114,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         shared_fraction=None if args.shared_blocks is not None else args.shared_fraction,
         unique_blocks=unique_blocks(base),
     )
+    if args.slowdowns:
+        config["slowdowns"] = list(args.slowdowns)  # a mixed fleet
     report = {
         "workload": base.name,
         "profile": cost.name,

@@ -79,3 +79,17 @@ def test_run_refuses_a_bad_slowdowns_list(bad: str, capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit) as exc:
         main(["sim", "run", "--slowdowns", bad, "--limit", "10"])
     assert exc.value.code == 2 and "slowdown" in capsys.readouterr().err
+
+
+def test_run_on_a_mixed_fleet_records_its_slowdowns(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    row = {"input_length": 2048, "output_length": 8}
+    lines = [json.dumps({**row, "timestamp": i * 200, "hash_ids": [i % 3, 100 + i]}) for i in range(30)]
+    trace.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "m.json"
+    argv = ["sim", "run", "--trace", str(trace), "--replicas", "2", "--policies", "cost,round-robin"]
+    argv += ["--fleets", "plain", "--slowdowns", "1,2", "--no-progress", "--json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["slowdowns"] == [1.0, 2.0]
+    assert {r["policy"] for r in report["results"]} == {"cost", "round-robin"}
