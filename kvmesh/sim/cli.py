@@ -59,13 +59,16 @@ def _fleet(replicas: int, args: argparse.Namespace, tiers: bool, shared_blocks: 
 
 
 def _slowdowns(text: str) -> tuple[float, ...]:
-    """``--slowdowns``: comma-separated prefill time multipliers, each finite and in [0.1, 100]."""
+    """``--slowdowns``: comma-separated prefill time multipliers, each in [1, 100]: the profile
+    is the fleet's fastest kind (the computed ceiling, ``bound``, assumes its rate)."""
     try:
         out = tuple(float(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
-    if not all(0.1 <= x <= 100.0 for x in out):  # NaN fails too
-        raise argparse.ArgumentTypeError(f"each slowdown must be between 0.1 and 100, got {text!r}")
+    if not all(1.0 <= x <= 100.0 for x in out):  # NaN fails too
+        raise argparse.ArgumentTypeError(
+            f"each slowdown must be between 1 and 100 (the profile is the fastest replica), got {text!r}"
+        )
     return out
 
 
@@ -315,8 +318,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--slowdowns",
         type=_slowdowns,
         default=(),
-        help="a mixed fleet: prefill time multipliers cycled over the replicas (1,2: every other "
-        "replica prefills at half the rate; the offered load counts that capacity)",
+        help="a mixed fleet: prefill time multipliers (each 1-100) cycled over the replicas (1,2: "
+        "every other replica prefills at half the rate; the offered load counts that capacity)",
     )
     r.add_argument("--json")
     r.add_argument("--plot")

@@ -74,7 +74,7 @@ def test_speed_records_its_provenance_and_takes_no_hand_typed_commit(tmp_path: P
         main(["sim", "speed", "--commit", "abc1234"])
 
 
-@pytest.mark.parametrize("bad", ["0", "nan", "1,x", "1,,2", "-1", "1e9"])
+@pytest.mark.parametrize("bad", ["0", "0.5", "nan", "1,x", "1,,2", "-1", "1e9"])
 def test_run_refuses_a_bad_slowdowns_list(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["sim", "run", "--slowdowns", bad, "--limit", "10"])
