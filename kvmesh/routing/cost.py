@@ -319,7 +319,9 @@ class CostModel:
         cut = _NO_ROWS
         if tokens is not None and len(holders):
             held = np.fmin(np.fmax(tokens[np.ix_(holders, _COLUMNS)] / 1e3, 0.0), total)  # NaN → 0
-            h = self._predict_holders(rows[holders], held, total, queued[holders], decoding[holders])
+            coefficients = (base[holders], compute[holders], queue[holders], decode[holders])
+            load = (total, queued[holders], decoding[holders])
+            h = self._predict_holders(rows[holders], coefficients, held, *load)
             ttft[holders], waiting[holders], loading[holders], computing[holders] = h[:4]
             service[holders], computed[holders], cut = h[4:]
         ttft = _bounded(ttft)
@@ -336,14 +338,21 @@ class CostModel:
         )
 
     def _predict_holders(
-        self, rows: np.ndarray, held: np.ndarray, total: float, queued: np.ndarray, decoding: np.ndarray
+        self,
+        rows: np.ndarray,
+        coefficients: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+        held: np.ndarray,
+        total: float,
+        queued: np.ndarray,
+        decoding: np.ndarray,
     ) -> tuple[np.ndarray, ...]:
-        """The whole prediction for candidates holding some of the prompt (``held``: thousands
-        of tokens per medium, MEDIA's order): ttft, waiting, loading, computing and service
-        (unbounded), the tokens computed and the last medium loaded from (``cut``)."""
+        """The whole prediction for candidates holding some of the prompt (``coefficients``:
+        their BASE, COMPUTE, QUEUE and DECODE; ``held``: thousands of tokens per medium,
+        MEDIA's order): ttft, waiting, loading, computing and service (unbounded), the tokens
+        computed and the last medium loaded from (``cut``)."""
         eff = self._effective_all()
         n = len(rows)
-        base, compute, queue, decode = (eff[rows, j] for j in (BASE, COMPUTE, QUEUE, DECODE))
+        base, compute, queue, decode = coefficients
         per_ktok = compute + decode * decoding
         has = held > 0
         rate, latency = eff[rows, _LOAD_COLUMNS], eff[rows, _LAT_COLUMNS]  # per medium
@@ -381,8 +390,7 @@ class CostModel:
             return out
         # one row (an observation's starting point): computed alone, as _effective_all would
         theta: np.ndarray = self._blend[rows] * self._theta[rows] + self._rest[rows] * self.pooled.rls.theta
-        blind = self._unmeasured[rows] & self.pooled.unmeasured
-        np.copyto(theta[:, _LOAD_COLUMNS], UNMEASURED_FRACTION * theta[:, COMPUTE, None], where=blind)
+        _unmeasured_loads(theta, self._unmeasured[rows] & self.pooled.unmeasured)
         return theta
 
     def _effective_all(self) -> np.ndarray:
@@ -394,8 +402,7 @@ class CostModel:
             np.multiply(self._blend, self._theta, out=eff)
             np.multiply(self._rest, self.pooled.rls.theta, out=self._eff_tmp)
             eff += self._eff_tmp
-            blind = self._unmeasured & self.pooled.unmeasured
-            np.copyto(eff[:, _LOAD_COLUMNS], UNMEASURED_FRACTION * eff[:, COMPUTE, None], where=blind)
+            _unmeasured_loads(eff, self._unmeasured & self.pooled.unmeasured)
             self._eff_stale = False
         return self._eff
 
@@ -490,6 +497,12 @@ class Ticket:
         if not self._first:
             m._dequeue(self.row, self.service)
         m._in_flight[self.row] = max(0.0, m._in_flight[self.row] - 1)
+
+
+def _unmeasured_loads(theta: np.ndarray, blind: np.ndarray) -> None:
+    """In place: a medium neither the replica nor the fleet has measured (``blind``) loads at
+    UNMEASURED_FRACTION of the replica's prefill cost."""
+    np.copyto(theta[:, _LOAD_COLUMNS], UNMEASURED_FRACTION * theta[:, COMPUTE, None], where=blind)
 
 
 def _bounded(values: np.ndarray) -> np.ndarray:
