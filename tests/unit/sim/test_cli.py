@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.cli import main
+from tests.unit.sim.traces import write_trace
 
 # The bench router run the vllm-cpu-tiny profile was fitted to (a later run is not it).
 MEASURED = Path(__file__).resolve().parents[3] / "docs" / "history" / "sim-calibration-router.json"
@@ -26,15 +27,8 @@ def test_validate_matches_the_measured_two_replica_run(tmp_path: Path, tiny_mode
 
 
 def test_run_writes_results_targets_and_a_plot(tmp_path: Path) -> None:
-    trace = tmp_path / "t.jsonl"
-    lines = []
-    for i in range(120):
-        tenant = i % 5
-        ids = [tenant * 100 + b for b in range(6)] + [10_000 + i]
-        lines.append(
-            json.dumps({"timestamp": i * 150, "input_length": 512 * 7, "output_length": 20, "hash_ids": ids})
-        )
-    trace.write_text("\n".join(lines) + "\n")
+    reqs = [(i * 150, 512 * 7, 20, [i % 5 * 100 + b for b in range(6)] + [10_000 + i]) for i in range(120)]
+    trace = write_trace(tmp_path / "t.jsonl", reqs)
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     argv = ["sim", "run", "--trace", str(trace), "--replicas", "4", "--policies"]
     argv += ["kvmesh,round-robin,least-loaded,infinite-cache", "--gpu-blocks", "20", "--cpu-blocks", "10"]
@@ -82,10 +76,7 @@ def test_run_refuses_a_bad_slowdowns_list(bad: str, capsys: pytest.CaptureFixtur
 
 
 def test_run_on_a_mixed_fleet_records_its_slowdowns(tmp_path: Path) -> None:
-    trace = tmp_path / "t.jsonl"
-    row = {"input_length": 2048, "output_length": 8}
-    lines = [json.dumps({**row, "timestamp": i * 200, "hash_ids": [i % 3, 100 + i]}) for i in range(30)]
-    trace.write_text("\n".join(lines) + "\n")
+    trace = write_trace(tmp_path / "t.jsonl", [(i * 200, 2048, 8, [i % 3, 100 + i]) for i in range(30)])
     out = tmp_path / "m.json"
     argv = ["sim", "run", "--trace", str(trace), "--replicas", "2", "--policies", "cost,round-robin"]
     argv += ["--fleets", "plain", "--slowdowns", "1,2", "--no-progress", "--json", str(out)]

@@ -13,6 +13,7 @@ from kvmesh.sim.costpolicy import CostPolicy, cost_targets, slow_tier
 from kvmesh.sim.fleet import Fleet
 from kvmesh.sim.policies import make
 from tests.unit.sim.test_policies import tenants_work
+from tests.unit.sim.traces import write_trace
 
 COST = PROFILES["h100-llama8b"]
 
@@ -66,14 +67,8 @@ def test_cost_targets_compare_with_llm_d_per_fleet() -> None:
 
 
 def test_sim_run_has_the_slow_tier_fleet_and_the_cost_targets(tmp_path: Path) -> None:
-    trace = tmp_path / "t.jsonl"
-    lines = []
-    for i in range(80):
-        ids = [(i % 4) * 100 + b for b in range(4)] + [10_000 + i]
-        lines.append(
-            json.dumps({"timestamp": i * 100, "input_length": 512 * 5, "output_length": 20, "hash_ids": ids})
-        )
-    trace.write_text("\n".join(lines) + "\n")
+    reqs = [(i * 100, 512 * 5, 20, [(i % 4) * 100 + b for b in range(4)] + [10_000 + i]) for i in range(80)]
+    trace = write_trace(tmp_path / "t.jsonl", reqs)
     out = tmp_path / "r.json"
     argv = ["sim", "run", "--trace", str(trace), "--replicas", "4", "--policies", "cost,llm-d"]
     argv += ["--fleets", "plain,kvmesh,slow-tier", "--gpu-blocks", "20", "--no-progress", "--json", str(out)]
