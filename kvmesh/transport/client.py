@@ -31,11 +31,21 @@ from kvmesh.core.fleetkey import TRANSFER_AUTH, FleetKey
 from kvmesh.core.keys import ChunkKey
 from kvmesh.errors import CorruptChunkError, PeerAuthError
 from kvmesh.transport.auth import ChunkMacCheck, client_handshake
-from kvmesh.transport.wire import SOCKET_BUFFER, WireError, recv_exact, recv_into_exact, recv_msg, send_msg
+from kvmesh.transport.wire import (
+    SOCKET_BUFFER,
+    Stalled,
+    WireError,
+    recv_exact,
+    recv_into_exact,
+    recv_msg,
+    send_msg,
+)
 
 MAX_HEADER = 1 << 20
 MAC_PIECE = 1 << 20  # bytes received, then hashed while in cache, at a time
 CONFIRM_S = 1.0  # a confirm's own budget, past the pull's (it only unpins: the KV is here)
+MAX_RESUMES = 2  # fresh connections a stalled fetch resumes on
+MIN_LEFT_S = 0.05  # of the pull's budget, for a resume to be worth a handshake
 
 # Why a pull ended short (PullResult.reason), the labels of kvmesh_pd_fallbacks_total.
 UNREACHABLE = "producer_unreachable"  # connect refused / failed: the producer is gone
@@ -56,6 +66,9 @@ class PullResult:
     reason: str | None = None  # None: every requested chunk arrived
     detail: str = ""
     confirmed: bool | None = None  # the producer acknowledged the confirm (None: none sent)
+    resumes: int = 0  # fresh connections the fetch resumed on after a stream stalled
+    stalled: bool = False  # the last connection delivered nothing for the allowed silence
+    waiting: str = ""  # what the pull was waiting for when it ended short: "chunk 3's payload"
 
 
 def pull(
@@ -76,22 +89,31 @@ def pull(
     the ones before are already here), held by the producer at ``host:port`` under the
     transfer id ``req``, into ``engine``'s pool, then (``confirm_after``) confirm ``req``
     there so the producer unpins it, whatever the outcome. ``key``: the fleet key both
-    sides must hold (``None``: an unauthenticated producer, ``pd_allow_insecure``)."""
+    sides must hold (``None``: an unauthenticated producer, ``pd_allow_insecure``).
+
+    ``connect_timeout_s`` bounds the handshake. Mid-stream, a connection that delivers
+    nothing at all for :func:`stall_budget` is given up and the fetch resumes from the
+    next chunk on a fresh one (up to :data:`MAX_RESUMES` times, within ``timeout_s``): a
+    stream stuck in one connection costs that long, not the whole pull."""
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     res = PullResult()
     if first:
         res.tokens = engine.keys.chunk_bounds(len(tokens))[first - 1][1]
+    stall_s = stall_budget(timeout_s, connect_timeout_s)
+    while True:
+        sock = _open(host, port, key, min(connect_timeout_s, deadline - time.monotonic()), deadline, res)
+        if sock is None:
+            res.seconds = time.monotonic() - t0
+            return res
+        got = res.chunks
+        healthy = fetch_over(sock, engine, req, keys[got:], tokens, deadline, res, first + got, key, stall_s)
+        if not res.stalled or res.resumes >= MAX_RESUMES or deadline - time.monotonic() < MIN_LEFT_S:
+            break
+        sock.close()  # the producer's send to it fails and its handler ends
+        res.resumes += 1
+        res.reason, res.stalled = None, False
     try:
-        sock = open_connection(host, port, key, min(connect_timeout_s, timeout_s), deadline)
-    except OSError as exc:
-        res.reason = TIMEOUT if isinstance(exc, TimeoutError) else UNREACHABLE
-        res.reason = AUTH_FAILED if isinstance(exc, PeerAuthError) else res.reason
-        res.detail = f"{host}:{port}: {exc}"
-        res.seconds = time.monotonic() - t0
-        return res
-    try:
-        healthy = fetch_over(sock, engine, req, keys, tokens, deadline, res, first, key)
         if not healthy and res.chunks == len(keys) and res.reason in (DISCONNECTED, TIMEOUT):
             # Every chunk arrived and verified; only the stream's end marker did not: the
             # pull is whole (the confirm goes over a fresh connection below).
@@ -107,6 +129,26 @@ def pull(
         res.confirmed = confirm(host, port, req, timeout_s=CONFIRM_S, key=key)
     res.seconds = time.monotonic() - t0
     return res
+
+
+def stall_budget(timeout_s: float, connect_timeout_s: float) -> float:
+    """How long a transfer's stream may deliver nothing before the fetch resumes on a fresh
+    connection: the handshake's budget, and at least a third of the pull's (a fetch queued
+    behind a busy producer's other streams is not taken for a stalled one)."""
+    return max(0.01, connect_timeout_s, timeout_s / (MAX_RESUMES + 1))
+
+
+def _open(
+    host: str, port: int, key: FleetKey | None, connect_timeout_s: float, deadline: float, res: PullResult
+) -> socket.socket | None:
+    """:func:`open_connection`, or ``None`` with ``res`` saying why not."""
+    try:
+        return open_connection(host, port, key, connect_timeout_s, deadline)
+    except OSError as exc:
+        res.reason = TIMEOUT if isinstance(exc, TimeoutError) else UNREACHABLE
+        res.reason = AUTH_FAILED if isinstance(exc, PeerAuthError) else res.reason
+        res.detail = f"{host}:{port}: {exc}" + (f" (after {res.resumes} resumes)" if res.resumes else "")
+        return None
 
 
 def _confirm_over(sock: socket.socket, req: str, deadline: float) -> bool:
@@ -184,17 +226,25 @@ def fetch_over(
     res: PullResult,
     first: int = 0,
     key: FleetKey | None = None,
+    stall_s: float | None = None,
 ) -> bool:
     """One fetch over an open (authenticated) connection, into ``res``; never raises for
     what the producer sends. ``True``: the stream ended cleanly (the connection can carry
-    the confirm)."""
+    the confirm). ``stall_s``: the longest the producer may send nothing at all (then
+    ``res.stalled``)."""
     t0 = time.monotonic()
+    before = res.chunks  # received on connections before this one
     try:
-        return _receive(engine, sock, req, keys, tokens, deadline, res, first, key)
+        return _receive(engine, sock, req, keys, tokens, deadline, res, first, key, stall_s)
     except TimeoutError as exc:
         why = str(exc) or "no reply before the deadline"
-        res.reason = TIMEOUT
-        res.detail = f"{res.chunks} of {len(keys)} chunks in {time.monotonic() - t0:.1f} s, then {why}"
+        res.reason, res.stalled = TIMEOUT, isinstance(exc, Stalled)
+        res.detail = (
+            f"{res.chunks} of {before + len(keys)} chunks in {time.monotonic() - t0:.1f} s, then "
+            f"{why} waiting for chunk {first + res.chunks - before}'s {res.waiting}"
+        )
+        if res.resumes:
+            res.detail += f" (after {res.resumes} resumes on fresh connections)"
     except CorruptChunkError as exc:
         res.reason, res.detail = CORRUPT, str(exc)
     except (WireError, OSError) as exc:
@@ -212,6 +262,7 @@ def _receive(
     res: PullResult,
     first: int,
     key: FleetKey | None,
+    stall_s: float | None = None,
 ) -> bool:
     """Receive the fetch's stream. ``True``: the stream ended cleanly (the connection can
     carry the confirm); the result's ``reason`` may still say a chunk was missing."""
@@ -221,7 +272,8 @@ def _receive(
     send_msg(sock, {"op": "fetch", "req": req, "first": first, "count": len(keys)})
     expect = 0
     while True:
-        msg = recv_msg(sock, deadline=deadline)
+        res.waiting = "control message"
+        msg = recv_msg(sock, deadline=deadline, stall_s=stall_s)
         kind = msg.get("t")
         if kind == "end":
             if expect < len(keys) and res.reason is None:
@@ -238,7 +290,8 @@ def _receive(
         if not isinstance(hlen, int) or not isinstance(plen, int) or not 0 < hlen <= MAX_HEADER or plen < 0:
             raise WireError(f"bad chunk lengths hlen={hlen} plen={plen}")
         ck, (s, e) = keys[expect], bounds[expect]
-        raw_header = recv_exact(sock, hlen, deadline)
+        res.waiting = "header"
+        raw_header = recv_exact(sock, hlen, deadline, stall_s)
         header = serde.decode_header(raw_header)
         if header.key != ck.text:  # held under this id, but not ours (another model, shard, salt)
             res.reason, res.detail = MISSING, f"producer holds {header.key} where {ck} was asked for"
@@ -259,6 +312,7 @@ def _receive(
         if obj is None:
             res.reason, res.detail = POOL_FULL, f"no free pool slot for chunk {expect}"
             return False
+        res.waiting = "payload"
         try:
             # With a key the MAC covers the header (checksum included) and the payload, so it
             # alone decides; without one the unkeyed checksum catches accidents only.
@@ -267,12 +321,12 @@ def _receive(
                 view = obj.raw()
                 for off in range(0, plen, MAC_PIECE):
                     piece = view[off : off + MAC_PIECE]
-                    recv_into_exact(sock, piece, deadline)
+                    recv_into_exact(sock, piece, deadline, stall_s)
                     check.update(piece)
                 if not check.ok():
                     raise CorruptChunkError(f"chunk {ck}: MAC mismatch (altered in transit, or another key)")
             else:
-                recv_into_exact(sock, obj.raw(), deadline)
+                recv_into_exact(sock, obj.raw(), deadline, stall_s)
                 if xxhash.xxh3_128_hexdigest(obj.raw()) != header.payload_checksum:
                     raise CorruptChunkError(f"chunk {ck}: payload checksum mismatch")
         except BaseException:

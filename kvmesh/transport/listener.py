@@ -53,6 +53,7 @@ COUNTERS = (
     "bad_frames",
     "deadline_drops",
     "requests",
+    "queue_wait_ms_max",  # the longest a complete request waited for a pool thread
 )
 
 
@@ -265,7 +266,7 @@ class Listener:
             name = f"{self.name}-conn"
             threading.Thread(target=self._own, args=(conn, msg), name=name, daemon=True).start()
         else:
-            self._pool.submit(self._run, conn, msg)
+            self._pool.submit(self._run, conn, msg, time.monotonic())
 
     def _take_returned(self) -> None:
         with contextlib.suppress(OSError):
@@ -320,8 +321,11 @@ class Listener:
             conn.sock.close()
 
     # -- pool threads --------------------------------------------------------------------
-    def _run(self, conn: _Conn, msg: dict[str, Any]) -> None:
+    def _run(self, conn: _Conn, msg: dict[str, Any], queued: float) -> None:
         keep = False
+        waited = int((time.monotonic() - queued) * 1000)
+        if waited > self.counters["queue_wait_ms_max"]:
+            self.counters["queue_wait_ms_max"] = waited
         try:
             conn.sock.setblocking(True)
             conn.sock.settimeout(self.limits.send_timeout_s)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 VLLM_DEFAULT_KV_PORT = 14579
 # Up to 8 fetches stream at once (sends release the GIL); more consumers queue for a thread.
 TRANSFER_LIMITS = Limits(workers=8)
-SERVED = ("fetches", "unknown_transfers", "missing", "chunks", "bytes")
+SERVED = ("fetches", "unknown_transfers", "missing", "chunks", "bytes", "slowest_ms")
 
 
 class TransferServer:
@@ -166,6 +167,15 @@ class TransferServer:
                     self._heads[key.text] = (entry[0], entry[1], entry[2] - 1)
 
     def _fetch(self, conn: socket.socket, req: str, first: object, count: object) -> None:
+        t0 = time.monotonic()
+        try:
+            self._serve(conn, req, first, count)
+        finally:
+            took = int((time.monotonic() - t0) * 1000)
+            if took > self.counters["slowest_ms"]:
+                self.counters["slowest_ms"] = took  # the longest a fetch took to send
+
+    def _serve(self, conn: socket.socket, req: str, first: object, count: object) -> None:
         held = self.pins.keys_of(req)
         start = first if isinstance(first, int) and first >= 0 else 0
         n = count if isinstance(count, int) and count >= 0 else 0

@@ -3,7 +3,9 @@ big-endian length, then a msgpack map (a control message). No pickle: a peer can
 data. Every read is bounded before it allocates: a frame longer than the reader's ``limit``
 ends the connection, and a frame's body is received in pieces as it arrives, so announcing a
 large frame costs the sender the bytes, not the receiver the allocation. Blocking reads take
-a ``deadline`` (a :func:`time.monotonic` instant) for the whole message.
+a ``deadline`` (a :func:`time.monotonic` instant) for the whole message, and optionally
+``stall_s``: the longest the peer may send nothing at all before :class:`Stalled` (a
+``TimeoutError``) is raised, so a stream that stopped is told apart from one that is slow.
 
 The transfer protocol, after the handshake of :mod:`kvmesh.transport.auth`
 (client -> server)::
@@ -29,7 +31,8 @@ from __future__ import annotations
 import socket
 import struct
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -39,6 +42,7 @@ __all__ = [
     "MAX_CONTROL",
     "SOCKET_BUFFER",
     "FrameReader",
+    "Stalled",
     "WireError",
     "decode_body",
     "frame",
@@ -53,6 +57,7 @@ __all__ = [
 # two numbers, never keys); this cap is all a peer can make the other side buffer.
 MAX_CONTROL = 4096
 _LEN = struct.Struct(">I")
+_T = TypeVar("_T")
 PIECE = 1 << 16  # bytes a bounded read asks for at once
 SOCKET_BUFFER = 4 << 20  # bytes; the kernel caps it at net.core.{r,w}mem_max
 
@@ -79,33 +84,58 @@ def send_msg(sock: socket.socket, obj: dict[str, Any]) -> None:
     sock.sendall(frame(obj))
 
 
-def _wait(sock: socket.socket, deadline: float | None) -> None:
+class Stalled(TimeoutError):
+    """Nothing at all arrived for the read's ``stall_s``, with its deadline still ahead."""
+
+
+def _wait(sock: socket.socket, deadline: float | None, stall_s: float | None = None) -> float | None:
+    """Bound the next read by ``deadline`` and ``stall_s``; returns ``stall_s`` where it is
+    the tighter bound (a timeout then means the peer stalled), else ``None``."""
     if deadline is None:
-        return
+        if stall_s is None:
+            return None
+        sock.settimeout(stall_s)
+        return stall_s
     left = deadline - time.monotonic()
     if left <= 0:
         raise TimeoutError("the message did not arrive before its deadline")
+    if stall_s is not None and stall_s < left:
+        sock.settimeout(stall_s)
+        return stall_s
     sock.settimeout(left)
+    return None
 
 
-def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+def _read(stall: float | None, call: Callable[..., _T], *args: Any) -> _T:
+    """``call(*args)``, a read bounded by :func:`_wait` (whose answer ``stall`` is)."""
+    try:
+        return call(*args)
+    except TimeoutError:
+        if stall is None:
+            raise
+        raise Stalled(f"nothing arrived for {stall:.1f} s") from None
+
+
+def recv_into_exact(
+    sock: socket.socket, view: memoryview, deadline: float | None = None, stall_s: float | None = None
+) -> None:
     """Fill ``view`` from the socket (straight into the caller's buffer: a pool slot)."""
     view = view.cast("B")
     got = 0
     while got < view.nbytes:
-        _wait(sock, deadline)
-        n = sock.recv_into(view[got:], view.nbytes - got)
+        n = _read(_wait(sock, deadline, stall_s), sock.recv_into, view[got:], view.nbytes - got)
         if n == 0:
             raise WireError(f"peer closed the connection after {got} of {view.nbytes} bytes")
         got += n
 
 
-def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+def recv_exact(
+    sock: socket.socket, n: int, deadline: float | None = None, stall_s: float | None = None
+) -> bytes:
     """``n`` bytes, received in pieces: the buffer grows with what arrived, never ahead of it."""
     buf = bytearray()
     while len(buf) < n:
-        _wait(sock, deadline)
-        part = sock.recv(min(PIECE, n - len(buf)))
+        part = _read(_wait(sock, deadline, stall_s), sock.recv, min(PIECE, n - len(buf)))
         if not part:
             raise WireError(f"peer closed the connection after {len(buf)} of {n} bytes")
         buf += part
@@ -124,11 +154,13 @@ def decode_body(body: bytes | memoryview) -> dict[str, Any]:
     return msg
 
 
-def recv_msg(sock: socket.socket, limit: int = MAX_CONTROL, deadline: float | None = None) -> dict[str, Any]:
-    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size, deadline))
+def recv_msg(
+    sock: socket.socket, limit: int = MAX_CONTROL, deadline: float | None = None, stall_s: float | None = None
+) -> dict[str, Any]:
+    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size, deadline, stall_s))
     if n > limit:
         raise WireError(f"control message of {n} bytes exceeds the {limit}-byte limit")
-    return decode_body(recv_exact(sock, n, deadline))
+    return decode_body(recv_exact(sock, n, deadline, stall_s))
 
 
 class FrameReader:

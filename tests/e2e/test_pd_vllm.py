@@ -37,7 +37,11 @@ CS = shipped_chunk_size()  # the harness ships kvmesh's defaults
 # then) and the producer's pins expire (4 s then) before the confirm reached it; a later one
 # saw the chat pull get one chunk of 13 in 5 s (locally every pull here takes < 0.1 s). A
 # pull that overruns is a correct recompute, but this module checks pulls that complete.
-# The pins outlive the fetch budget, as they must for a slow pull to finish.
+# The pins outlive the fetch budget, as they must for a slow pull to finish. A CI run on 5
+# December 2026 saw decode 4's pull get 0 chunks of 8 in 15 s, the stream stopped (the chat
+# pull after it took its usual time); since then a stream that delivers nothing for
+# stall_budget (5 s here) resumes on a fresh connection, and a failure prints the producer's
+# transfer counters beside the consumer's (what reached the server, and when).
 PIN_TIMEOUT_S = 20.0
 FETCH_TIMEOUT_S = 15.0
 # The handshake's budget (default 1 s): on a loaded 2-core machine a first handshake took
@@ -179,6 +183,7 @@ def pd_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             consumer.url, words, **CHAT, kv_transfer_params=res["chat_prefill"]["kv_transfer_params"]
         )
         res["c_after_chat"] = admin_stats(c_admin)
+        res["p_after_chat"] = admin_stats(p_admin)
         # 1d. a hung producer (a listener here that accepts and never answers; fault
         # injection). Genuine params re-addressed to it are refused before any connection
         # (the signature covers the address); params signed for it (this process holds the
@@ -245,7 +250,10 @@ def kvmesh_lines(pd_run: dict[str, Any]) -> str:
         lines = [ln for ln in Path(path).read_text(errors="replace").splitlines() if "kvmesh:" in ln]
         out.append(f"{Path(path).name}: " + "\n".join(lines[-20:]))
     pulls = {k: v for k, v in pd_run["c_after_decode"].items() if k.startswith("pd_")}
-    return "\n".join([*out, f"consumer after decode1: {pulls}"])
+    chat = {k: v for k, v in pd_run["c_after_chat"].items() if k.startswith("pd_")}
+    served = {k: v for k, v in pd_run["p_after_chat"].items() if k.startswith(("pd_served", "pd_server"))}
+    counts = [f"consumer after decode1: {pulls}", f"consumer after chat: {chat}", f"producer: {served}"]
+    return "\n".join([*out, *counts])
 
 
 def test_prefill_returns_vllm_kv_transfer_params(pd_run: dict[str, Any]) -> None:

@@ -48,7 +48,9 @@ CONNECTOR_KEYS = {
     "pd_pin_timeout_s": "prefill/decode: how long a producer keeps a prefill's chunks pinned for "
     "a decode that has not confirmed (default 60)",
     "pd_fetch_timeout_s": "prefill/decode: a consumer's budget for pulling one request's chunks "
-    "from the producer (default 5); past it the rest comes from a shared tier or is recomputed",
+    "from the producer (default 5); past it the rest comes from a shared tier or is recomputed. A "
+    "stream that delivers nothing for a third of it (at least pd_connect_timeout_s) resumes on a "
+    "fresh connection, at most twice",
     "pd_connect_timeout_s": "prefill/decode: a consumer's budget for connecting to the producer and "
     "completing the fleet-key handshake, within pd_fetch_timeout_s (default 1): what a producer that "
     "accepts and stays silent costs",

@@ -65,6 +65,7 @@ from kvmesh.integrations.vllm.pd_params import (
     wants_export,
 )
 from kvmesh.transport import PinLedger, TransferServer, confirm, pull
+from kvmesh.transport.client import stall_budget
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +273,24 @@ class PdWorker:
             self.counters["pd_pull_bytes"] += res.nbytes
             self.counters["pd_pull_ms"] += int((time.monotonic() - t0) * 1000)
             self.counters["pd_confirm_failures"] += int(res.confirmed is False)
+            self.counters["pd_pull_resumes"] += res.resumes
+            first_resume = res.resumes > 0 and "resumed" not in self._logged
+            if first_resume:
+                self._logged.add("resumed")
+        if res.resumes:
+            log.log(
+                logging.WARNING if first_resume else logging.DEBUG,
+                "kvmesh: PD pull for %s from %s:%d stalled (nothing arrived for %.1f s) and resumed on "
+                "a fresh connection %d time(s); %d of %d chunks arrived (later resumes are logged at "
+                "debug level, counted in pd_pull_resumes)",
+                req,
+                host,
+                port,
+                stall_budget(self.options.pd_fetch_timeout_s, self.options.pd_connect_timeout_s),
+                res.resumes,
+                res.chunks,
+                len(keys) - first,
+            )
         if res.confirmed is False:
             log.warning(
                 "kvmesh: the producer at %s:%d did not acknowledge the confirm of %s; its pins "

@@ -23,7 +23,17 @@ from kvmesh.core.engine import CacheEngine
 from kvmesh.core.fleetkey import FleetKey
 from kvmesh.core.keys import ChunkKey, KVLayout
 from kvmesh.transport import PinLedger, TransferServer, confirm, pull
-from kvmesh.transport.client import AUTH_FAILED, CORRUPT, DISCONNECTED, MISSING, TIMEOUT, UNREACHABLE, ping
+from kvmesh.transport.client import (
+    AUTH_FAILED,
+    CORRUPT,
+    DISCONNECTED,
+    MAX_RESUMES,
+    MISSING,
+    TIMEOUT,
+    UNREACHABLE,
+    ping,
+    stall_budget,
+)
 from kvmesh.transport.wire import frame
 
 LAYOUT = KVLayout(2, 2, 8, torch.float32)
@@ -151,12 +161,15 @@ END = frame({"t": "end"})
 
 
 class Proxy:
-    """Forwards one connection to the producer; from byte ``at`` of the reply stream it
+    """Forwards connections to the producer; from byte ``at`` of the reply stream it
     either flips one byte (``mode="flip"``) or cuts the connection (``"cut"``); or it cuts
-    the connection where the producer's end-of-stream marker would pass (``"cut_end"``)."""
+    the connection where the producer's end-of-stream marker would pass (``"cut_end"``); or
+    (``"stall"``) it forwards nothing more, keeping the connection open, on the first
+    ``stalls`` connections (those after are forwarded whole)."""
 
-    def __init__(self, port: int, at: int, mode: str) -> None:
-        self.target, self.at, self.mode = port, at, mode
+    def __init__(self, port: int, at: int, mode: str, stalls: int = 1) -> None:
+        self.target, self.at, self.mode, self.stalls = port, at, mode, stalls
+        self.connections = 0
         self.lst = socket.socket()
         self.lst.bind(("127.0.0.1", 0))
         self.lst.listen(4)
@@ -170,13 +183,24 @@ class Proxy:
             except OSError:
                 return
             up = socket.create_connection(("127.0.0.1", self.target))
+            self.connections += 1
+            stall = self.mode == "stall" and self.connections <= self.stalls
             threading.Thread(target=self._pipe, args=(c, up, False), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(up, c, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(up, c, True, stall), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, reply: bool) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, reply: bool, stall: bool = False) -> None:
         seen = 0
         try:
             while data := src.recv(65536):
+                if reply and stall and seen + len(data) > self.at:
+                    dst.sendall(data[: max(0, self.at - seen)])
+                    while dst.recv(65536):  # forwards nothing more until the consumer hangs up
+                        pass
+                    raise OSError("stalled")
+                if reply and self.mode == "stall":
+                    seen += len(data)
+                    dst.sendall(data)
+                    continue
                 if reply and self.mode == "cut_end" and data.endswith(END):
                     dst.sendall(data[: -len(END)])
                     raise OSError("cut")
@@ -224,6 +248,48 @@ def test_corrupt_or_cut_stream_keeps_only_verified_chunks(producer, consumer, mo
         while pins.stats()["pd_pinned_requests"] and time.monotonic() < deadline:
             time.sleep(0.02)
         assert pins.stats()["pd_pinned_requests"] == 0
+
+
+def stalled_pull(producer, consumer, proxy_at: int, stalls: int, timeout_s: float, connect_s: float):  # type: ignore[no-untyped-def]
+    """A 4-chunk pull through a proxy whose first ``stalls`` connections stop forwarding at
+    byte ``proxy_at`` of the reply: (result, proxy, seconds taken, the KV stored)."""
+    eng, pins, srv = producer
+    toks, kv = prompt(4)
+    eng.store(toks, kv)
+    pins.hold("r", keys_of(eng, toks))
+    proxy = Proxy(srv.port, at=proxy_at, mode="stall", stalls=stalls)
+    t0 = time.monotonic()
+    try:
+        res = pull(
+            consumer, "127.0.0.1", proxy.port, "r", keys_of(consumer, toks), toks,
+            timeout_s=timeout_s, connect_timeout_s=connect_s, key=KEY,
+        )  # fmt: skip
+    finally:
+        proxy.close()
+    return res, proxy, time.monotonic() - t0, kv
+
+
+def test_a_stalled_stream_resumes_on_a_fresh_connection(producer, consumer) -> None:  # type: ignore[no-untyped-def]
+    """The producer's stream stops inside chunk 2 (the connection stays open, nothing more
+    arrives): after the stall budget the fetch resumes from chunk 2 on a fresh connection,
+    gets every chunk, and confirms; the pull costs the budget, not its whole timeout."""
+    at = int(2.5 * (CS * LAYOUT.bytes_per_token + 600))
+    res, proxy, took, kv = stalled_pull(producer, consumer, at, stalls=1, timeout_s=6.0, connect_s=0.5)
+    assert res.reason is None and res.chunks == 4 and res.resumes == 1 and res.confirmed is True, res
+    assert proxy.connections == 2
+    assert stall_budget(6.0, 0.5) == 2.0 and 2.0 <= took < 4.0, took
+    assert torch.equal(consumer.retrieve(prompt(4)[0])[1], kv)
+    assert producer[1].stats()["pd_pinned_requests"] == 0
+
+
+def test_a_stream_that_stalls_on_every_connection_times_out_saying_where(producer, consumer) -> None:  # type: ignore[no-untyped-def]
+    """Every connection stalls inside chunk 0's header: MAX_RESUMES fresh connections, then
+    the pull ends as a timeout within its budget and says what it was waiting for."""
+    res, proxy, took, _ = stalled_pull(producer, consumer, 200, stalls=99, timeout_s=1.5, connect_s=0.2)
+    assert res.reason == TIMEOUT and res.chunks == 0 and res.resumes == MAX_RESUMES, res
+    assert proxy.connections == MAX_RESUMES + 1 and took < 2.5
+    assert res.detail.startswith("0 of 4 chunks in "), res.detail
+    assert "waiting for chunk 0's header" in res.detail and "after 2 resumes" in res.detail, res.detail
 
 
 def test_a_stream_cut_after_its_last_chunk_is_a_whole_pull_confirmed_anew(producer, consumer) -> None:  # type: ignore[no-untyped-def]
