@@ -112,7 +112,7 @@ def pull(
             break
         sock.close()  # the producer's send to it fails and its handler ends
         res.resumes += 1
-        res.reason, res.stalled = None, False
+        res.reason, res.detail, res.stalled = None, "", False
     try:
         if not healthy and res.chunks == len(keys) and res.reason in (DISCONNECTED, TIMEOUT):
             # Every chunk arrived and verified; only the stream's end marker did not: the
