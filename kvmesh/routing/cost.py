@@ -293,8 +293,12 @@ class CostModel:
         tokens = medium_tokens(request, table) if request.num_tokens else None
         holders = _NO_ROWS
         if tokens is not None:  # the index's counts; bounded below (never more than the prompt)
-            # fmax ignores NaN: a row holds something when one of MEDIA's columns is above 0
-            holders = np.flatnonzero(np.fmax.reduce(tokens[:, : len(MEDIA)], axis=1) > 0)
+            # A row holds something when one of MEDIA's columns is above 0 (NaN is not),
+            # tested column by column: 3x faster than a reduce along rows of 5.
+            held_any = tokens[:, 0] > 0
+            for j in range(1, len(MEDIA)):
+                held_any |= tokens[:, j] > 0
+            holders = np.flatnonzero(held_any)
         queued, decoding = self._load_state(table, rows)
         # A candidate holding nothing of the prompt computes all of it: four coefficients and
         # no choice of media. At 1,000 candidates it is most of them, so only the holders go
@@ -318,7 +322,9 @@ class CostModel:
         held = np.zeros((0, len(MEDIA)))
         cut = _NO_ROWS
         if tokens is not None and len(holders):
-            held = np.fmin(np.fmax(tokens[np.ix_(holders, _COLUMNS)] / 1e3, 0.0), total)  # NaN → 0
+            held = tokens.take(holders, axis=0)[:, _COLUMNS]
+            held /= 1e3
+            np.fmin(np.fmax(held, 0.0, out=held), total, out=held)  # NaN → 0
             coefficients = (base[holders], compute[holders], queue[holders], decode[holders])
             load = (total, queued[holders], decoding[holders])
             h = self._predict_holders(rows[holders], coefficients, held, *load)
