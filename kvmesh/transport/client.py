@@ -138,6 +138,11 @@ def stall_budget(timeout_s: float, connect_timeout_s: float) -> float:
     return max(0.01, connect_timeout_s, timeout_s / (MAX_RESUMES + 1))
 
 
+def _after_resumes(res: PullResult) -> str:
+    """What a detail adds once the fetch has resumed (nothing before)."""
+    return f" (after {res.resumes} resumes on fresh connections)" if res.resumes else ""
+
+
 def _open(
     host: str, port: int, key: FleetKey | None, connect_timeout_s: float, deadline: float, res: PullResult
 ) -> socket.socket | None:
@@ -147,7 +152,7 @@ def _open(
     except OSError as exc:
         res.reason = TIMEOUT if isinstance(exc, TimeoutError) else UNREACHABLE
         res.reason = AUTH_FAILED if isinstance(exc, PeerAuthError) else res.reason
-        res.detail = f"{host}:{port}: {exc}" + (f" (after {res.resumes} resumes)" if res.resumes else "")
+        res.detail = f"{host}:{port}: {exc}{_after_resumes(res)}"
         return None
 
 
@@ -241,10 +246,8 @@ def fetch_over(
         res.reason, res.stalled = TIMEOUT, isinstance(exc, Stalled)
         res.detail = (
             f"{res.chunks} of {before + len(keys)} chunks in {time.monotonic() - t0:.1f} s, then "
-            f"{why} waiting for chunk {first + res.chunks - before}'s {res.waiting}"
+            f"{why} waiting for chunk {first + res.chunks - before}'s {res.waiting}{_after_resumes(res)}"
         )
-        if res.resumes:
-            res.detail += f" (after {res.resumes} resumes on fresh connections)"
     except CorruptChunkError as exc:
         res.reason, res.detail = CORRUPT, str(exc)
     except (WireError, OSError) as exc:

@@ -39,7 +39,7 @@ CS = shipped_chunk_size()  # the harness ships kvmesh's defaults
 # pull that overruns is a correct recompute, but this module checks pulls that complete.
 # The pins outlive the fetch budget, as they must for a slow pull to finish. A CI run on 5
 # December 2026 saw decode 4's pull get 0 chunks of 8 in 15 s, the stream stopped (the chat
-# pull after it took its usual time); since then a stream that delivers nothing for
+# pull after it got its chunks); since then a stream that delivers nothing for
 # stall_budget (5 s here) resumes on a fresh connection, and a failure prints the producer's
 # transfer counters beside the consumer's (what reached the server, and when).
 PIN_TIMEOUT_S = 20.0
