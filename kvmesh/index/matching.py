@@ -15,13 +15,12 @@ from typing import Any
 import numpy as np
 
 from kvmesh.index.media import BITS, BYTE, COLUMNS, AnyMedium, MediaView
-from kvmesh.index.speculative import Held
 
 
 def match_chain(
     blocks: OrderedDict[bytes, tuple[Any, ...]],
     low: int,
-    spec: dict[bytes, Held],
+    spec: dict[bytes, int],
     bs: int,
     keys: Sequence[bytes],
     wanted: int,
@@ -32,7 +31,7 @@ def match_chain(
 
     ``blocks``: key → entry whose first two items are the holder mask, shifted down, and the
     shift (matched keys are moved to the LRU end). ``low``: bit ``BITS*rid`` of every
-    registered replica. ``spec``: speculative entries (key → :class:`Held`, expired at
+    registered replica. ``spec``: speculative entries (key → its holders' GPU bits, expired at
     ``now``), counting as GPU. ``wanted``: the ``low`` bits of the replicas asked about.
     ``media``: the index's media (a replica's byte → its best medium).
     """
@@ -84,7 +83,7 @@ def _leading(alives: list[int], bit: int) -> int:
 def walk(
     blocks: OrderedDict[bytes, tuple[Any, ...]],
     low: int,
-    spec: dict[bytes, Held],
+    spec: dict[bytes, int],
     keys: Sequence[bytes],
     wanted: int,
 ) -> tuple[list[int], list[int]]:
@@ -101,7 +100,7 @@ def walk(
         if spec:
             held = spec.get(key)
             if held is not None:
-                mask |= held.mask
+                mask |= held
         # Neighbouring blocks mostly have the same holders: the same mask, the same answer
         # (and the same int objects, which medium_counts compares by identity).
         if mask != last:
