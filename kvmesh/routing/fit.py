@@ -53,16 +53,15 @@ UPPER = np.array([10.0, 100.0, 3.0, 10.0] + [100.0, 10.0] * len(MEDIA))
 # which load from it are predicted as loading, and their TTFTs measure it.
 UNMEASURED_FRACTION = 0.8
 # A replica's own fit outweighs the fleet's pooled one as its evidence grows: weight
-# n / (n + POOL_EVIDENCE) per coefficient (n: its observations involving it; a figure the
-# replica reported counts as POOL_EVIDENCE observations).
+# (s*n + r) / (n + r + POOL_EVIDENCE) per coefficient (n: its observations involving it; r:
+# POOL_EVIDENCE for a figure the replica reported, else 0; s: see DISTINCT_K).
 POOL_EVIDENCE = 20.0
-# ... and its observations count only as far as they show it differs from the fleet: the
-# pooled fit's log residuals on its requests, an exponentially weighted mean b (less the
-# fleet's own mean) with standard error se, scale their weight by
-# max(0, 1 - DISTINCT_K * se^2 / b^2) (positive-part James-Stein shrinkage). Identical
-# replicas stay on the pooled fit (their own fits drift apart on noise: 3.6x in prefill rate
-# on the simulator's identical replicas); a replica 2x slower than the rest is told apart
-# within a few dozen requests.
+# s: its observations count only as far as they show it differs from the fleet. The pooled
+# fit's log residuals on its requests, an exponentially weighted mean b (less the fleet's own
+# mean) with standard error se, give s = max(0, 1 - DISTINCT_K * se^2 / b^2) (positive-part
+# James-Stein shrinkage). Identical replicas stay on the pooled fit (their own fits drift
+# apart on noise: 3.6x in prefill rate on the simulator's identical replicas); a replica 2x
+# slower than the rest is told apart within a few dozen requests.
 DISTINCT_K = 4.0
 DISTRUST_RATIO = 4.0  # a reported figure this far from the fitted one (either way) is set aside
 DISTRUST_AFTER = 30  # ... once this many observations involved that medium
