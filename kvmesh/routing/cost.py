@@ -40,7 +40,6 @@ from kvmesh.routing.fit import (
     DECODE,
     MEDIA,
     N_PARAMS,
-    POOL_EVIDENCE,
     QUEUE,
     UNMEASURED_FRACTION,
     ReplicaFit,
@@ -181,7 +180,7 @@ class CostModel:
         self._row: dict[str, int] = {}
         self._theta = np.zeros((0, N_PARAMS))
         self._unmeasured = np.zeros((0, len(MEDIA)), dtype=bool)
-        # per coefficient, the weight of the replica's own fit: evidence / (evidence + POOL_EVIDENCE)
+        # per coefficient, the weight of the replica's own fit (ReplicaFit.blend)
         self._blend = np.zeros((0, N_PARAMS))
         self._rest = np.zeros((0, N_PARAMS))  # 1 - _blend: the pooled fit's weight
         # effective() of every row, recomputed in place when a fit or the pooled fit changed
@@ -208,8 +207,7 @@ class CostModel:
             self._row[name] = len(self._theta)
             self._theta = np.vstack([self._theta, got.rls.theta])
             self._unmeasured = np.vstack([self._unmeasured, got.unmeasured])
-            evidence = got.evidence()
-            self._blend = np.vstack([self._blend, evidence / (evidence + POOL_EVIDENCE)])
+            self._blend = np.vstack([self._blend, got.blend(self.pooled)])
             self._rest = np.vstack([self._rest, 1.0 - self._blend[-1]])
             self._eff_stale = True
             for attr in ("_queued", "_pending", "_in_flight", "_service"):
@@ -238,8 +236,7 @@ class CostModel:
         row, fit = self._row[name], self.fits[name]
         self._theta[row] = fit.rls.theta
         self._unmeasured[row] = fit.unmeasured
-        evidence = fit.evidence()
-        self._blend[row] = evidence / (evidence + POOL_EVIDENCE)
+        self._blend[row] = fit.blend(self.pooled)
         self._rest[row] = 1.0 - self._blend[row]
         self._eff_stale = True
 
@@ -436,9 +433,10 @@ class CostModel:
 
     def _observe_all(self, name: str, row: int, x: np.ndarray, predicted: float, observed: float) -> None:
         start = self.effective(np.array([row]))[0]
-        self.pooled.observe(x, self.pooled.rls.predict(x), observed)
+        pooled = self.pooled.rls.predict(x)
+        self.pooled.observe(x, pooled, observed, pooled=pooled)  # the fleet's own residuals
         self._eff_stale = True
-        self.fits[name].observe(x, predicted, observed, start)
+        self.fits[name].observe(x, predicted, observed, start, pooled)
         self._sync(name)
         if self.on_observation is not None:
             self.on_observation(name, predicted, observed)
@@ -454,6 +452,7 @@ class CostModel:
         for name, fit in self.fits.items():
             row = self._row[name]
             d = fit.describe()
+            d["distinct_from_fleet"] = round(fit.distinct(self.pooled), 3)
             d["ledger"] = {
                 "queued_s": round(float(self._queued[row]), 4),
                 "pending": int(self._pending[row]),

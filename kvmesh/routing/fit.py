@@ -53,9 +53,16 @@ UPPER = np.array([10.0, 100.0, 3.0, 10.0] + [100.0, 10.0] * len(MEDIA))
 # which load from it are predicted as loading, and their TTFTs measure it.
 UNMEASURED_FRACTION = 0.8
 # A replica's own fit outweighs the fleet's pooled one as its evidence grows: weight
-# n / (n + POOL_EVIDENCE) per coefficient (n: its observations involving it; a figure the
-# replica reported counts as POOL_EVIDENCE observations).
+# (s*n + r) / (n + r + POOL_EVIDENCE) per coefficient (n: its observations involving it; r:
+# POOL_EVIDENCE for a figure the replica reported, else 0; s: see DISTINCT_K).
 POOL_EVIDENCE = 20.0
+# s: its observations count only as far as they show it differs from the fleet. The pooled
+# fit's log residuals on its requests, an exponentially weighted mean b (less the fleet's own
+# mean) with standard error se, give s = max(0, 1 - DISTINCT_K * se^2 / b^2) (positive-part
+# James-Stein shrinkage). Identical replicas stay on the pooled fit (their own fits drift
+# apart on noise: 3.6x in prefill rate on the simulator's identical replicas); a replica 2x
+# slower than the rest is told apart within a few dozen requests.
+DISTINCT_K = 4.0
 DISTRUST_RATIO = 4.0  # a reported figure this far from the fitted one (either way) is set aside
 DISTRUST_AFTER = 30  # ... once this many observations involved that medium
 REPORT_REL_STD = 0.5  # how much a replica's own figure is trusted: ±50%
@@ -118,6 +125,7 @@ class ReplicaFit:
 
     def __init__(self, name: str, compute: float | None = None, forgetting: float = 0.995) -> None:
         self.name = name
+        self.forgetting = forgetting
         theta, var = prior(compute)
         self.rls = RobustRLS(theta, var, LOWER, UPPER, forgetting=forgetting, floor=0.005)
         self.report: Report | None = None
@@ -129,6 +137,8 @@ class ReplicaFit:
         self.pinned: set[int] = set()  # coefficients set by hand (CostModel.set_param)
         self.errors: deque[float] = deque(maxlen=256)  # |pred - obs| / obs of recent requests
         self.observations = 0
+        # exponentially weighted sums of the pooled fit's log residuals here: weight, z, z^2
+        self.residuals = (0.0, 0.0, 0.0)
 
     # -- what the replica says ----------------------------------------------------------------
     def apply_report(self, report: Report) -> None:
@@ -169,26 +179,65 @@ class ReplicaFit:
         self.rejected[why] = self.rejected.get(why, 0) + 1
 
     # -- what the router sees ---------------------------------------------------------------
-    def evidence(self) -> np.ndarray:
-        """Per coefficient, how much this replica's own fit knows (see POOL_EVIDENCE)."""
-        n = float(self.observations)
-        out = np.full(N_PARAMS, n)
+    def residual_mean(self) -> tuple[float, float, float]:
+        """(weight, mean, variance of the mean) of the pooled fit's log residuals here."""
+        w, s1, s2 = self.residuals
+        if w < 2.0:
+            return w, 0.0, math.inf
+        mean = s1 / w
+        return w, mean, max(s2 / w - mean * mean, 1e-6) / w
+
+    def distinct(self, fleet: ReplicaFit | None = None) -> float:
+        """How clearly this replica differs from the fleet, 0..1 (see DISTINCT_K): its mean
+        log residual under the pooled fit against the fleet's own (``fleet``, the pooled fit:
+        log residuals average below zero even where the fit is right, and by as much on
+        every replica)."""
+        w, mean, var = self.residual_mean()
+        if fleet is not None:
+            fw, fmean, fvar = fleet.residual_mean()
+            if fw >= 2.0:
+                mean, var = mean - fmean, var + fvar
+        b2 = mean * mean
+        if w < 2.0 or b2 <= 0.0:
+            return 0.0
+        return max(0.0, 1.0 - DISTINCT_K * var / b2)
+
+    def blend(self, fleet: ReplicaFit | None = None) -> np.ndarray:
+        """Per coefficient, the weight of this replica's own fit against the pooled one
+        (see POOL_EVIDENCE): its observations, counted as far as they show it differs from
+        the fleet, and what it reported."""
+        own = self.distinct(fleet)
+        seen = np.full(N_PARAMS, float(self.observations))
+        told = np.zeros(N_PARAMS)
         if "compute" in self._fused:
-            out[COMPUTE] += POOL_EVIDENCE
+            told[COMPUTE] = POOL_EVIDENCE
         for j, m in enumerate(MEDIA):
-            e = float(self.uses[j]) + (POOL_EVIDENCE if m in self._fused else 0.0)
-            out[load_i(j)] = out[lat_i(j)] = e
-        out[list(self.pinned)] = 1e12
+            seen[load_i(j)] = seen[lat_i(j)] = float(self.uses[j])
+            if m in self._fused:
+                told[load_i(j)] = told[lat_i(j)] = POOL_EVIDENCE
+        out: np.ndarray = (own * seen + told) / (seen + told + POOL_EVIDENCE)
+        out[list(self.pinned)] = 1.0
         return out
 
     def observe(
-        self, x: np.ndarray, predicted: float, observed: float, start: np.ndarray | None = None
+        self,
+        x: np.ndarray,
+        predicted: float,
+        observed: float,
+        start: np.ndarray | None = None,
+        pooled: float | None = None,
     ) -> None:
         """Learn from one request. ``start``: the coefficients its prediction used (the
-        fleet's, blended in): a replica's first evidence about a coefficient starts there."""
+        fleet's, blended in): a replica's first evidence about a coefficient starts there.
+        ``pooled``: the pooled fleet fit's prediction for it (see :meth:`distinct`)."""
         if not (math.isfinite(observed) and 0.0 < observed < 3600.0):
             self.reject("ttft out of range")
             return
+        if pooled is not None and math.isfinite(pooled):
+            z = math.log(observed / max(pooled, 1e-3))
+            w, s1, s2 = self.residuals
+            f = self.forgetting
+            self.residuals = (f * w + 1.0, f * s1 + z, f * s2 + z * z)
         if start is not None and not self.observations:
             for i in (BASE, QUEUE, DECODE, COMPUTE):
                 if i != COMPUTE or "compute" not in self._fused:
@@ -236,6 +285,7 @@ class ReplicaFit:
             "decode_slowdown_s_per_ktok": round(float(th[DECODE]), 5),
             "media": media,
             "observations": self.observations,
+            "mean_log_residual_under_fleet_fit": round(self.residual_mean()[1], 4),
             "median_abs_rel_error": round(errs[len(errs) // 2], 4) if errs else None,
             "report": None
             if self.report is None

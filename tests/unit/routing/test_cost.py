@@ -12,7 +12,17 @@ from kvmesh.events import BlockStored
 from kvmesh.index import BlockIndex
 from kvmesh.router.config import RouterConfig
 from kvmesh.routing.cost import MAX_PREDICTION_S, MIN_PREDICTION_S, CostModel, CostPicker, CostSettings
-from kvmesh.routing.fit import BASE, COMPUTE, MEDIA, QUEUE, UNMEASURED_FRACTION, Report, lat_i, load_i
+from kvmesh.routing.fit import (
+    BASE,
+    COMPUTE,
+    MEDIA,
+    QUEUE,
+    UNMEASURED_FRACTION,
+    ReplicaFit,
+    Report,
+    lat_i,
+    load_i,
+)
 from kvmesh.routing.picker import build_picker
 from kvmesh.routing.scorers import ReplicaState, RoutingRequest, prompt_key
 from kvmesh.routing.table import ReplicaTable
@@ -206,7 +216,9 @@ def test_absurd_gauges_give_a_bounded_prediction(index: BlockIndex, clock: Clock
 
 def test_a_lying_report_is_checked_against_observed_ttfts(index: BlockIndex, clock: Clock) -> None:
     """'a' claims its shared tier loads at 1 TB/s; requests that load from it say ~2 s per
-    1k tokens. The fit follows the observations, and the report is set aside."""
+    1k tokens. The fleet's pooled fit learns that from the first loads, and 'a' does not
+    differ from the fleet (it is the fleet), so its claim counts only as a report: within a
+    few loads the predictions put the tier above the prefill cost and stop loading from it."""
     model = CostModel(clock=clock)
     p = CostPicker(index, model)
     lie = Report(at=0.0, bytes_per_token=4096, media={"REMOTE": (1e12, 0.0, 1)})
@@ -227,8 +239,75 @@ def test_a_lying_report_is_checked_against_observed_ttfts(index: BlockIndex, clo
         lie.media["REMOTE"] = (1e12, 0.0, 2 + i)  # it keeps repeating the lie
         model.report("a", lie)
     fit = model.fits["a"]
+    assert fit.uses[REMOTE] <= 10  # the lie cost a few loads, not a hundred
+    effective = model.effective(np.array([model.rows(("a",))[0]]))[0]
+    assert effective[load_i(REMOTE)] > effective[COMPUTE] > 0.3  # loading is predicted slower
+
+
+def test_a_lying_report_is_set_aside_once_its_own_loads_contradict_it() -> None:
+    """The replica's own fit: after DISTRUST_AFTER loads at ~2 s per 1k tokens, a claim of
+    1 TB/s is set aside and the fit follows the observations."""
+    fit = ReplicaFit("a")
+    lie = Report(at=0.0, bytes_per_token=4096, media={"REMOTE": (1e12, 0.0, 1)})
+    fit.apply_report(lie)
+    assert fit.rls.theta[load_i(REMOTE)] < 0.01
+    rng = np.random.default_rng(2)
+    for i in range(150):
+        x = np.zeros(len(fit.rls.theta))
+        x[BASE] = 1.0
+        x[COMPUTE] = float(rng.uniform(0.1, 1.0))
+        x[load_i(REMOTE)] = float(rng.uniform(0.1, 1.0))
+        x[lat_i(REMOTE)] = 1.0
+        observed = 0.01 + 0.5 * x[COMPUTE] + 2.0 * x[load_i(REMOTE)]
+        fit.observe(x, fit.rls.predict(x), observed)
+        lie.media["REMOTE"] = (1e12, 0.0, 2 + i)
+        fit.apply_report(lie)
     assert "REMOTE" in fit.distrusted
     assert fit.rls.theta[load_i(REMOTE)] > 0.5  # far from the claimed ~0.004 s per 1k tokens
+
+
+def _fleet_run(rates: dict[str, float], n: int, seed: int) -> CostModel:
+    """``n`` requests round-robin over replicas whose prefill costs ``rates`` s per 1k
+    tokens (nothing cached, one at a time), each TTFT with 20% log-normal noise."""
+    clock = Clock()
+    model = CostModel(clock=clock)
+    p = CostPicker(BlockIndex(), model)
+    names = tuple(rates)
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        toks = prompt(10_000 + i, int(rng.integers(64, 2048)))
+        name = names[i % len(names)]
+        t = p.sent(p.pick(request(toks), table(*names)), name)
+        assert t is not None
+        clock.t += (0.01 + rates[name] * t.x[COMPUTE]) * float(rng.lognormal(0.0, 0.2))
+        t.first_byte()
+        t.finished()
+    return model
+
+
+def test_identical_replicas_are_predicted_by_the_fleet_fit() -> None:
+    """Four replicas alike: their own fits drift apart on the noise, but none differs from
+    the fleet by more than twice its standard error for long, so predictions use the pooled
+    fit and agree with each other and with the truth."""
+    model = _fleet_run(dict.fromkeys("abcd", 0.5), 800, seed=3)
+    names = tuple("abcd")
+    effective = model.effective(model.rows(names))[:, COMPUTE]
+    own = np.array([model.fits[n].rls.theta[COMPUTE] for n in names])
+    assert np.all(np.abs(effective / 0.5 - 1.0) < 0.1), effective
+    assert np.ptp(effective) <= np.ptp(own)
+    assert np.mean([model.fits[n].distinct(model.pooled) for n in names]) < 0.5
+
+
+def test_a_slower_replica_is_told_apart_from_the_fleet() -> None:
+    """'d' prefills at half the others' rate: the pooled fit's residuals there are ~log 2
+    apart from the rest, so 'd' (and every other replica: the pooled fit is off for all of
+    them now) is predicted by its own fit."""
+    model = _fleet_run({"a": 0.5, "b": 0.5, "c": 0.5, "d": 1.0}, 800, seed=4)
+    names = tuple("abcd")
+    effective = model.effective(model.rows(names))[:, COMPUTE]
+    assert 1.7 < effective[3] / np.median(effective[:3]) < 2.3, effective
+    assert min(model.fits[n].distinct(model.pooled) for n in names) > 0.8
+    assert model.describe()["d"]["distinct_from_fleet"] > 0.8
 
 
 def test_build_picker_cost_needs_the_index_and_reads_the_config(index: BlockIndex) -> None:

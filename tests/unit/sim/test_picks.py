@@ -6,9 +6,11 @@ seeded workloads, recorded with the per-replica (dict) scorers before they were 
 dispatcher (which, as the router always did, adds no speculative entry for a prompt whose
 whole blocks the index already has on the picked replica's GPU; the lists were otherwise
 equal). The ``cost`` policy's lists were recorded at d06b237, before its prediction stopped
-computing every candidate's 14 features as one matrix. The fleet, the index and the scorers
-are all deterministic, so any difference in
-one decision changes what follows: equal lists mean equal decisions.
+computing every candidate's 14 features as one matrix, and recorded again when a replica's
+own fit began to count only as far as its residuals show it differs from the fleet (a
+deliberate change of its decisions; the other policies' lists were unchanged). The fleet,
+the index and the scorers are all deterministic, so any difference in one decision changes
+what follows: equal lists mean equal decisions.
 Re-record (only for a deliberate change of policy): ``python tests/unit/sim/test_picks.py``.
 """
 
