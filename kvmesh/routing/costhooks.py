@@ -54,6 +54,8 @@ class RecordedTicket:
                     "replica": t.name,
                     "predicted_s": round(t.predicted, 6),
                     "observed_s": round(observed, 6),
+                    "sent_s": round(t.sent_at - self._hooks.started, 6),
+                    "features": [round(float(v), 6) for v in t.x],
                 }
             )
 
@@ -76,6 +78,7 @@ class CostHooks:
         self.candidates = candidates
         self.records: deque[dict[str, Any]] = deque(maxlen=RECORDS)
         self._seq = 0
+        self.started = self.model.clock()  # records' send times count from here
         self._admins: dict[str, str] = {r.key: r.admin for r in config.replicas if r.admin}
         self.poller = ReportPoller(
             lambda: list(self._admins.items()),

@@ -95,10 +95,10 @@ def test_predictions_are_finite_positive_and_bounded(n: int, tokens: int, data: 
             t.first_byte()
         t.finished()
     p = model.predict(_request(tokens, table, held), table)
-    for arr in (p.ttft, p.service, p.waiting, p.loading, p.computing, p.features):
+    for arr in (p.ttft, p.waiting, p.loading, p.computing, p.features):
         assert np.isfinite(arr).all()
     assert (p.ttft >= MIN_PREDICTION_S).all() and (p.ttft <= MAX_PREDICTION_S).all()
-    assert (p.service >= 0).all() and (p.computing >= 0).all() and (p.loading >= 0).all()
+    assert (p.computing >= 0).all() and (p.loading >= 0).all()
     ref = model.reference(table)
     assert np.isfinite(ref).all() and (ref >= MIN_PREDICTION_S).all() and (ref <= MAX_PREDICTION_S).all()
 
@@ -116,7 +116,7 @@ def _whole_matrix(model: CostModel, req: RoutingRequest, table: ReplicaTable) ->
     assert req.aligned is not None
     tokens = req.aligned[2]
     held = np.clip(np.nan_to_num(tokens[:, _COLUMNS] / 1e3, nan=0.0, posinf=total, neginf=0.0), 0.0, total)
-    queued, decoding = model._load_state(table, rows)
+    queued, decoding, _ = model._load_state(table, rows)
     per_ktok = theta[:, COMPUTE] + theta[:, DECODE] * decoding
     has = held > 0
     load_cost = theta[:, _LOAD] * held + theta[:, _LAT] * has
@@ -134,7 +134,6 @@ def _whole_matrix(model: CostModel, req: RoutingRequest, table: ReplicaTable) ->
     x[:, _LAT] = has * used
     parts = theta * x
     loading = parts[:, _LOAD].sum(axis=1) + parts[:, _LAT].sum(axis=1)
-    service = loading + parts[:, COMPUTE] + parts[:, DECODE]
     return {
         "ttft": np.clip(
             np.nan_to_num(parts.sum(axis=1), nan=MAX_PREDICTION_S), MIN_PREDICTION_S, MAX_PREDICTION_S
@@ -142,7 +141,6 @@ def _whole_matrix(model: CostModel, req: RoutingRequest, table: ReplicaTable) ->
         "waiting": parts[:, QUEUE] + parts[:, DECODE],
         "loading": loading,
         "computing": parts[:, COMPUTE],
-        "service": np.clip(np.nan_to_num(service), 0.0, MAX_PREDICTION_S),
         "features": x,
     }
 

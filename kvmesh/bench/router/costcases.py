@@ -71,7 +71,8 @@ def measure_capacity(
     from kvmesh.bench.router import setups as rs
     from kvmesh.bench.router.trace_workload import load_conversations, replay_timed, schedule
 
-    synthetic = next(s for s in specs if s.kind == "synthetic")
+    # the default workload's shape when only the trace runs (its capacity is measured too)
+    synthetic = next((s for s in specs if s.kind == "synthetic"), rs.workloads(False)[0])
     probe = dataclasses.replace(synthetic, turns=1, users=1)
     groups.reset_prefix_caches([r.url for r in replicas])
     with groups.router_for(Setup("kvmesh", "round-robin", cache), replicas, model_dir, workdir) as url:

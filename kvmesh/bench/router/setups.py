@@ -97,7 +97,7 @@ def workloads(quick: bool) -> tuple[WorkloadSpec, ...]:
     return (
         WorkloadSpec("default", "synthetic", False, 1000, 12, 2, turns, 250),
         WorkloadSpec("held-out", "synthetic", True, 7000, 8, 3, 2, 200, 700, 25, True, "turns"),
-        WorkloadSpec("trace", "trace", True, 9000, conversations=10 if quick else 16),
+        WorkloadSpec("trace", "trace", True, 9000, conversations=10 if quick else 40),
     )
 
 

@@ -14,6 +14,7 @@ from kvmesh.bench.common import groups
 from kvmesh.bench.common.groups import Setup
 from kvmesh.bench.router import costcases as cc
 from kvmesh.bench.router import setups as rs
+from kvmesh.routing.fit import N_PARAMS
 
 
 def test_cost_runs_beside_every_setup_and_on_the_slow_tier() -> None:
@@ -101,6 +102,9 @@ def test_capacity_cost_records_and_a_cost_run_over_fake_replicas(
         trace = rs.WorkloadSpec("t", "trace", True, 2, conversations=3, rate=50.0)
         cap = cc.measure_capacity(replicas, "none", [small, trace], str(tok), str(tmp_path), print)
         assert cap.one_at_a_time > 0 and cap.saturated > 0 and cap.trace > 0
+        # the trace alone: its capacity is measured with the default workload's shape
+        alone = cc.measure_capacity(replicas, "none", [trace], str(tok), str(tmp_path), print)
+        assert alone.one_at_a_time > 0 and alone.trace > 0
         spec = cc.resolve(cc.with_loads([small]), cap)[1]
         out = rs.run_once(
             Setup("kvmesh", "cost", "none"), spec, replicas, str(tok), str(tmp_path), random.randrange(99)
@@ -108,6 +112,8 @@ def test_capacity_cost_records_and_a_cost_run_over_fake_replicas(
         # every streamed request (the router warm-ups are not streamed: no TTFT to learn from)
         assert out["errors"] == 0 and len(out["cost_records"]) == rs.num_requests(spec)
         assert all(r["predicted_s"] > 0 and r["observed_s"] > 0 for r in out["cost_records"])
+        # each record has what the prediction was made from: its features and when it was sent
+        assert all(len(r["features"]) == N_PARAMS and r["sent_s"] >= 0 for r in out["cost_records"])
     finally:
         for f in fakes:
             f.stop()

@@ -137,6 +137,53 @@ def test_the_ledger_spreads_a_burst_within_one_scrape(index: BlockIndex, clock: 
     assert sorted(Counter(got).values()) == [5, 5]
 
 
+def test_the_queue_is_priced_at_what_the_fit_knows_now(index: BlockIndex, clock: Clock) -> None:
+    """A burst sent while the fit was 10x too slow: once the fit knows better, the requests
+    still queued are priced at the new rate, not at the seconds predicted when they were sent."""
+    p = picker(index, clock)
+    for i in range(4):  # four new 1,024-token prompts on 'a': 1 s of prefill each at 1,000 tokens/s
+        d = p.pick(request(prompt(300 + i)), table("a"))
+        assert p.sent(d, "a") is not None
+    assert p.model.describe()["a"]["ledger"]["queued_s"] == pytest.approx(4 * 1.024)
+    new = p.pick(request(prompt(400)), table("a"))
+    assert new.parts["waiting_s"]["a"] == pytest.approx(4 * 1.024)
+    p.model.set_param("a", COMPUTE, 0.1)  # learned: 10,000 tokens/s
+    assert p.model.describe()["a"]["ledger"]["queued_s"] == pytest.approx(4 * 0.1024)
+    new = p.pick(request(prompt(400)), table("a"))
+    assert new.parts["waiting_s"]["a"] == pytest.approx(4 * 0.1024)
+    assert new.parts["ttft_s"]["a"] == pytest.approx(0.01 + 5 * 0.1024)
+
+
+def test_a_burst_sent_before_the_fit_knew_teaches_the_right_queue_coefficient(
+    index: BlockIndex, clock: Clock
+) -> None:
+    """Bursts of eight new prompts on one replica, the first sent while the fit is cold
+    (1 s per 1k tokens; truth: 0.1 s, and a request waits for every prefill ahead of it).
+    Each observation's Q is priced at the coefficients known when it is learned from, so
+    from the second burst on every prediction is within 25%; priced when sent, the queue
+    coefficient learned the cold fit's error (0.08-0.3) and predictions stayed 0.5-1.9x off."""
+    model = CostModel(clock=clock)
+    p = CostPicker(index, model)
+    seed = 500
+    ratios = []
+    for _ in range(12):
+        tickets = []
+        for _ in range(8):
+            seed += 1
+            d = p.pick(request(prompt(seed)), table("a"))
+            t = p.sent(d, "a")
+            assert t is not None
+            tickets.append(t)
+        start = clock.t
+        for k, t in enumerate(tickets):
+            clock.t = start + 0.01 + 0.1024 * (k + 1)  # its own prefill after k others
+            ratios.append(t.predicted / (clock.t - t.sent_at))
+            t.first_byte()
+            t.finished()
+    assert min(ratios[8:]) > 0.8 and max(ratios[8:]) < 1.25
+    assert model.effective(model.rows(("a",)))[0][QUEUE] > 0.5
+
+
 def test_a_hot_prefix_does_not_pile_onto_its_holder(index: BlockIndex, clock: Clock) -> None:
     """'a' holds 7/8 of a hot prompt on GPU: it takes the prompt while its queue of short
     prefills is shorter than computing the whole prompt on 'b', then 'b' gets one."""

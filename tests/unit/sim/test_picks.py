@@ -7,8 +7,9 @@ dispatcher (which, as the router always did, adds no speculative entry for a pro
 whole blocks the index already has on the picked replica's GPU; the lists were otherwise
 equal). The ``cost`` policy's lists were recorded at d06b237, before its prediction stopped
 computing every candidate's 14 features as one matrix, and recorded again when a replica's
-own fit began to count only as far as its residuals show it differs from the fleet (a
-deliberate change of its decisions; the other policies' lists were unchanged). The fleet,
+own fit began to count only as far as its residuals show it differs from the fleet, and
+when the work queued on a replica began to be priced at the fit's current coefficients
+(deliberate changes of its decisions; the other policies' lists were unchanged). The fleet,
 the index and the scorers are all deterministic, so any difference in one decision changes
 what follows: equal lists mean equal decisions.
 Re-record (only for a deliberate change of policy): ``python tests/unit/sim/test_picks.py``.
