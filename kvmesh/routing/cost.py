@@ -40,12 +40,15 @@ from kvmesh.routing.fit import (
     DECODE,
     MEDIA,
     N_PARAMS,
+    POOL_EVIDENCE,
     QUEUE,
     UNMEASURED_FRACTION,
     ReplicaFit,
     Report,
+    blend_weights,
     lat_i,
     load_i,
+    pool_weight,
 )
 from kvmesh.routing.picker import Decision, Picker
 from kvmesh.routing.scorers import (
@@ -185,6 +188,12 @@ class CostModel:
         # per coefficient, the weight of the replica's own fit (ReplicaFit.blend)
         self._blend = np.zeros((0, N_PARAMS))
         self._rest = np.zeros((0, N_PARAMS))  # 1 - _blend: the pooled fit's weight
+        # ReplicaFit.blend_terms of every row, and the pooled fit's weight: _blend is
+        # recomputed for every row at once when the pooled fit's evidence grows
+        self._counted = np.zeros((0, N_PARAMS))
+        self._evidence = np.zeros((0, N_PARAMS))
+        self._pinned = np.zeros((0, N_PARAMS), dtype=bool)
+        self._pool = pool_weight(self.pooled)
         # effective() of every row, recomputed in place when a fit or the pooled fit changed
         # (each observation changes the pooled one): in place, because fresh arrays of every
         # row per request cost more in page faults than in arithmetic (the simulator's heap grows).
@@ -215,8 +224,9 @@ class CostModel:
             self._row[name] = len(self._theta)
             self._theta = np.vstack([self._theta, got.rls.theta])
             self._unmeasured = np.vstack([self._unmeasured, got.unmeasured])
-            self._blend = np.vstack([self._blend, got.blend(self.pooled)])
-            self._rest = np.vstack([self._rest, 1.0 - self._blend[-1]])
+            for attr in ("_blend", "_rest", "_counted", "_evidence", "_pinned"):
+                arr = getattr(self, attr)
+                setattr(self, attr, np.vstack([arr, np.zeros(N_PARAMS, dtype=arr.dtype)]))
             self._eff_stale = True
             for attr in ("_pending", "_in_flight"):
                 setattr(self, attr, np.append(getattr(self, attr), 0.0))
@@ -224,6 +234,7 @@ class CostModel:
                 setattr(self, attr, np.vstack([getattr(self, attr), np.zeros(N_PARAMS)]))
             self._gauges_at = np.append(self._gauges_at, np.nan)
             self._rows_cache = None
+            self._sync(name)
         return got
 
     def _fleet_compute(self) -> float | None:
@@ -246,9 +257,24 @@ class CostModel:
         row, fit = self._row[name], self.fits[name]
         self._theta[row] = fit.rls.theta
         self._unmeasured[row] = fit.unmeasured
-        self._blend[row] = fit.blend(self.pooled)
+        terms = fit.blend_terms(self.pooled)
+        self._counted[row], self._evidence[row], self._pinned[row] = terms
+        self._blend[row] = blend_weights(*terms, self._pool)
         self._rest[row] = 1.0 - self._blend[row]
         self._eff_stale = True
+
+    def _reblend(self, x: np.ndarray) -> None:
+        """The pooled fit learned from ``x``: where that grew its evidence within its first
+        POOL_EVIDENCE observations of a coefficient, its weight in every row's blend, at once."""
+        fleet = self.pooled
+        if fleet.observations > POOL_EVIDENCE and (fleet.uses[x[_LOAD_COLUMNS] > 0] > POOL_EVIDENCE).all():
+            return  # the common case, past the start: nothing to recompute
+        pool = pool_weight(fleet)
+        if (pool != self._pool).any():
+            self._pool = pool
+            self._blend = blend_weights(self._counted, self._evidence, self._pinned, pool)
+            self._rest = 1.0 - self._blend
+            self._eff_stale = True
 
     def report(self, name: str, report: Report) -> None:
         """A replica's own measured figures (bounded by :mod:`kvmesh.routing.reports`)."""
@@ -472,6 +498,7 @@ class CostModel:
         x[QUEUE] = max(float(start @ ahead), 0.0)
         pooled = self.pooled.rls.predict(x)
         self.pooled.observe(x, pooled, observed, pooled=pooled)  # the fleet's own residuals
+        self._reblend(x)
         self._eff_stale = True
         self.fits[name].observe(x, predicted, observed, start, pooled)
         self._sync(name)

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from kvmesh.routing.cost import CostModel, CostPicker, Ticket, median_error
 from kvmesh.routing.costmetrics import CostMetrics, fleet_usage, kv_usage
-from kvmesh.routing.fit import Report
+from kvmesh.routing.fit import FEATURES, Report
 from kvmesh.routing.picker import Decision, Picker
 from kvmesh.routing.reports import ReportPoller, report_from_metrics
 from kvmesh.routing.scorers import ReplicaState
@@ -55,7 +55,7 @@ class RecordedTicket:
                     "predicted_s": round(t.predicted, 6),
                     "observed_s": round(observed, 6),
                     "sent_s": round(t.sent_at - self._hooks.started, 6),
-                    "features": [round(float(v), 6) for v in t.x],
+                    "features": {k: round(float(v), 6) for k, v in zip(FEATURES, t.x, strict=True) if v},
                 }
             )
 

@@ -41,6 +41,16 @@ def lat_i(j: int) -> int:
     return 5 + 2 * j
 
 
+# The features' names, in order (for records and descriptions).
+FEATURES = (
+    "base",
+    "compute_ktok",
+    "queued_s",
+    "decode_ktok_x_running",
+    *(f"{m}_{what}" for m in MEDIA for what in ("ktok", "loaded")),
+)
+
+
 # Cold start, "never free": a replica nobody has measured computes at 1,000 tokens/s and an
 # unmeasured medium loads no faster than computing; both with wide variances, so the first
 # few dozen observations replace them.
@@ -53,8 +63,10 @@ UPPER = np.array([10.0, 100.0, 3.0, 10.0] + [100.0, 10.0] * len(MEDIA))
 # which load from it are predicted as loading, and their TTFTs measure it.
 UNMEASURED_FRACTION = 0.8
 # A replica's own fit outweighs the fleet's pooled one as its evidence grows: weight
-# (s*n + r) / (n + r + POOL_EVIDENCE) per coefficient (n: its observations involving it; r:
-# POOL_EVIDENCE for a figure the replica reported, else 0; s: see DISTINCT_K).
+# (s*n + r) / (n + r + p) per coefficient (n: its observations involving it; r:
+# POOL_EVIDENCE for a figure the replica reported, else 0; s: see DISTINCT_K; p: the pooled
+# fit's own observations involving it, at most POOL_EVIDENCE: a pooled fit that has seen
+# nothing yet is only the cold prior, and must not outweigh what a replica reported).
 POOL_EVIDENCE = 20.0
 # s: its observations count only as far as they show it differs from the fleet. The pooled
 # fit's log residuals on its requests, an exponentially weighted mean b (less the fleet's own
@@ -118,6 +130,32 @@ def _reported(report: Report | None, medium: str) -> tuple[float, float] | None:
     if fig is None or fig[0] <= 0:
         return None
     return 1e3 * report.bytes_per_token / fig[0], fig[1]
+
+
+_MEDIA_COLUMNS = np.arange(load_i(0), N_PARAMS)  # each medium's load and latency, in turn
+_NOT_PINNED = np.zeros(N_PARAMS, dtype=bool)
+_NOT_PINNED.flags.writeable = False
+
+
+def pool_weight(fleet: ReplicaFit | None) -> np.ndarray:
+    """Per coefficient, the pooled fit's weight in a blend: its evidence, at most POOL_EVIDENCE."""
+    pool = np.full(N_PARAMS, POOL_EVIDENCE)
+    if fleet is not None:
+        np.minimum(pool, fleet.evidence(), out=pool)
+    return pool
+
+
+def blend_weights(
+    counted: np.ndarray, evidence: np.ndarray, pinned: np.ndarray, pool: np.ndarray
+) -> np.ndarray:
+    """The weight of a replica's own fit (rows of :meth:`ReplicaFit.blend_terms`, any
+    leading shape) against the pooled fit's, ``pool`` (:func:`pool_weight`); 0 where neither
+    has evidence (both are their priors: the pooled one is the fleet's)."""
+    total = evidence + pool
+    out: np.ndarray = np.divide(counted, total, out=np.zeros(total.shape), where=total > 0)
+    if pinned is not _NOT_PINNED:
+        out[pinned] = 1.0
+    return out
 
 
 class ReplicaFit:
@@ -202,22 +240,34 @@ class ReplicaFit:
             return 0.0
         return max(0.0, 1.0 - DISTINCT_K * var / b2)
 
-    def blend(self, fleet: ReplicaFit | None = None) -> np.ndarray:
-        """Per coefficient, the weight of this replica's own fit against the pooled one
-        (see POOL_EVIDENCE): its observations, counted as far as they show it differs from
-        the fleet, and what it reported."""
-        own = self.distinct(fleet)
+    def evidence(self) -> np.ndarray:
+        """Per coefficient, the observations that involved it."""
         seen = np.full(N_PARAMS, float(self.observations))
+        seen[_MEDIA_COLUMNS] = np.repeat(self.uses, 2)
+        return seen
+
+    def blend_terms(self, fleet: ReplicaFit | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per coefficient, this replica's evidence as far as it counts (its observations,
+        counted as far as they show it differs from the fleet, and what it reported), all
+        its evidence, and whether the coefficient is pinned: the weight of its own fit
+        against the pooled one is :func:`blend_weights` of them (see POOL_EVIDENCE)."""
+        own = self.distinct(fleet)
+        seen = self.evidence()
         told = np.zeros(N_PARAMS)
         if "compute" in self._fused:
             told[COMPUTE] = POOL_EVIDENCE
         for j, m in enumerate(MEDIA):
-            seen[load_i(j)] = seen[lat_i(j)] = float(self.uses[j])
             if m in self._fused:
                 told[load_i(j)] = told[lat_i(j)] = POOL_EVIDENCE
-        out: np.ndarray = (own * seen + told) / (seen + told + POOL_EVIDENCE)
-        out[list(self.pinned)] = 1.0
-        return out
+        pinned = _NOT_PINNED
+        if self.pinned:
+            pinned = np.zeros(N_PARAMS, dtype=bool)
+            pinned[list(self.pinned)] = True
+        return own * seen + told, seen + told, pinned
+
+    def blend(self, fleet: ReplicaFit | None = None) -> np.ndarray:
+        """Per coefficient, the weight of this replica's own fit against the pooled one."""
+        return blend_weights(*self.blend_terms(fleet), pool_weight(fleet))
 
     def observe(
         self,

@@ -14,7 +14,7 @@ from kvmesh.bench.common import groups
 from kvmesh.bench.common.groups import Setup
 from kvmesh.bench.router import costcases as cc
 from kvmesh.bench.router import setups as rs
-from kvmesh.routing.fit import N_PARAMS
+from kvmesh.routing.fit import FEATURES
 
 
 def test_cost_runs_beside_every_setup_and_on_the_slow_tier() -> None:
@@ -113,7 +113,8 @@ def test_capacity_cost_records_and_a_cost_run_over_fake_replicas(
         assert out["errors"] == 0 and len(out["cost_records"]) == rs.num_requests(spec)
         assert all(r["predicted_s"] > 0 and r["observed_s"] > 0 for r in out["cost_records"])
         # each record has what the prediction was made from: its features and when it was sent
-        assert all(len(r["features"]) == N_PARAMS and r["sent_s"] >= 0 for r in out["cost_records"])
+        assert all(r["features"]["base"] == 1.0 and r["sent_s"] >= 0 for r in out["cost_records"])
+        assert all(set(r["features"]) <= set(FEATURES) for r in out["cost_records"])
     finally:
         for f in fakes:
             f.stop()

@@ -384,3 +384,29 @@ def test_a_replica_without_evidence_is_predicted_by_the_fleets_pooled_fit(
     d = p.pick(request(prompt(999, 2048)), table("a", "b"))
     assert d.parts["computing_s"]["b"] == pytest.approx(2.048 / 20.0, rel=0.2)
     assert d.parts["computing_s"]["b"] < 0.2 * 2.048  # far from the cold 2 s
+
+
+def test_a_reported_prefill_rate_is_predicted_with_before_the_fleet_has_seen_anything(
+    index: BlockIndex, clock: Clock
+) -> None:
+    """At a router's start the pooled fit is only the cold default (1,000 tokens/s): a
+    replica's reported rate (10,000 tokens/s) is predicted with as it is, not halved toward
+    the default; as the pooled fit sees answers its weight grows (at most POOL_EVIDENCE)."""
+    model = CostModel(clock=clock)
+    p = CostPicker(index, model)
+    model.report("a", Report(at=0.0, prefill_tokens_per_s=10_000.0, prefill_steps=10))
+    d = p.pick(request(prompt(1, 2048)), table("a"))
+    assert d.parts["computing_s"]["a"] == pytest.approx(0.2048, rel=0.05)
+    fit = model.fits["a"]
+    assert fit.blend(model.pooled)[COMPUTE] == 1.0
+    for i in range(30):  # answers at the reported rate: the pooled fit learns it too
+        t = p.sent(p.pick(request(prompt(600 + i, 2048)), table("a")), "a")
+        assert t is not None
+        clock.t += 0.01 + 0.2048
+        t.first_byte()
+        t.finished()
+        assert 0.0 < fit.blend(model.pooled)[COMPUTE] <= 1.0
+    assert np.allclose(model._blend[model._row["a"]], fit.blend(model.pooled))  # every row kept in step
+    assert fit.blend(model.pooled)[COMPUTE] == pytest.approx(20 / (30 + 20 + 20))
+    d = p.pick(request(prompt(2, 2048)), table("a"))
+    assert d.parts["computing_s"]["a"] == pytest.approx(0.2048, rel=0.2)

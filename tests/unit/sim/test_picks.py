@@ -8,7 +8,8 @@ whole blocks the index already has on the picked replica's GPU; the lists were o
 equal). The ``cost`` policy's lists were recorded at d06b237, before its prediction stopped
 computing every candidate's 14 features as one matrix, and recorded again when a replica's
 own fit began to count only as far as its residuals show it differs from the fleet, and
-when the work queued on a replica began to be priced at the fit's current coefficients
+when the work queued on a replica began to be priced at the fit's current coefficients,
+and when the pooled fit's weight in a blend began to grow with its own evidence
 (deliberate changes of its decisions; the other policies' lists were unchanged). The fleet,
 the index and the scorers are all deterministic, so any difference in one decision changes
 what follows: equal lists mean equal decisions.
