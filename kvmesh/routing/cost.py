@@ -202,7 +202,7 @@ class CostModel:
         self._eff_stale = True
         # the ledger, one row per replica
         # The work queued is kept as features, not seconds: the sum of the service features
-        # (SERVICE_COLUMNS of x) of the requests sent and not yet answered, priced with the
+        # (x * _SERVICE_MASK) of the requests sent and not yet answered, priced with the
         # replica's coefficients at each prediction. Seconds fixed when a request was sent
         # would keep the price of a fit that has since learned (a cold fit's 10x too slow
         # prefill rate stayed in Q until those requests were answered, and the queue
