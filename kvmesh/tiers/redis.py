@@ -52,7 +52,7 @@ from kvmesh.tiers.base import (
     register_tier,
 )
 from kvmesh.tiers.breaker import RemoteGuard
-from kvmesh.tiers.redis_wire import HEADER, NPARTS, decode, fields, groups, make_client
+from kvmesh.tiers.redis_wire import HEADER, NPARTS, decode, each_hash, fields, groups, make_client
 
 log = logging.getLogger(__name__)
 
@@ -216,44 +216,43 @@ class RedisTier:
     # ---- reads and writes -------------------------------------------------------------
 
     def _read(self, keys: Sequence[ChunkKey], into: Into | None = None) -> list[StoredChunk | None]:
-        """Verified ``(header, raw KV, stored bytes)`` per key; ``None`` for a miss."""
+        """Verified ``(header, raw KV, stored bytes)`` per key; ``None`` for a miss. Each
+        chunk is decoded (its parts copied out) as its reply arrives (:func:`each_hash`)."""
         if not keys:
             return []
-
-        def op() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            for k in keys:
-                pipe.hgetall(k.text)
-            return pipe.execute(raise_on_error=False)
-
-        replies = self._guard(op)
-        if replies is None:
-            return [None] * len(keys)
-        out: list[StoredChunk | None] = []
         corrupt: list[ChunkKey] = []
-        for k, reply in zip(keys, replies, strict=True):
+
+        def take(i: int, reply: dict[bytes, bytes] | Exception) -> StoredChunk | None:
+            k = keys[i]
             if isinstance(reply, redis.ResponseError) and "WRONGTYPE" in str(reply):
                 corrupt.append(k)  # something else sits under a kvmesh key name
                 self.metrics.inc("corrupt")
-                out.append(None)
-            elif isinstance(reply, Exception):
+                return None
+            if isinstance(reply, Exception):
                 self._note_error(reply)
-                out.append(None)
-            elif not reply or HEADER not in reply:
-                out.append(None)  # absent, or a writer is still adding its parts
-            else:
-                try:
-                    out.append(decode(k, reply, self.chunk_format, into))
-                except CorruptChunkError as exc:
-                    if count_rejected(self.metrics, exc):
-                        log.warning("kvmesh tier %s: dropping bad chunk %s: %s", self.name, k.text, exc)
-                        corrupt.append(k)
-                    out.append(None)
+                return None
+            if HEADER not in reply:
+                return None  # absent, or a writer is still adding its parts
+            try:
+                return decode(k, reply, self.chunk_format, into)
+            except CorruptChunkError as exc:
+                if count_rejected(self.metrics, exc):
+                    log.warning("kvmesh tier %s: dropping bad chunk %s: %s", self.name, k.text, exc)
+                    corrupt.append(k)
+                return None
+
+        def op() -> list[StoredChunk | None]:
+            corrupt.clear()  # a retried batch starts over
+            return each_hash(self._client, [k.text for k in keys], take)
+
+        found = self._guard(op)
+        if found is None:
+            return [None] * len(keys)
         if corrupt:
             # A writer may have replaced a bad chunk since we read it; deleting its good
             # value then costs one miss, never wrong data, so no WATCH round trip for it.
             self._guard(lambda: self._client.unlink(*[k.text for k in corrupt]))
-        return out
+        return found
 
     def _store(
         self, keys: Sequence[ChunkKey], encoded: Sequence[tuple[bytes, Buffer]], atomic: bool = False

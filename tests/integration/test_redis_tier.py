@@ -202,6 +202,43 @@ def test_batched_contains_and_get(redis_url, open_redis) -> None:
     assert tier.contains([]) == [] and tier.get([]) == [] and tier.put([], []) == []
 
 
+def test_a_batch_holds_one_chunk_of_replies_at_a_time(redis_server, redis_url, open_redis) -> None:
+    """A batch's chunks are decoded into their slots as each reply arrives: the replies held
+    at once are one chunk's parts, not the whole batch's (a pipeline held all of them, 2 MiB
+    here; a long prompt from the shared tier, gigabytes). An error reply in the middle of
+    the batch (a foreign value) is that key's miss, and the rest of the stream stays in step."""
+    import tracemalloc
+
+    tier = open_redis(redis_url, part_bytes=64 << 10)
+    keys, chunks = make_chunks(KB_BIG, 8)
+    assert tier.put(keys, chunks) == [True] * 8
+    redis_server.client().set(keys[3].text, b"not a chunk")
+    chunk_bytes = len(chunks[0].data)  # 256 KiB: four parts
+    slots = bytearray(9 * chunk_bytes)
+    taken = [0]
+
+    def into(nbytes: int) -> memoryview:
+        start = taken[0] * chunk_bytes
+        taken[0] += 1
+        return memoryview(slots)[start : start + nbytes]
+
+    tracemalloc.start()
+    try:
+        got = tier.get(keys, into=into)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    for i, (g, c) in enumerate(zip(got, chunks, strict=True)):
+        if i == 3:
+            assert g is None
+        else:
+            assert_same(g, c)
+    assert tier.metrics.snapshot()["corrupt"] == 1
+    assert peak < 3 * chunk_bytes, f"{peak} bytes held at once for a batch of {8 * chunk_bytes}"
+    # The connection went back to the pool in step: the next batch reads what it asked for.
+    assert_same(tier.get(keys[:1])[0], chunks[0])
+
+
 def test_ttl_is_set(redis_server, redis_url, open_redis) -> None:
     tier = open_redis(redis_url, ttl_s=30, part_bytes=1024)
     keys, chunks = make_chunks(KB, 2)
