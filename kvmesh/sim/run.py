@@ -33,7 +33,11 @@ def simulate(
         from tqdm import tqdm
 
         with tqdm(
-            total=work.num_requests, desc=f"{policy} x{config.replicas}", unit="req", leave=False
+            total=work.num_requests,
+            desc=f"{policy} x{config.replicas}",
+            unit="req",
+            leave=False,
+            disable=None,
         ) as bar:
             records = fleet.run(work, on_done=bar.update)
     else:

@@ -285,7 +285,9 @@ def run_once(
     with router_for(setup, replicas, model_dir, workdir) as url:
         for i in range(len(replicas)):  # the router's own first requests (short: no full block)
             chat(url, f"router warm-up {i}")
-        with tqdm(total=workload.num_requests, desc=f"  {setup.name}", unit="req", leave=False) as bar:
+        with tqdm(
+            total=workload.num_requests, desc=f"  {setup.name}", unit="req", leave=False, disable=None
+        ) as bar:
             result = replay(workload, url, MODEL_NAME, p.concurrency, on_done=bar.update, arrival=p.arrival)
         if setup.router == "kvmesh":
             print(f"    kvmesh router: {kvmesh_router_note(url)}", flush=True)

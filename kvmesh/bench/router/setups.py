@@ -210,7 +210,11 @@ def run_once(
         for i in range(len(replicas)):  # the router's own first requests (short: no full block)
             groups.chat(url, f"router warm-up {i}")
         with tqdm(
-            total=num_requests(spec), desc=f"  {setup.name} {spec.name}", unit="req", leave=False
+            total=num_requests(spec),
+            desc=f"  {setup.name} {spec.name}",
+            unit="req",
+            leave=False,
+            disable=None,
         ) as bar:
             result = run_workload(spec, url, seed, bar.update)
         extra = cost_records(url) if setup.policy == "cost" else {}
