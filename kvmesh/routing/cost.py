@@ -399,7 +399,40 @@ class CostModel:
         """The whole prediction for candidates holding some of the prompt (``coefficients``:
         their BASE, COMPUTE, QUEUE and DECODE; ``held``: thousands of tokens per medium,
         MEDIA's order): ttft, waiting, loading and computing (unbounded), the tokens
-        computed and the last medium loaded from (``cut``)."""
+        computed and the last medium loaded from (``cut``).
+
+        Most holders hold the prompt in their GPU cache alone (at 1,000 replicas, hundreds
+        share a system prompt there): they load that and compute the rest, no cut to choose.
+        They are predicted first, in a few vector operations, with the values the choice of
+        cut gives them (its other media add exact zeros: the same bits); the candidates
+        holding something in another medium (:meth:`_predict_media`) replace theirs."""
+        eff = self._effective_all()
+        base, compute, queue, decode = coefficients
+        gpu = held[:, 0]
+        computed = np.maximum(total - gpu, 0.0)
+        c_part = compute * computed
+        waiting = queue * queued + decode * (computed * decoding)
+        loading = eff[rows, load_i(0)] * gpu + eff[rows, lat_i(0)] * (gpu > 0)
+        ttft = (base + c_part) + waiting + loading
+        cut = np.zeros(len(rows), dtype=np.intp)
+        deep = np.flatnonzero(held[:, 1:].max(axis=1) > 0)
+        if len(deep):
+            sub = (base[deep], compute[deep], queue[deep], decode[deep])
+            h = self._predict_media(rows[deep], sub, held[deep], total, queued[deep], decoding[deep])
+            ttft[deep], waiting[deep], loading[deep], c_part[deep], computed[deep], cut[deep] = h
+        return ttft, waiting, loading, c_part, computed, cut
+
+    def _predict_media(
+        self,
+        rows: np.ndarray,
+        coefficients: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+        held: np.ndarray,
+        total: float,
+        queued: np.ndarray,
+        decoding: np.ndarray,
+    ) -> tuple[np.ndarray, ...]:
+        """:meth:`_predict_holders` for candidates that may load from any medium: the cheapest
+        cut of the media, and the 14 parts summed in a fixed order."""
         eff = self._effective_all()
         n = len(rows)
         base, compute, queue, decode = coefficients
