@@ -66,6 +66,16 @@ def _key(block: int) -> bytes:
     return (block & _M128).to_bytes(16, "little")
 
 
+def _blockless(req: SimRequest) -> bytes:
+    """What keys a prompt shorter than a block (its ties' rendezvous hash): its session, else
+    its arrival and length, as the router keys a prompt it cannot tokenize by its body. Not
+    ``hash()``: a str's changes with PYTHONHASHSEED and None's with the process's addresses
+    (Python 3.11), so a trace with such prompts gave other figures in every run."""
+    if req.session is not None:
+        return req.session.encode()
+    return f"{req.arrival_s!r}|{req.tokens}".encode()
+
+
 class SimClock:
     """The fleet's simulated time, for the index's speculative-entry expiry."""
 
@@ -118,8 +128,7 @@ class RouterPolicy:
 
     def route(self, req: SimRequest, now: float) -> int:
         prompt = PromptKeys.precomputed(req.tokens, {self.bt: tuple(map(_key, req.blocks))})
-        head = req.blocks[0] if req.blocks else hash(req.session) & 0xFFFF_FFFF
-        key = xxhash.xxh3_64_intdigest((head & _M128).to_bytes(16, "little"))
+        key = xxhash.xxh3_64_intdigest(_key(req.blocks[0]) if req.blocks else _blockless(req))
         rr = RoutingRequest(prompt.tokens, session_id=req.session, key=key, prompt=prompt)
         ticket = self.dispatcher.route(rr, self.states, stream=True, limit=1)  # first token: TTFT
         name = ticket.ranked[0]

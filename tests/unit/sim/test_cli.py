@@ -84,3 +84,44 @@ def test_run_on_a_mixed_fleet_records_its_slowdowns(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["config"]["slowdowns"] == [1.0, 2.0]
     assert {r["policy"] for r in report["results"]} == {"cost", "round-robin"}
+
+
+_PLACEMENTS = """
+import sys
+from kvmesh.sim import policies
+from kvmesh.sim.cost import PROFILES
+from kvmesh.sim.fleet import Fleet, FleetConfig
+from kvmesh.sim.workload import load_trace
+work = load_trace(sys.argv[1])
+for name in ("kvmesh", "llm-d", "cost"):
+    pol = policies.make(name, tree_blocks=6)
+    records = Fleet(FleetConfig(16, 6), PROFILES["vllm-cpu-tiny"], work.block_tokens, pol).run(work)
+    print(name, [r.replica for r in records])
+"""
+
+
+def test_prompts_shorter_than_a_block_are_placed_alike_in_every_process(tmp_path: Path) -> None:
+    """A prompt shorter than a block has no block to key its ties by. It was keyed by
+    ``hash(session)``: None's hash is its address in Python 3.11 (a str's changes with
+    PYTHONHASHSEED), so every process broke those ties its own way, and the Mooncake
+    long-context trace (1,107 such prompts of 3,993) gave other figures in every run. Two processes
+    with different hash seeds must place every request alike (with the old key, on 16 idle
+    replicas, they agreed by chance one time in 16)."""
+    import os
+    import subprocess
+    import sys
+
+    reqs = [(i * 500, 100 + i, 8, []) if i % 2 else (i * 500, 512 * 2, 8, [i, 1000 + i]) for i in range(40)]
+    trace = write_trace(tmp_path / "t.jsonl", reqs)
+    outs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        run = subprocess.run(
+            [sys.executable, "-c", _PLACEMENTS, str(trace)],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        outs.append(run.stdout)
+    assert outs[0] == outs[1] and outs[0].count("[") == 3
