@@ -119,10 +119,10 @@ class RobustRLS:
         (``(y - ŷ) / max(√(ŷy), floor)``), or None when it was rejected (not finite, or ``x``
         not finite): a broken observation is ignored, never learned."""
         xv = np.asarray(x, dtype=float).reshape(-1)
-        if xv.shape != self.theta.shape or not np.isfinite(xv).all() or not np.isfinite(y):
+        # Not finite (NaN compares false), or beyond any real feature or observation: ignored,
+        # not learned.
+        if xv.shape != self.theta.shape or not (np.abs(xv).max() <= _MAX_X and abs(y) <= _MAX_X):
             return None
-        if np.abs(xv).max() > _MAX_X or abs(y) > _MAX_X:
-            return None  # beyond any real feature or observation: ignored, not learned
         raw = float(self._raw @ xv)
         pred = float(self.theta @ xv)
         base = max(pred, self.floor)
@@ -146,7 +146,7 @@ class RobustRLS:
             return rel
         gain = px / denom
         self._set(self._raw + gain * (used - raw))
-        p = (self.p - np.outer(gain, px)) / self._lam
+        p = (self.p - gain[:, None] * px[None, :]) / self._lam  # np.outer, without its wrapper
         self.p = 0.5 * (p + p.T)
         self._bound_cov()
         self.n += 1
@@ -186,12 +186,15 @@ class RobustRLS:
         self._bound_cov()
 
     def _set(self, raw: np.ndarray) -> None:
-        self._raw = np.clip(raw, self._lo, self._hi)
-        self.theta = np.clip(self._raw, self.lower, self.upper)
+        # np.clip's values (NaN stays NaN) without its wrapper's cost, twice per observation
+        self._raw = np.minimum(np.maximum(raw, self._lo), self._hi)
+        self.theta = np.minimum(np.maximum(self._raw, self.lower), self.upper)
 
     def _bound_cov(self) -> None:
-        diag = np.diag(self.p)
-        if not np.isfinite(self.p).all() or (diag < 0).any():
+        diag = self.p.diagonal()
+        # A sum is finite only if every entry is (and summing huge finite ones to inf resets
+        # it too, which is as well): one reduction instead of a mask and its all().
+        if not math.isfinite(float(self.p.sum())) or diag.min() < 0:
             self._reset_cov()
             return
         tr = float(diag.sum())

@@ -133,6 +133,7 @@ def _reported(report: Report | None, medium: str) -> tuple[float, float] | None:
 
 
 _MEDIA_COLUMNS = np.arange(load_i(0), N_PARAMS)  # each medium's load and latency, in turn
+_LOAD_FEATURES = slice(load_i(0), N_PARAMS, 2)  # each medium's thousands of tokens loaded
 _NOT_PINNED = np.zeros(N_PARAMS, dtype=bool)
 _NOT_PINNED.flags.writeable = False
 
@@ -293,7 +294,7 @@ class ReplicaFit:
                 if i != COMPUTE or "compute" not in self._fused:
                     v = float(start[i])
                     self.rls.set_prior(i, v, max(v, 0.01) ** 2)  # wide: the fleet is not this replica
-        loaded = x[[load_i(j) for j in range(len(MEDIA))]] > 0
+        loaded = x[_LOAD_FEATURES] > 0
         for j in np.flatnonzero(loaded & self.unmeasured):
             # First evidence about this medium: start it where predictions had it.
             c = (
