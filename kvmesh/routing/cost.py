@@ -212,7 +212,9 @@ class CostModel:
         self._in_flight = np.zeros(0)  # requests sent, not finished
         self._mean_x = np.zeros((0, N_PARAMS))  # EWMA of a request's service features
         self._gauges_at = np.zeros(0)  # when the load gauges were scraped (NaN: never)
-        self._rows_cache: tuple[tuple[str, ...], np.ndarray] | None = None
+        # (names, their rows, the same as a slice when they are the first rows in order: a
+        # candidate's figures are then views of the model's arrays, not gathered copies)
+        self._rows_cache: tuple[tuple[str, ...], np.ndarray, slice | np.ndarray] | None = None
         self.prompt_ktok = 1.0  # EWMA of prompt length (thousands): the reference request
         self.on_observation: Callable[[str, float, float], None] | None = None
 
@@ -288,40 +290,50 @@ class CostModel:
         self._gauges_at[self._row[name]] = self.clock() if at is None else at
 
     def rows(self, names: tuple[str, ...]) -> np.ndarray:
+        return self._rows(names)[0]
+
+    def _rows(self, names: tuple[str, ...]) -> tuple[np.ndarray, slice | np.ndarray]:
+        """The rows of ``names``, and what selects them (a slice where it can)."""
         cached = self._rows_cache
         if cached is not None and (cached[0] is names or cached[0] == names):
-            return cached[1]
+            return cached[1], cached[2]
         for n in names:
             self.fit(n)
         rows = np.array([self._row[n] for n in names], dtype=np.int64)
-        self._rows_cache = (names, rows)
-        return rows
+        ix: slice | np.ndarray = slice(0, len(rows)) if np.array_equal(rows, np.arange(len(rows))) else rows
+        self._rows_cache = (names, rows, ix)
+        return rows, ix
 
     # -- prediction ------------------------------------------------------------------------------
-    def _load_state(self, table: ReplicaTable, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _load_state(
+        self, table: ReplicaTable, rows: np.ndarray, ix: slice | np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(queued seconds ahead, requests decoding, requests waiting beyond this router's
-        own) per candidate."""
+        own) per candidate (``ix``: what selects ``rows``, see :meth:`_rows`)."""
         s = self.settings
-        pending = self._pending[rows]
+        if ix is None:
+            ix = rows
+        pending = self._pending[ix]
         queued = np.zeros(len(rows))
         busy = np.flatnonzero(pending)  # a few rows: most replicas have nothing pending here
         if busy.size:
             queued[busy] = self._priced(self._pending_x, rows[busy])
-        decoding = np.maximum(self._in_flight[rows] - pending, 0.0)
+        decoding = np.maximum(self._in_flight[ix] - pending, 0.0)
         # fmax/fmin: NaN → 0, ±inf → the bounds (nan_to_num then clip, in two calls)
         waiting = np.fmin(np.fmax(table.waiting, 0.0), s.max_gauge)
         running = np.fmin(np.fmax(table.running, 0.0), s.max_gauge)
-        if self.live_gauges:
-            fresh = np.ones(len(rows), dtype=bool)
-        else:
-            age = self.clock() - self._gauges_at[rows]
-            fresh = np.isfinite(age) & (age <= s.gauge_stale_s)
         # Gauges count this router's own requests too: only what is beyond them is extra.
-        extra = np.where(fresh, np.maximum(waiting - pending, 0.0), 0.0)
+        extra = np.maximum(waiting - pending, 0.0)
+        beyond = np.maximum(running - pending, 0.0)
+        if not self.live_gauges:  # stale gauges count nothing
+            age = self.clock() - self._gauges_at[ix]
+            stale = ~(np.isfinite(age) & (age <= s.gauge_stale_s))
+            extra[stale] = 0.0
+            beyond[stale] = 0.0
         more = np.flatnonzero(extra)
         if more.size:
             queued[more] += extra[more] * self._priced(self._mean_x, rows[more])
-        decoding = np.maximum(decoding, np.where(fresh, np.maximum(running - pending, 0.0), 0.0))
+        np.maximum(decoding, beyond, out=decoding)
         return queued, decoding, extra
 
     def _priced(self, work: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -334,7 +346,7 @@ class CostModel:
 
     def predict(self, request: RoutingRequest, table: ReplicaTable) -> Prediction:
         names = table.names
-        rows = self.rows(names)
+        rows, ix = self._rows(names)
         n = len(names)
         total = request.num_tokens / 1e3
         tokens = medium_tokens(request, table) if request.num_tokens else None
@@ -346,7 +358,7 @@ class CostModel:
             for j in range(1, len(MEDIA)):
                 held_any |= tokens[:, j] > 0
             holders = np.flatnonzero(held_any)
-        queued, decoding, extra = self._load_state(table, rows)
+        queued, decoding, extra = self._load_state(table, rows, ix)
         # A candidate holding nothing of the prompt computes all of it: four coefficients and
         # no choice of media. At 1,000 candidates it is most of them, so only the holders go
         # through the whole prediction (_predict_holders). Every array here is one value per
@@ -354,7 +366,7 @@ class CostModel:
         # simulator's heap (its long-lived entries pin the freed ones) and page faults, not
         # arithmetic, were most of a decision's time.
         eff = self._effective_all()
-        base, compute, queue, decode = (eff[rows, j] for j in (BASE, COMPUTE, QUEUE, DECODE))
+        base, compute, queue, decode = (eff[ix, j] for j in (BASE, COMPUTE, QUEUE, DECODE))
         computed = np.full(n, total)
         c_part = compute * total
         q_part = queue * queued
