@@ -359,35 +359,44 @@ class CostModel:
                 held_any |= tokens[:, j] > 0
             holders = np.flatnonzero(held_any)
         queued, decoding, extra = self._load_state(table, rows, ix)
-        # A candidate holding nothing of the prompt computes all of it: four coefficients and
-        # no choice of media. At 1,000 candidates it is most of them, so only the holders go
-        # through the whole prediction (_predict_holders). Every array here is one value per
-        # candidate: arrays of every candidate's 14 features, fresh per request, grew the
-        # simulator's heap (its long-lived entries pin the freed ones) and page faults, not
-        # arithmetic, were most of a decision's time.
+        # Every candidate loads what its GPU cache holds of the prompt (nothing, for most of
+        # 1,000) and computes the rest: four coefficients and the GPU's load, one value per
+        # candidate per array. Only the candidates holding part of the prompt in another
+        # medium choose among media (_predict_media), and replace their values. Arrays of
+        # every candidate's 14 features, fresh per request, grew the simulator's heap (its
+        # long-lived entries pin the freed ones), and page faults, not arithmetic, were most
+        # of a decision's time.
         eff = self._effective_all()
         base, compute, queue, decode = (eff[ix, j] for j in (BASE, COMPUTE, QUEUE, DECODE))
-        computed = np.full(n, total)
-        c_part = compute * total
-        q_part = queue * queued
-        d_part = decode * (total * decoding)
-        # Summed in the order numpy sums a row of the 14 parts (pairwise, eight at a time,
-        # then the rest in turn), so a prediction does not depend on how it was computed.
-        ttft = (base + c_part) + (q_part + d_part)
-        waiting = q_part + d_part
-        loading = np.zeros(n)
-        computing = c_part
         held = np.zeros((0, len(MEDIA)))
         cut = _NO_ROWS
+        gpu: np.ndarray | None = None  # thousands of tokens in the GPU cache (None: none anywhere)
         if tokens is not None and len(holders):
             held = tokens.take(holders, axis=0)[:, _COLUMNS]
             held /= 1e3
             np.fmin(np.fmax(held, 0.0, out=held), total, out=held)  # NaN → 0
-            coefficients = (base[holders], compute[holders], queue[holders], decode[holders])
-            load = (total, queued[holders], decoding[holders])
-            h = self._predict_holders(rows[holders], coefficients, held, *load)
-            ttft[holders], waiting[holders], loading[holders], computing[holders] = h[:4]
-            computed[holders], cut = h[4:]
+            gpu = np.zeros(n)
+            gpu[holders] = held[:, 0]
+            cut = np.zeros(len(holders), dtype=np.intp)
+        computed = np.full(n, total) if gpu is None else np.maximum(total - gpu, 0.0)
+        c_part = compute * computed
+        waiting = queue * queued + decode * (computed * decoding)
+        # Summed in the order numpy sums a row of the 14 parts (pairwise, eight at a time,
+        # then the rest in turn), so a prediction does not depend on how it was computed: the
+        # media not loaded add exact zeros.
+        ttft = (base + c_part) + waiting
+        if gpu is None:
+            loading = np.zeros(n)
+        else:
+            loading = eff[ix, load_i(0)] * gpu + eff[ix, lat_i(0)] * (gpu > 0)
+            ttft += loading
+            deep = np.flatnonzero(held[:, 1:].max(axis=1) > 0)  # positions among the holders
+            if len(deep):
+                d = holders[deep]
+                coefficients = (base[d], compute[d], queue[d], decode[d])
+                h = self._predict_media(rows[d], coefficients, held[deep], total, queued[d], decoding[d])
+                ttft[d], waiting[d], loading[d], c_part[d], computed[d], cut[deep] = h
+        computing = c_part
         ttft = _bounded(ttft)
         self.prompt_ktok += 0.02 * (total - self.prompt_ktok)
         return Prediction(
@@ -399,41 +408,6 @@ class CostModel:
             (holders, held, cut),
         )
 
-    def _predict_holders(
-        self,
-        rows: np.ndarray,
-        coefficients: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
-        held: np.ndarray,
-        total: float,
-        queued: np.ndarray,
-        decoding: np.ndarray,
-    ) -> tuple[np.ndarray, ...]:
-        """The whole prediction for candidates holding some of the prompt (``coefficients``:
-        their BASE, COMPUTE, QUEUE and DECODE; ``held``: thousands of tokens per medium,
-        MEDIA's order): ttft, waiting, loading and computing (unbounded), the tokens
-        computed and the last medium loaded from (``cut``).
-
-        Most holders hold the prompt in their GPU cache alone (at 1,000 replicas, hundreds
-        share a system prompt there): they load that and compute the rest, no cut to choose.
-        They are predicted first, in a few vector operations, with the values the choice of
-        cut gives them (its other media add exact zeros: the same bits); the candidates
-        holding something in another medium (:meth:`_predict_media`) replace theirs."""
-        eff = self._effective_all()
-        base, compute, queue, decode = coefficients
-        gpu = held[:, 0]
-        computed = np.maximum(total - gpu, 0.0)
-        c_part = compute * computed
-        waiting = queue * queued + decode * (computed * decoding)
-        loading = eff[rows, load_i(0)] * gpu + eff[rows, lat_i(0)] * (gpu > 0)
-        ttft = (base + c_part) + waiting + loading
-        cut = np.zeros(len(rows), dtype=np.intp)
-        deep = np.flatnonzero(held[:, 1:].max(axis=1) > 0)
-        if len(deep):
-            sub = (base[deep], compute[deep], queue[deep], decode[deep])
-            h = self._predict_media(rows[deep], sub, held[deep], total, queued[deep], decoding[deep])
-            ttft[deep], waiting[deep], loading[deep], c_part[deep], computed[deep], cut[deep] = h
-        return ttft, waiting, loading, c_part, computed, cut
-
     def _predict_media(
         self,
         rows: np.ndarray,
@@ -443,8 +417,11 @@ class CostModel:
         queued: np.ndarray,
         decoding: np.ndarray,
     ) -> tuple[np.ndarray, ...]:
-        """:meth:`_predict_holders` for candidates that may load from any medium: the cheapest
-        cut of the media, and the 14 parts summed in a fixed order."""
+        """The whole prediction for candidates holding part of the prompt beyond their GPU
+        cache (``coefficients``: their BASE, COMPUTE, QUEUE and DECODE; ``held``: thousands of
+        tokens per medium, MEDIA's order): ttft, waiting, loading and computing (unbounded),
+        the tokens computed and the last medium loaded from (``cut``): the cheapest cut of
+        the media, and the 14 parts summed in a fixed order."""
         eff = self._effective_all()
         n = len(rows)
         base, compute, queue, decode = coefficients
