@@ -38,6 +38,8 @@ from kvmesh.routing.fit import (
     BASE,
     COMPUTE,
     DECODE,
+    LAT_COLUMNS,
+    LOAD_COLUMNS,
     MEDIA,
     N_PARAMS,
     POOL_EVIDENCE,
@@ -66,9 +68,6 @@ MAX_PREDICTION_S = 3600.0
 # medium_tokens' columns (REMOTE, DISK, CPU, GPU, unknown) in MEDIA's order
 _COLUMNS = np.array([3, 2, 1, 4, 0])
 _NO_ROWS = np.zeros(0, dtype=np.int64)
-# each medium's load-rate and latency coefficient (or feature) columns, as slices (views, not copies)
-_LOAD_COLUMNS = slice(load_i(0), load_i(len(MEDIA)), 2)
-_LAT_COLUMNS = slice(lat_i(0), lat_i(len(MEDIA)), 2)
 _MEDIA_AT = np.arange(len(MEDIA))
 # the features of a request's own prefill work (its service): all but BASE and QUEUE
 _SERVICE_MASK = np.ones(N_PARAMS)
@@ -147,8 +146,8 @@ class Prediction:
         if at.size:
             k = at[0]
             used = self._cut[k] >= _MEDIA_AT
-            x[_LOAD_COLUMNS] = self._held[k] * used
-            x[_LAT_COLUMNS] = (self._held[k] > 0) & used
+            x[LOAD_COLUMNS] = self._held[k] * used
+            x[LAT_COLUMNS] = (self._held[k] > 0) & used
         return x
 
     @property
@@ -160,8 +159,8 @@ class Prediction:
         x[:, QUEUE] = self._queued
         x[:, DECODE] = self._computed * self._decoding
         used = _MEDIA_AT[None, :] <= self._cut[:, None]
-        x[self._holders, _LOAD_COLUMNS] = self._held * used
-        x[self._holders, _LAT_COLUMNS] = (self._held > 0) & used
+        x[self._holders, LOAD_COLUMNS] = self._held * used
+        x[self._holders, LAT_COLUMNS] = (self._held > 0) & used
         return x
 
 
@@ -269,7 +268,7 @@ class CostModel:
         """The pooled fit learned from ``x``: where that grew its evidence within its first
         POOL_EVIDENCE observations of a coefficient, its weight in every row's blend, at once."""
         fleet = self.pooled
-        if fleet.observations > POOL_EVIDENCE and (fleet.uses[x[_LOAD_COLUMNS] > 0] > POOL_EVIDENCE).all():
+        if fleet.observations > POOL_EVIDENCE and (fleet.uses[x[LOAD_COLUMNS] > 0] > POOL_EVIDENCE).all():
             return  # the common case, past the start: nothing to recompute
         pool = pool_weight(fleet)
         if (pool != self._pool).any():
@@ -427,7 +426,7 @@ class CostModel:
         base, compute, queue, decode = coefficients
         per_ktok = compute + decode * decoding
         has = held > 0
-        rate, latency = eff[rows, _LOAD_COLUMNS], eff[rows, _LAT_COLUMNS]  # per medium
+        rate, latency = eff[rows, LOAD_COLUMNS], eff[rows, LAT_COLUMNS]  # per medium
         load_cost = rate * held + latency * has
         cum_tok = np.cumsum(held, axis=1)
         # Load media 0..k (the GPU cache always), compute the rest: the cheapest k.
@@ -604,7 +603,7 @@ class Ticket:
 def _unmeasured_loads(theta: np.ndarray, blind: np.ndarray) -> None:
     """In place: a medium neither the replica nor the fleet has measured (``blind``) loads at
     UNMEASURED_FRACTION of the replica's prefill cost."""
-    np.copyto(theta[:, _LOAD_COLUMNS], UNMEASURED_FRACTION * theta[:, COMPUTE, None], where=blind)
+    np.copyto(theta[:, LOAD_COLUMNS], UNMEASURED_FRACTION * theta[:, COMPUTE, None], where=blind)
 
 
 def _bounded(values: np.ndarray) -> np.ndarray:

@@ -133,7 +133,9 @@ def _reported(report: Report | None, medium: str) -> tuple[float, float] | None:
 
 
 _MEDIA_COLUMNS = np.arange(load_i(0), N_PARAMS)  # each medium's load and latency, in turn
-_LOAD_FEATURES = slice(load_i(0), N_PARAMS, 2)  # each medium's thousands of tokens loaded
+# Each medium's load and latency columns, of coefficients or features: slices (views, not copies).
+LOAD_COLUMNS = slice(load_i(0), N_PARAMS, 2)
+LAT_COLUMNS = slice(lat_i(0), N_PARAMS, 2)
 _NOT_PINNED = np.zeros(N_PARAMS, dtype=bool)
 _NOT_PINNED.flags.writeable = False
 
@@ -294,7 +296,7 @@ class ReplicaFit:
                 if i != COMPUTE or "compute" not in self._fused:
                     v = float(start[i])
                     self.rls.set_prior(i, v, max(v, 0.01) ** 2)  # wide: the fleet is not this replica
-        loaded = x[_LOAD_FEATURES] > 0
+        loaded = x[LOAD_COLUMNS] > 0
         for j in np.flatnonzero(loaded & self.unmeasured):
             # First evidence about this medium: start it where predictions had it.
             c = (
