@@ -198,8 +198,9 @@ def each_hash(
     client: redis.Redis[bytes], names: Sequence[str], take: Callable[[int, dict[bytes, bytes] | Exception], T]
 ) -> list[T]:
     """``HGETALL`` of every name in one round trip, like a pipeline, but each reply is handed
-    to ``take(i, fields)`` (``fields``: the hash, empty when absent; or the server's error
-    reply, e.g. WRONGTYPE) as soon as it is parsed, and dropped before the next is read.
+    to ``take(i, fields)`` (``fields``: the hash, empty when absent; or an exception: the
+    server's error reply, e.g. WRONGTYPE, or a ``DataError`` for a reply that is not a hash
+    of strings) as soon as it is parsed, and dropped before the next is read.
 
     A pipeline keeps every reply until the last has arrived: a batch of sixteen 16 MiB chunks
     held 256 MiB of parts beside the slots they were copied into, and a long prompt's load
@@ -221,11 +222,7 @@ def each_hash(
             except redis.ResponseError as exc:  # an error reply, read whole: the stream is in step
                 out.append(take(i, exc))
                 continue
-            if isinstance(reply, list) and len(reply) % 2 == 0:  # RESP2: field, value, ...
-                reply = dict(zip(reply[::2], reply[1::2], strict=True))
-            if not isinstance(reply, dict):
-                reply = redis.DataError(f"HGETALL answered {type(reply).__name__}, not a hash")
-            out.append(take(i, reply))
+            out.append(take(i, _hash_of(reply)))
             del reply
         return out
     except BaseException:
@@ -233,6 +230,19 @@ def each_hash(
         raise
     finally:
         pool.release(conn)
+
+
+def _hash_of(reply: Any) -> dict[bytes, bytes] | redis.DataError:
+    """An ``HGETALL`` reply as a hash of strings (RESP3 sends a map, RESP2 a flat array of
+    field, value, ...), or why it is none: only a hostile or broken server sends another
+    shape, and each is that key's miss, never an exception out of the read."""
+    if isinstance(reply, list) and len(reply) % 2 == 0:
+        fields = reply[::2]
+        if all(type(f) is bytes for f in fields):
+            reply = dict(zip(fields, reply[1::2], strict=True))
+    if isinstance(reply, dict) and all(type(k) is bytes and type(v) is bytes for k, v in reply.items()):
+        return reply
+    return redis.DataError(f"HGETALL answered {type(reply).__name__}, not a hash of strings")
 
 
 def fields(head: bytes, body: Buffer, part_bytes: int) -> dict[bytes, Buffer]:
