@@ -100,6 +100,20 @@ class BlockIndex:
         self._spec = SpeculativeTable()
         self.media = Media()
         self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._last_mask = 0  # see _pack
+
+    def _pack(self, mask: int) -> tuple[int, int]:
+        """:func:`_pack`, sharing one int object among consecutive equal masks.
+
+        A chain's blocks are stored (and dropped) together, so consecutive blocks get the same
+        holders: the same mask. A mask of two far-apart replicas is a big int (replicas 1 and
+        334: ~360 bytes), which every block of the prompt kept a copy of.
+        """
+        m, shift = _pack(mask)
+        if m == self._last_mask:
+            return self._last_mask, shift
+        self._last_mask = m
+        return m, shift
 
     # -- replicas -------------------------------------------------------------------------
 
@@ -242,7 +256,7 @@ class BlockIndex:
             holders = entry[3:]
             if not any(holders[i] == rid and holders[i + 1] == eh for i in range(0, len(holders), 2)):
                 holders += (rid, eh)
-            self._blocks[key] = (*_pack(entry[0] << entry[1] | 1 << (_BITS * rid + bit)), bs, *holders)
+            self._blocks[key] = (*self._pack(entry[0] << entry[1] | 1 << (_BITS * rid + bit)), bs, *holders)
         emap[eh] = key
 
     def remove(
@@ -281,7 +295,7 @@ class BlockIndex:
             return False
         mask, bs = (entry[0] << entry[1]) & ~bits, entry[2]
         if (mask >> shift) & BYTE:
-            self._blocks[key] = (*_pack(mask), *entry[2:])
+            self._blocks[key] = (*self._pack(mask), *entry[2:])
             return True
         emap = self._emap[rid].get(bs, {})
         keep: list[Any] = []
@@ -292,7 +306,7 @@ class BlockIndex:
             elif emap.get(eh) == key:
                 del emap[eh]
         if mask:
-            self._blocks[key] = (*_pack(mask), bs, *keep)
+            self._blocks[key] = (*self._pack(mask), bs, *keep)
         else:
             del self._blocks[key]
             self._size_blocks[bs] -= 1

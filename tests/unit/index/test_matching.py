@@ -89,3 +89,16 @@ def test_a_hot_prefix_speculated_on_every_replica_expires_per_replica() -> None:
     assert len(got) == 499 and "r0" not in got and "r999" in got
     idx.clear_replica("r999")
     assert "r999" not in idx.match(tokens)
+
+
+def test_a_prefix_stored_by_two_far_apart_replicas_shares_one_mask() -> None:
+    """Consecutive blocks with the same holders keep one mask object, not a wide int each."""
+    rng = np.random.default_rng(6)
+    tokens = rng.integers(0, 50_000, 512).astype(np.uint32)
+    idx = fleet(1000, (3, 900), tokens)
+    masks = [entry[0] for entry in idx._blocks.values()]
+    assert len(masks) == 32 and masks[0].bit_length() > 7000  # replicas 3 and 900: a wide int
+    assert len({id(m) for m in masks}) == 1
+    assert {k: m.tokens for k, m in idx.match(tokens).items()} == {"r3": 512, "r900": 512}
+    idx.remove("r900", [900_031], "GPU")  # its last block: one fewer block for r900
+    assert {k: m.tokens for k, m in idx.match(tokens).items()} == {"r3": 512, "r900": 496}
