@@ -163,8 +163,23 @@ class EventSubscriber:
 
     # -- thread ---------------------------------------------------------------------------
 
+    def _wants_start_replay(self) -> bool:
+        return self.replay_endpoint is not None and self._replay_on_start
+
+    def _wants_replay(self, frames: list[bytes]) -> bool:
+        """Whether :meth:`_on_live` would ask for a replay on these frames (so that a hub
+        runs it off its thread); no state changes."""
+        if self.replay_endpoint is None or len(frames) != 3 or len(frames[1]) != 8:
+            return False
+        seq = int.from_bytes(frames[1], "big")
+        restarted = self._live_seq is not None and seq <= self._live_seq
+        last = None if restarted else self._last_seq
+        if last is None:
+            return seq > 0 and self._replay_on_start
+        return seq > last + 1
+
     def _started(self) -> None:
-        if self.replay_endpoint is not None and self._replay_on_start:
+        if self._wants_start_replay():
             # A (re)started router must not wait for the replica's next event to learn what it
             # already holds: an idle replica may send none for a long time. A replica not up
             # yet times out here, and the first live message asks again.

@@ -5,7 +5,9 @@ gauge scrapes, the tokenizer, the request-body checks (:mod:`kvmesh.routing.body
 session table, the picker of the configured policy (with ``policy: cost``, its hooks:
 :mod:`kvmesh.routing.costhooks`), and the :class:`~kvmesh.routing.dispatcher.Dispatcher`
 over them. Replicas come from the
-config or are added and removed at run time (the EPP's discovery). The front ends keep
+config or are added and removed at run time (the EPP's discovery). Every replica's KV
+events are read by one thread, an :class:`~kvmesh.events.hub.EventHub` (epoll over their
+sockets, gap repairs on threads of their own), not by a thread per replica. The front ends keep
 their transport (HTTP proxy, ext_proc) and their own metrics registry; the series the core
 keeps are named by them (``kvmesh_router_*``, ``kvmesh_epp_*``).
 
@@ -27,6 +29,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from kvmesh.events import EventSubscriber
+from kvmesh.events.hub import EventHub
 from kvmesh.index import BlockIndex
 from kvmesh.routing.body import RequestBodies
 from kvmesh.routing.config import ReplicaConfig, RoutingConfig
@@ -107,6 +110,7 @@ class RoutingCore:
         if self.costs is not None:
             self.dispatcher.track = self.costs.sent
         self.subscribers: dict[str, EventSubscriber] = {}
+        self._hub: EventHub | None = None  # started with the first subscriber
         self._started = False
         self._checks: set[asyncio.Task[None]] = set()
         for cfg in config.replicas:
@@ -130,6 +134,9 @@ class RoutingCore:
         for sub in list(self.subscribers.values()):
             await asyncio.to_thread(sub.close)
         self.subscribers.clear()
+        if self._hub is not None:
+            await asyncio.to_thread(self._hub.close)
+            self._hub = None
         self.prompts.close()
         await self.bodies.close()
         self._started = False
@@ -165,12 +172,15 @@ class RoutingCore:
 
     def _subscribe(self, cfg: ReplicaConfig) -> None:
         if cfg.events and cfg.key not in self.subscribers:
+            if self._hub is None:
+                self._hub = EventHub(name="kvmesh-events")
             self.subscribers[cfg.key] = EventSubscriber(
                 cfg.events,
                 self.index.apply,
                 cfg.key,
                 replay_endpoint=cfg.replay,
                 on_gap_unrepaired=self.index.clear_replica,
+                hub=self._hub,
             )
 
     def _health_changed(self, replica: Replica) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import zmq
+
 from kvmesh.events import EventSubscriber
 from kvmesh.events.hub import EventHub
 from tests.unit.events.test_pubsub import LOOPBACK, LossyPublisher, Recorder, batch, wait_for, warm_up
@@ -36,3 +38,53 @@ def test_one_thread_serves_every_replica_in_order_and_repairs_gaps() -> None:
     finally:
         for p in pubs:
             p.close()
+
+
+def test_a_replay_that_never_answers_holds_up_no_other_replica() -> None:
+    """A gap is repaired off the hub's thread: while one replica's replay hangs (its replay
+    socket takes requests and never answers), another's batches keep arriving; the first
+    comes back when its replay times out, its gap reported, its stream in order. Closing a
+    subscriber in the middle of its replay waits for the replay to let go of its sockets."""
+    ctx = zmq.Context.instance()
+    hung = ctx.socket(zmq.ROUTER)  # takes replay requests, never answers
+    hung_ep = f"tcp://127.0.0.1:{hung.bind_to_random_port('tcp://127.0.0.1')}"
+    pub_a = LossyPublisher(LOOPBACK, topic="kv")
+    pub_b = LossyPublisher(LOOPBACK, replay_endpoint=LOOPBACK, topic="kv", buffer=100)
+    rec_a, rec_b = Recorder(), Recorder()
+    try:
+        with EventHub() as hub:
+            sub_a = EventSubscriber(pub_a.endpoint, rec_a.on_batch, "a", hung_ep, rec_a.on_gap,
+                                    replay_timeout_s=3.0, replay_on_start=False, hub=hub)  # fmt: skip
+            sub_b = EventSubscriber(
+                pub_b.endpoint, rec_b.on_batch, "b", pub_b.replay_endpoint, rec_b.on_gap, hub=hub
+            )
+            na, nb = warm_up(pub_a, rec_a), warm_up(pub_b, rec_b)
+            pub_a.drop = {na}
+            pub_a.publish(batch(na))
+            pub_a.publish(batch(na + 1))  # a gap: a's replay starts, and hangs
+            wait_for(lambda: hung.poll(0) != 0)  # the replay request has reached the hung socket
+            for k in range(3):
+                pub_b.publish(batch(nb + k))
+            wait_for(lambda: len(rec_b.batches) == nb + 3, timeout=2.0)
+            # b was served while a's replay was still pending: a's gap is not reported yet
+            assert rec_a.gaps == [] and len(rec_a.batches) == na
+            wait_for(lambda: rec_a.gaps == ["a"], timeout=5.0)  # timed out: reported, and on
+            wait_for(lambda: rec_a.ts[-1] == float(na + 1))
+            pub_a.publish(batch(na + 2))  # back in the hub's loop
+            wait_for(lambda: rec_a.ts[-1] == float(na + 2))
+            assert rec_a.ts == [float(i) for i in range(na)] + [float(na + 1), float(na + 2)]
+            assert sub_a.stats()["unrepaired"] == 1 and rec_b.gaps == []
+
+            pub_a.drop = {na + 3}
+            pub_a.publish(batch(na + 3))
+            pub_a.publish(batch(na + 4))  # another hanging replay; a is closed in its middle
+            wait_for(lambda: sub_a.stats()["gaps"] == 2)
+            sub_a.close(timeout=5.0)
+            pub_b.publish(batch(nb + 3))  # the hub still serves b
+            wait_for(lambda: len(rec_b.batches) == nb + 4)
+            assert sub_b.stats()["gaps"] == 0
+            sub_b.close()
+    finally:
+        pub_a.close()
+        pub_b.close()
+        hung.close(linger=0)
