@@ -100,16 +100,19 @@ class BlockIndex:
         self._spec = SpeculativeTable()
         self.media = Media()
         self._counts = dict.fromkeys(_COUNTERS, 0)
-        self._last_mask = 0  # see _pack
+        self._last_mask = 0  # see _pack()
 
     def _pack(self, mask: int) -> tuple[int, int]:
-        """:func:`_pack`, sharing one int object among consecutive equal masks.
+        """``(mask >> shift, shift)``, shifted down to its lowest holder (a block held by replica
+        999 alone is an 8-bit int and a shift, not an 8,000-bit int: ~1 KB more per block),
+        sharing one int object among consecutive equal masks.
 
         A chain's blocks are stored (and dropped) together, so consecutive blocks get the same
         holders: the same mask. A mask of two far-apart replicas is a big int (replicas 1 and
         334: ~360 bytes), which every block of the prompt kept a copy of.
         """
-        m, shift = _pack(mask)
+        shift = _shift(((mask & -mask).bit_length() - 1) // _BITS)
+        m = mask >> shift
         if m == self._last_mask:
             return self._last_mask, shift
         self._last_mask = m
@@ -253,10 +256,14 @@ class BlockIndex:
             self._size_blocks[bs] = self._size_blocks.get(bs, 0) + 1
         else:
             self._blocks.move_to_end(key)
-            holders = entry[3:]
-            if not any(holders[i] == rid and holders[i + 1] == eh for i in range(0, len(holders), 2)):
+            mask, shift, holders = entry[0] << entry[1], _BITS * rid, entry[3:]
+            # A replica without a bit here is not among the holders (a new holder of a shared
+            # prefix, the common case): no scan of the others.
+            if not (mask >> shift) & BYTE or not any(
+                holders[i] == rid and holders[i + 1] == eh for i in range(0, len(holders), 2)
+            ):
                 holders += (rid, eh)
-            self._blocks[key] = (*self._pack(entry[0] << entry[1] | 1 << (_BITS * rid + bit)), bs, *holders)
+            self._blocks[key] = (*self._pack(mask | 1 << (shift + bit)), bs, *holders)
         emap[eh] = key
 
     def remove(
@@ -430,13 +437,6 @@ class BlockIndex:
 
     def __len__(self) -> int:
         return len(self._blocks)
-
-
-def _pack(mask: int) -> tuple[int, int]:
-    """``(mask >> shift, shift)``, shifted down to its lowest holder: a block held by replica
-    999 alone is an 8-bit int and a shift, not an 8,000-bit int (~1 KB more per block)."""
-    shift = _shift(((mask & -mask).bit_length() - 1) // _BITS)
-    return mask >> shift, shift
 
 
 def _shift(rid: int) -> int:
