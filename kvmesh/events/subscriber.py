@@ -41,6 +41,10 @@ _POLL_MS = 100
 # with their token ids) is well under a MiB.
 MAX_MESSAGE_BYTES = 16 << 20
 
+# A whole replay takes at most this many replay timeouts (vLLM's buffer of 10,000 batches
+# replays in a few seconds; each answer must still come within one timeout).
+REPLAY_BUDGET = 10
+
 # Sockets one context may hold: a subscriber holds up to four (SUB, its monitor's pair, the
 # replay DEALER), so ZMQ's default of 1,023 would stop a router near 250 replicas.
 MAX_SOCKETS = 1 << 16
@@ -262,8 +266,13 @@ class EventSubscriber:
         dealer = self._get_dealer()
         dealer.send_multipart([b"", start.to_bytes(8, "big")])
         outcome: ReplayOutcome = "ok"
+        # Each answer within the timeout, and the whole replay within REPLAY_BUDGET of them:
+        # a replay socket that drips stale or malformed frames forever must not hold this
+        # stream (or, with a hub, a repair thread) forever.
+        deadline = time.monotonic() + REPLAY_BUDGET * self._replay_timeout_ms / 1000
         while True:
-            if not dealer.poll(self._replay_timeout_ms):
+            wait_ms = min(self._replay_timeout_ms, int((deadline - time.monotonic()) * 1000))
+            if wait_ms <= 0 or not dealer.poll(wait_ms):
                 log.warning("KV event replay from %s timed out", self.replay_endpoint)
                 self._drop_dealer()  # late answers must not be read as the next replay's
                 return "failed"
