@@ -111,7 +111,7 @@ class ReplicaMatches(Mapping[str, PrefixMatch]):
 
     def __bool__(self) -> bool:
         # Asked per request ("any match?"): without naming the holders.
-        return bool(self._built) or bool(self._tokens.any())
+        return bool(self._built) or bool(np.count_nonzero(self._tokens))
 
     def __repr__(self) -> str:
         return f"ReplicaMatches({dict(self.items())!r})"

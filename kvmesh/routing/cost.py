@@ -314,7 +314,7 @@ class CostModel:
             ix = rows
         pending = self._pending[ix]
         queued = np.zeros(len(rows))
-        busy = np.flatnonzero(pending)  # a few rows: most replicas have nothing pending here
+        busy = pending.nonzero()[0]  # a few rows: most replicas have nothing pending here
         if busy.size:
             queued[busy] = self._priced(self._pending_x, rows[busy])
         decoding = np.maximum(self._in_flight[ix] - pending, 0.0)
@@ -329,7 +329,7 @@ class CostModel:
             stale = ~(np.isfinite(age) & (age <= s.gauge_stale_s))
             extra[stale] = 0.0
             beyond[stale] = 0.0
-        more = np.flatnonzero(extra)
+        more = extra.nonzero()[0]
         if more.size:
             queued[more] += extra[more] * self._priced(self._mean_x, rows[more])
         np.maximum(decoding, beyond, out=decoding)
@@ -356,7 +356,7 @@ class CostModel:
             held_any = tokens[:, 0] > 0
             for j in range(1, len(MEDIA)):
                 held_any |= tokens[:, j] > 0
-            holders = np.flatnonzero(held_any)
+            holders = held_any.nonzero()[0]
         queued, decoding, extra = self._load_state(table, rows, ix)
         # Every candidate loads what its GPU cache holds of the prompt (nothing, for most of
         # 1,000) and computes the rest: four coefficients and the GPU's load, one value per
@@ -389,7 +389,7 @@ class CostModel:
         else:
             loading = eff[ix, load_i(0)] * gpu + eff[ix, lat_i(0)] * (gpu > 0)
             ttft += loading
-            deep = np.flatnonzero(held[:, 1:].max(axis=1) > 0)  # positions among the holders
+            deep = (np.maximum.reduce(held[:, 1:], axis=1) > 0).nonzero()[0]  # positions among the holders
             if len(deep):
                 d = holders[deep]
                 coefficients = (base[d], compute[d], queue[d], decode[d])
@@ -501,7 +501,7 @@ class CostModel:
         self._pending[row] += 1
         self._in_flight[row] += 1
         mean = self._mean_x[row]
-        if mean.any():
+        if np.count_nonzero(mean):
             mean += 0.1 * (work - mean)
         else:
             mean[:] = work
@@ -608,7 +608,8 @@ def _unmeasured_loads(theta: np.ndarray, blind: np.ndarray) -> None:
 
 def _bounded(values: np.ndarray) -> np.ndarray:
     """``values`` within [MIN_PREDICTION_S, MAX_PREDICTION_S], NaN as the maximum."""
-    out: np.ndarray = np.clip(values, MIN_PREDICTION_S, MAX_PREDICTION_S)  # ±inf to the bounds
+    # np.clip's values (±inf to the bounds, NaN stays NaN) without its wrapper's cost
+    out: np.ndarray = np.minimum(np.maximum(values, MIN_PREDICTION_S), MAX_PREDICTION_S)
     np.copyto(out, MAX_PREDICTION_S, where=np.isnan(out))
     return out
 

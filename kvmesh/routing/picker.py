@@ -82,16 +82,16 @@ class Decision:
         self._over = over
         self._ranked: list[str] | None = None
         # Rounded so that float noise (1e-17) cannot beat the deterministic tie-break.
-        self._rounded = rounded = np.round(totals, 9)
+        self._rounded = rounded = totals.round(9)
         # The ranking's first, without ranking: not overloaded, the best score, then the
         # lowest tie-break among the few that share that score.
-        if over.any():
+        if np.count_nonzero(over):
             pool = ~over
-            best = np.flatnonzero(pool & (rounded == rounded[pool].max()))
+            best = (pool & (rounded == np.maximum.reduce(rounded[pool]))).nonzero()[0]
         else:
-            best = np.flatnonzero(rounded == rounded.max())
+            best = (rounded == np.maximum.reduce(rounded)).nonzero()[0]
         if len(best) > 1:
-            best = best[np.argmin(_mix(self._hashes[best], key))]
+            best = best[_mix(self._hashes[best], key).argmin()]
         self.index = int(best if best.ndim == 0 else best[0])
 
     @property
@@ -189,11 +189,12 @@ def _tie_break(key: int, names: Sequence[str] | ReplicaTable) -> np.ndarray:
 
 
 def _mix(hashes: np.ndarray, key: int) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        x = hashes ^ np.uint64(key & _M64)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+    """splitmix64 over ``hashes`` (1-d: integer array arithmetic wraps without a warning,
+    where numpy scalars' would warn)."""
+    x = hashes.reshape(-1) ^ np.uint64(key & _M64)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 def build_picker(
