@@ -88,3 +88,29 @@ def test_a_replay_that_never_answers_holds_up_no_other_replica() -> None:
         pub_a.close()
         pub_b.close()
         hung.close(linger=0)
+
+
+def test_two_hundred_replicas_each_burst_past_the_read_limit_all_arrive_in_order() -> None:
+    """epoll signals a socket once when its queue stops being empty: a socket left with
+    messages after a burst (``burst=3`` here, 10 batches each) must be read again without a
+    new signal, and a replica whose batches all arrived at once must not wait for another."""
+    pubs = [LossyPublisher(LOOPBACK, topic="kv") for _ in range(200)]
+    recs = [Recorder() for _ in pubs]
+    try:
+        with EventHub(burst=3) as hub:
+            subs = [
+                EventSubscriber(p.endpoint, r.on_batch, f"r{i}", replay_on_start=False, hub=hub)
+                for i, (p, r) in enumerate(zip(pubs, recs, strict=True))
+            ]
+            starts = [warm_up(p, r) for p, r in zip(pubs, recs, strict=True)]
+            for p, n in zip(pubs, starts, strict=True):
+                for k in range(10):
+                    p.publish(batch(n + k))
+            for r, n in zip(recs, starts, strict=True):
+                wait_for(lambda r=r, n=n: len(r.batches) == n + 10)  # type: ignore[misc]
+                assert r.ts == [float(i) for i in range(n + 10)]
+            for s in subs:
+                s.close()
+    finally:
+        for p in pubs:
+            p.close()
