@@ -161,14 +161,16 @@ class RoutingCore:
             task.add_done_callback(self._checks.discard)
 
     def remove_replica(self, name: str) -> None:
+        # Its events first: a batch applied after the index forgot the replica would register
+        # it again, with entries nothing would ever remove.
+        sub = self.subscribers.pop(name, None)
+        if sub is not None:
+            sub.close(timeout=0.5)
         self.pool.remove(name)
         self.index.remove_replica(name)
         self.sessions.forget_replica(name)
         with contextlib.suppress(KeyError):  # never reported
             self.metrics.healthy.remove(name)
-        sub = self.subscribers.pop(name, None)
-        if sub is not None:
-            sub.close(timeout=0.5)
 
     def _subscribe(self, cfg: ReplicaConfig) -> None:
         if cfg.events and cfg.key not in self.subscribers:
