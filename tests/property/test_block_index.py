@@ -8,9 +8,9 @@ replica's own disk: local ones above those on another host, then in the order me
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
+import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -236,7 +236,7 @@ def test_index_matches_reference_model(data: st.DataObject) -> None:
             # The same blocks again in another medium (an offload) or on another replica.
             if not history:
                 continue
-            ev = dataclasses.replace(
+            ev = msgspec.structs.replace(
                 data.draw(st.sampled_from(history)), medium=data.draw(st.sampled_from(MEDIUMS))
             )
             index.apply(r, EventBatch(0.0, (ev,)))
