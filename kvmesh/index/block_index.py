@@ -100,23 +100,19 @@ class BlockIndex:
         self._spec = SpeculativeTable()
         self.media = Media()
         self._counts = dict.fromkeys(_COUNTERS, 0)
-        self._last_mask = 0  # see _pack()
+        self._last_mask = 0  # see _share()
 
-    def _pack(self, mask: int) -> tuple[int, int]:
-        """``(mask >> shift, shift)``, shifted down to its lowest holder (a block held by replica
-        999 alone is an 8-bit int and a shift, not an 8,000-bit int: ~1 KB more per block),
-        sharing one int object among consecutive equal masks.
+    def _share(self, m: int) -> int:
+        """``m`` (a packed mask), or the equal int object the last entry written holds.
 
         A chain's blocks are stored (and dropped) together, so consecutive blocks get the same
         holders: the same mask. A mask of two far-apart replicas is a big int (replicas 1 and
         334: ~360 bytes), which every block of the prompt kept a copy of.
         """
-        shift = _shift(((mask & -mask).bit_length() - 1) // _BITS)
-        m = mask >> shift
         if m == self._last_mask:
-            return self._last_mask, shift
+            return self._last_mask
         self._last_mask = m
-        return m, shift
+        return m
 
     # -- replicas -------------------------------------------------------------------------
 
@@ -248,7 +244,7 @@ class BlockIndex:
         old = emap.get(eh)
         if old is not None and old != key:
             # The engine reused this hash for other tokens: the old block is gone from it.
-            self._drop_holder(rid, old, ~0)
+            self._drop_holder(rid, old, BYTE)
         entry = self._blocks.get(key)
         bit = slot(medium)
         if entry is None:
@@ -256,14 +252,24 @@ class BlockIndex:
             self._size_blocks[bs] = self._size_blocks.get(bs, 0) + 1
         else:
             self._blocks.move_to_end(key)
-            mask, shift, holders = entry[0] << entry[1], _BITS * rid, entry[3:]
+            # Worked on packed (see _drop_holder): the mask is never unpacked, a big int
+            # allocation or more per block held by far-apart replicas.
+            m, shift, holders = entry[0], entry[1], entry[3:]
+            at = _BITS * rid - shift  # rid's byte in the packed mask
+            if at >= 0:
+                held = (m >> at) & BYTE
+                m |= 1 << (at + bit)
+            else:  # rid is below every holder: it becomes the lowest
+                held = 0
+                m = m << -at | 1 << bit
+                shift = _shift(rid)
             # A replica without a bit here is not among the holders (a new holder of a shared
             # prefix, the common case): no scan of the others.
-            if not (mask >> shift) & BYTE or not any(
+            if not held or not any(
                 holders[i] == rid and holders[i + 1] == eh for i in range(0, len(holders), 2)
             ):
                 holders += (rid, eh)
-            self._blocks[key] = (*self._pack(mask | 1 << (shift + bit)), bs, *holders)
+            self._blocks[key] = (self._share(m), shift, bs, *holders)
         emap[eh] = key
 
     def remove(
@@ -284,7 +290,7 @@ class BlockIndex:
             if med is None:
                 self._counts["unknown_medium"] += 1
                 return
-            bit = 1 << (_BITS * rid + slot(med))
+            bit = 1 << slot(med)
             maps = self._emap[rid].values()
             for eh in block_hashes:
                 for emap in maps:
@@ -294,15 +300,24 @@ class BlockIndex:
                         break
 
     def _drop_holder(self, rid: int, key: bytes, bits: int) -> bool:
-        """Clear ``bits`` of ``rid`` on ``key``; unlink rid entirely once it holds nothing."""
+        """Clear ``bits`` (of rid's byte: media slots, ``BYTE`` for all) of ``rid`` on ``key``;
+        unlink rid entirely once it holds nothing.
+
+        An entry's mask is kept packed: ``(m, shift)`` is the mask ``m << shift``, shifted
+        down to its lowest holder's byte (a block held by replica 999 alone is an 8-bit int and
+        a shift, not an 8,000-bit int).
+        """
         entry = self._blocks.get(key)
-        shift = _BITS * rid
-        bits &= BYTE << shift
-        if entry is None or not (entry[0] << entry[1]) & bits:
+        if entry is None:
             return False
-        mask, bs = (entry[0] << entry[1]) & ~bits, entry[2]
-        if (mask >> shift) & BYTE:
-            self._blocks[key] = (*self._pack(mask), *entry[2:])
+        m, shift = entry[0], entry[1]
+        at = _BITS * rid - shift  # rid's byte in the packed mask (below 0: not a holder)
+        if at < 0 or not (m >> at) & bits:
+            return False
+        m &= ~(bits << at)
+        bs = entry[2]
+        if (m >> at) & BYTE:  # rid still holds it in another medium
+            self._blocks[key] = (self._share(m), shift, *entry[2:])
             return True
         emap = self._emap[rid].get(bs, {})
         keep: list[Any] = []
@@ -312,8 +327,12 @@ class BlockIndex:
                 keep += (r, eh)
             elif emap.get(eh) == key:
                 del emap[eh]
-        if mask:
-            self._blocks[key] = (*self._pack(mask), bs, *keep)
+        if m:
+            if not m & BYTE:  # rid was the lowest holder: down to the next one
+                low = ((m & -m).bit_length() - 1) // _BITS
+                m >>= _BITS * low
+                shift = _shift(shift // _BITS + low)
+            self._blocks[key] = (self._share(m), shift, bs, *keep)
         else:
             del self._blocks[key]
             self._size_blocks[bs] -= 1
@@ -331,7 +350,7 @@ class BlockIndex:
     def _clear(self, rid: int) -> None:
         for maps in self._emap[rid].values():
             for key in list(maps.values()):
-                self._drop_holder(rid, key, ~0)
+                self._drop_holder(rid, key, BYTE)
             maps.clear()
         self._spec.drop(rid)
 

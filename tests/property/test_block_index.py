@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -202,12 +203,20 @@ def _known_prefix(data: st.DataObject, model: Model) -> Prefix:
     return base + data.draw(tokens_st)
 
 
+@pytest.mark.parametrize("gap", [0, 40])
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
-def test_index_matches_reference_model(data: st.DataObject) -> None:
+def test_index_matches_reference_model(gap: int, data: st.DataObject) -> None:
+    """``gap``: idle replicas registered between a, b and c, so that their ids lie far apart:
+    the entries' masks are kept shifted down to their lowest holder, and a holder below it,
+    or the lowest one leaving, moves the shift by whole multi-byte steps."""
     clock = Clock()
     index = BlockIndex(max_blocks=10_000, clock=clock)
     model = Model(clock)
+    for name in REPLICAS if gap else ():
+        for r in (name, *(f"{name}-idle{i}" for i in range(gap))):
+            index.add_replica(r)
+            model.register(r)
     history: list[BlockStored] = []
     for _ in range(data.draw(st.integers(1, 30))):
         op = data.draw(
