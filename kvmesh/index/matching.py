@@ -8,7 +8,6 @@ the range building visits two replicas, not 1,000 (see ``docs/bench/scale.md``).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +17,7 @@ from kvmesh.index.media import BITS, BYTE, COLUMNS, AnyMedium, MediaView
 
 
 def match_chain(
-    blocks: OrderedDict[bytes, tuple[Any, ...]],
+    blocks: dict[bytes, tuple[Any, ...]],
     low: int,
     spec: dict[bytes, int],
     bs: int,
@@ -81,7 +80,7 @@ def _leading(alives: list[int], bit: int) -> int:
 
 
 def walk(
-    blocks: OrderedDict[bytes, tuple[Any, ...]],
+    blocks: dict[bytes, tuple[Any, ...]],
     low: int,
     spec: dict[bytes, int],
     keys: Sequence[bytes],
@@ -117,7 +116,7 @@ def walk(
         if not alive:
             break
         if entry is not None:
-            blocks.move_to_end(key)
+            blocks[key] = blocks.pop(key)  # to the LRU end
         masks.append(mask)
         alives.append(alive)
     return masks, alives
