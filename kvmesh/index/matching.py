@@ -8,6 +8,7 @@ the range building visits two replicas, not 1,000 (see ``docs/bench/scale.md``).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ from kvmesh.index.media import BITS, BYTE, COLUMNS, AnyMedium, MediaView
 
 
 def match_chain(
-    blocks: dict[bytes, tuple[Any, ...]],
+    blocks: OrderedDict[bytes, tuple[Any, ...]],
     low: int,
     spec: dict[bytes, int],
     bs: int,
@@ -80,7 +81,7 @@ def _leading(alives: list[int], bit: int) -> int:
 
 
 def walk(
-    blocks: dict[bytes, tuple[Any, ...]],
+    blocks: OrderedDict[bytes, tuple[Any, ...]],
     low: int,
     spec: dict[bytes, int],
     keys: Sequence[bytes],
@@ -116,7 +117,7 @@ def walk(
         if not alive:
             break
         if entry is not None:
-            blocks[key] = blocks.pop(key)  # to the LRU end
+            blocks.move_to_end(key)
         masks.append(mask)
         alives.append(alive)
     return masks, alives
