@@ -9,8 +9,10 @@ equal). The ``cost`` policy's lists were recorded at d06b237, before its predict
 computing every candidate's 14 features as one matrix, and recorded again when a replica's
 own fit began to count only as far as its residuals show it differs from the fleet, and
 when the work queued on a replica began to be priced at the fit's current coefficients,
-and when the pooled fit's weight in a blend began to grow with its own evidence
-(deliberate changes of its decisions; the other policies' lists were unchanged). The fleet,
+and when the pooled fit's weight in a blend began to grow with its own evidence, and
+when the fits began to hand out their estimates projected into their box in their
+covariance's metric instead of clipped coordinate by coordinate (deliberate changes of its
+decisions; the other policies' lists were unchanged). The fleet,
 the index and the scorers are all deterministic, so any difference in one decision changes
 what follows: equal lists mean equal decisions.
 Re-record (only for a deliberate change of policy): ``python tests/unit/sim/test_picks.py``.
