@@ -174,9 +174,17 @@ def _stored(raw: Any) -> BlockStored:
     )
 
 
-def _frozen(value: Sequence[Any]) -> tuple[Any, ...]:
+# vLLM's extra keys nest two levels (a block's keys, a (mm_identifier, offset) pair). Deeper
+# is hostile: a few hundred levels, well within msgspec's decoder, overflowed Python's stack
+# in _frozen, and the RecursionError left the decoder (ending the event hub's thread).
+MAX_KEY_DEPTH = 16
+
+
+def _frozen(value: Sequence[Any], depth: int = 0) -> tuple[Any, ...]:
     # extra_keys hold nested arrays such as (mm_identifier, offset): tuples keep events hashable.
-    return tuple(_frozen(v) if isinstance(v, list) else v for v in value)
+    if depth >= MAX_KEY_DEPTH:
+        raise _bad(f"BlockStored.extra_keys nest deeper than {MAX_KEY_DEPTH} levels")
+    return tuple(_frozen(v, depth + 1) if isinstance(v, list) else v for v in value)
 
 
 def _removed(raw: Any) -> BlockRemoved:
