@@ -79,6 +79,12 @@ class EventHub:
         os.set_blocking(self._wake_w, False)
         self._wake_lock = threading.Lock()  # no write to the pipe once it is closed
         self._wake_closed = False
+        # The hub's thread alone uses these: the poll, whom each socket serves, and the sockets
+        # to look at again without waiting (see _run).
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._by_socket: dict[zmq.Socket[bytes], EventSubscriber] = {}
+        self._pending: set[zmq.Socket[bytes]] = set()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -159,50 +165,30 @@ class EventHub:
 
     def _run(self) -> None:
         # epoll over each socket's ZMQ_FD: a wait costs what is ready, not what is registered
-        # (see the module docstring). The FD says "look at ZMQ_EVENTS": it signals when messages arrive at an
-        # empty queue, not per message, so a socket is read until EAGAIN, or kept in
-        # ``pending`` and looked at again without waiting.
-        sel = selectors.DefaultSelector()
-        sel.register(self._wake_r, selectors.EVENT_READ, None)
-        by_socket: dict[zmq.Socket[bytes], EventSubscriber] = {}
-        pending: set[zmq.Socket[bytes]] = set()
-
-        def serve(sub: EventSubscriber) -> None:
-            if sub._stop.is_set() or sub._sub in by_socket:
-                return
-            for sock in (sub._sub, sub._monitor):
-                sel.register(_fd(sock), selectors.EVENT_READ, sock)
-                by_socket[sock] = sub
-                pending.add(sock)  # what arrived before is not signalled again
-
-        def drop(sub: EventSubscriber) -> None:
-            if sub._sub in by_socket:
-                for sock in (sub._sub, sub._monitor):
-                    sel.unregister(_fd(sock))
-                    del by_socket[sock]
-                    pending.discard(sock)
-
+        # (see the module docstring). The FD says "look at ZMQ_EVENTS": it signals when
+        # messages arrive at an empty queue, not per message, so a socket is read until
+        # EAGAIN, or kept in ``_pending`` and looked at again without waiting.
         try:
             while not self._stop.is_set():
                 while not self._changes.empty():
                     op, sub, done = self._changes.get()
                     if op == "add":
                         if not sub._wants_start_replay() or not self._repair(sub, sub._started):
-                            serve(sub)
+                            self._serve(sub)
                     elif op == "resume":
-                        serve(sub)
+                        self._serve(sub)
                     else:
-                        drop(sub)
+                        self._drop(sub)
                     if done is not None:
                         done.set()
                 try:
-                    events = sel.select(0 if pending else _POLL_MS / 1000)
+                    events = self._sel.select(0 if self._pending else _POLL_MS / 1000)
                 except OSError as exc:
                     log.warning("KV event hub: %s", exc)
                     time.sleep(_POLL_MS / 1000)
                     continue
-                look = pending.copy()
-                pending.clear()
+                look = self._pending.copy()
+                self._pending.clear()
                 for key, _ in events:
                     if key.data is None:
                         with contextlib.suppress(BlockingIOError, OSError):
@@ -211,19 +197,31 @@ class EventHub:
                     else:
                         look.add(key.data)
                 for sock in look:
-                    self._serve_socket(sock, by_socket, pending, drop, serve)
+                    try:
+                        self._serve_socket(sock)
+                    except Exception:  # one replica's fault must not end every replica's events
+                        owner = self._by_socket.get(sock)
+                        log.exception("KV event hub, %s", owner.replica if owner else "a removed replica")
         finally:
-            sel.close()
+            self._sel.close()
 
-    def _serve_socket(
-        self,
-        sock: zmq.Socket[bytes],
-        by_socket: dict[zmq.Socket[bytes], EventSubscriber],
-        pending: set[zmq.Socket[bytes]],
-        drop: Callable[[EventSubscriber], None],
-        serve: Callable[[EventSubscriber], None],
-    ) -> None:
-        owner = by_socket.get(sock)
+    def _serve(self, sub: EventSubscriber) -> None:
+        if sub._stop.is_set() or sub._sub in self._by_socket:
+            return
+        for sock in (sub._sub, sub._monitor):
+            self._sel.register(_fd(sock), selectors.EVENT_READ, sock)
+            self._by_socket[sock] = sub
+            self._pending.add(sock)  # what arrived before is not signalled again
+
+    def _drop(self, sub: EventSubscriber) -> None:
+        if sub._sub in self._by_socket:
+            for sock in (sub._sub, sub._monitor):
+                self._sel.unregister(_fd(sock))
+                del self._by_socket[sock]
+                self._pending.discard(sock)
+
+    def _serve_socket(self, sock: zmq.Socket[bytes]) -> None:
+        owner = self._by_socket.get(sock)
         if owner is None:  # taken out earlier in this round (a repair)
             return
         try:
@@ -247,12 +245,12 @@ class EventHub:
             if owner._wants_replay(frames):
                 # Out of the loop until its replay has delivered: its later messages wait in
                 # its socket, in order; everyone else's go on.
-                drop(owner)
+                self._drop(owner)
                 if not self._repair(owner, owner._on_live, frames):
-                    serve(owner)  # stopping: the remove that follows takes it out
+                    self._serve(owner)  # stopping: the remove that follows takes it out
                 return
             owner._on_live(frames)
-        pending.add(sock)  # a burst's worth read: the rest next round, after the others
+        self._pending.add(sock)  # a burst's worth read: the rest next round, after the others
 
 
 def _fd(sock: zmq.Socket[bytes]) -> int:

@@ -116,3 +116,33 @@ def test_two_hundred_replicas_each_burst_past_the_read_limit_all_arrive_in_order
     finally:
         for p in pubs:
             p.close()
+
+
+def test_a_fault_in_one_replica_s_stream_ends_no_other_s() -> None:
+    """Fault injection (a stand-in for any bug a payload could reach): one subscriber's live
+    handling raises. The hub logs it and keeps serving everyone; its one thread had ended."""
+    pubs = [LossyPublisher(LOOPBACK, topic="kv") for _ in range(2)]
+    recs = [Recorder() for _ in pubs]
+    try:
+        with EventHub() as hub:
+            subs = [
+                EventSubscriber(p.endpoint, r.on_batch, f"r{i}", None, hub=hub)
+                for i, (p, r) in enumerate(zip(pubs, recs, strict=True))
+            ]
+            starts = [warm_up(p, r) for p, r in zip(pubs, recs, strict=True)]
+
+            def broken(frames: list[bytes]) -> None:
+                raise RuntimeError("injected")
+
+            subs[0]._on_live = broken  # type: ignore[method-assign]
+            pubs[0].publish(batch(starts[0]))
+            pubs[0].flush()
+            for k in range(3):
+                pubs[1].publish(batch(starts[1] + k))
+            wait_for(lambda: recs[1].ts[-1] == float(starts[1] + 2))
+            assert hub._thread.is_alive()
+            for s in subs:
+                s.close()
+    finally:
+        for p in pubs:
+            p.close()
