@@ -25,18 +25,19 @@ def test_one_thread_serves_every_replica_in_order_and_repairs_gaps() -> None:
             assert not any(t.name.startswith("kvmesh-event-sub-") for t in threading.enumerate())
             assert threading.active_count() <= before + 2
             starts = [warm_up(p, r) for p, r in zip(pubs, recs, strict=True)]
+            firsts = [r.ts for r in recs]  # PUB drops what it sends before a subscription arrives
             pubs[2].drop = {starts[2] + 3}  # one replica loses a batch: repaired by replay
             for k in range(12):  # interleaved, more than a burst per replica
                 for p, n in zip(pubs, starts, strict=True):
                     p.publish(batch(n + k))
-            for r, n in zip(recs, starts, strict=True):
-                wait_for(lambda r=r, n=n: len(r.batches) == n + 12)  # type: ignore[misc]
-                assert r.ts == [float(i) for i in range(n + 12)] and r.gaps == []
+            for r, n, f in zip(recs, starts, firsts, strict=True):
+                wait_for(lambda r=r, f=f: len(r.batches) == len(f) + 12)  # type: ignore[misc]
+                assert r.ts == f + [float(n + k) for k in range(12)] and r.gaps == []
             assert subs[2].stats()["repaired"] == 1
             for s in subs:
                 s.close()
             pubs[0].publish(batch(starts[0] + 12))  # closed: no longer delivered
-            assert len(recs[0].batches) == starts[0] + 12
+            assert len(recs[0].batches) == len(firsts[0]) + 12
     finally:
         for p in pubs:
             p.close()
@@ -61,20 +62,22 @@ def test_a_replay_that_never_answers_holds_up_no_other_replica() -> None:
                 pub_b.endpoint, rec_b.on_batch, "b", pub_b.replay_endpoint, rec_b.on_gap, hub=hub
             )
             na, nb = warm_up(pub_a, rec_a), warm_up(pub_b, rec_b)
+            # PUB drops what it sends before a subscription arrives: count from what came
+            a0, b0 = rec_a.ts, len(rec_b.batches)
             pub_a.drop = {na}
             pub_a.publish(batch(na))
             pub_a.publish(batch(na + 1))  # a gap: a's replay starts, and hangs
             wait_for(lambda: hung.poll(0) != 0)  # the replay request has reached the hung socket
             for k in range(3):
                 pub_b.publish(batch(nb + k))
-            wait_for(lambda: len(rec_b.batches) == nb + 3, timeout=2.0)
+            wait_for(lambda: len(rec_b.batches) == b0 + 3, timeout=2.0)
             # b was served while a's replay was still pending: a's gap is not reported yet
-            assert rec_a.gaps == [] and len(rec_a.batches) == na
+            assert rec_a.gaps == [] and rec_a.ts == a0
             wait_for(lambda: rec_a.gaps == ["a"], timeout=5.0)  # timed out: reported, and on
             wait_for(lambda: rec_a.ts[-1] == float(na + 1))
             pub_a.publish(batch(na + 2))  # back in the hub's loop
             wait_for(lambda: rec_a.ts[-1] == float(na + 2))
-            assert rec_a.ts == [float(i) for i in range(na)] + [float(na + 1), float(na + 2)]
+            assert rec_a.ts == [*a0, float(na + 1), float(na + 2)]
             assert sub_a.stats()["unrepaired"] == 1 and rec_b.gaps == []
 
             pub_a.drop = {na + 3}
@@ -83,7 +86,7 @@ def test_a_replay_that_never_answers_holds_up_no_other_replica() -> None:
             wait_for(lambda: sub_a.stats()["gaps"] == 2)
             sub_a.close(timeout=5.0)
             pub_b.publish(batch(nb + 3))  # the hub still serves b
-            wait_for(lambda: len(rec_b.batches) == nb + 4)
+            wait_for(lambda: len(rec_b.batches) == b0 + 4)
             assert sub_b.stats()["gaps"] == 0
             sub_b.close()
     finally:
