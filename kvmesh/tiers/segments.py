@@ -44,6 +44,7 @@ from kvmesh.tiers.segment_format import (
     read_record,
     record_prefix,
     scan_slot,
+    start_writeback,
 )
 from kvmesh.tiers.segment_space import Entry, SegmentSpace, Slot
 
@@ -225,6 +226,7 @@ class SegmentTier(SegmentSpace):
                 self.metrics.inc("skipped_stores")
                 results.append(False)
                 continue
+            start_writeback(self._fd, off, pad(length))
             s.used += pad(length)
             s.pending += 1
             self._traced("write", t0, [[off, pad(length)]], cls=cls, key=key.text)
