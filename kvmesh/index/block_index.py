@@ -200,7 +200,10 @@ class BlockIndex:
                 self._counts["placeholders" if ev.block_size == 0 else "invalid"] += 1
                 return
             bs = ev.block_size
-            emap = self._emap[rid].setdefault(bs, {})
+            maps = self._emap[rid]
+            emap = maps.get(bs)
+            if emap is None:
+                emap = maps[bs] = {}
             if ev.parent_block_hash is None:
                 prev = chain_root(bs, ev.lora_name)
             else:
@@ -212,8 +215,8 @@ class BlockIndex:
             hashes = chain(prepared[0], bs, prev, prepared[1])
             self._hold(rid, medium, bs, emap, zip(ev.block_hashes, hashes, strict=True))
             self._counts["stored_blocks"] += len(hashes)
-            while len(self._blocks) > self.max_blocks:
-                self._evict_oldest()
+            if len(self._blocks) > self.max_blocks:
+                self._evict(len(self._blocks) - self.max_blocks)
 
     def store_keys(
         self, replica: str, medium: str | None, block_size: int, blocks: Iterable[tuple[BlockHash, bytes]]
@@ -230,8 +233,8 @@ class BlockIndex:
             rid = self._rid(replica)
             emap = self._emap[rid].setdefault(block_size, {})
             self._counts["stored_blocks"] += self._hold(rid, med, block_size, emap, blocks)
-            while len(self._blocks) > self.max_blocks:
-                self._evict_oldest()
+            if len(self._blocks) > self.max_blocks:
+                self._evict(len(self._blocks) - self.max_blocks)
 
     def _hold(
         self,
@@ -246,18 +249,22 @@ class BlockIndex:
         One call per event, not per block: at ~4 blocks an event the calls were ~5% of ingest.
         """
         bit = slot(medium)
+        alone, rid_shift = 1 << bit, _shift(rid)  # a new entry's packed mask and shift
         table = self._blocks
-        n = 0
+        n = new = 0
         for eh, key in blocks:
             n += 1
             old = emap.get(eh)
             if old is not None and old != key:
                 # The engine reused this hash for other tokens: the old block is gone from it.
+                if new:  # counted first: the old block may be one this call added
+                    self._size_blocks[bs] = self._size_blocks.get(bs, 0) + new
+                    new = 0
                 self._drop_holder(rid, old, BYTE)
             entry = table.get(key)
             if entry is None:
-                table[key] = (1 << bit, _shift(rid), bs, rid, eh)
-                self._size_blocks[bs] = self._size_blocks.get(bs, 0) + 1
+                table[key] = (alone, rid_shift, bs, rid, eh)
+                new += 1
                 emap[eh] = key
                 continue
             table.move_to_end(key)
@@ -280,6 +287,8 @@ class BlockIndex:
                 holders += (rid, eh)
             table[key] = (self._share(m), shift, bs, *holders)
             emap[eh] = key
+        if new:
+            self._size_blocks[bs] = self._size_blocks.get(bs, 0) + new
         return n
 
     def remove(
@@ -348,14 +357,20 @@ class BlockIndex:
             self._size_blocks[bs] -= 1
         return True
 
-    def _evict_oldest(self) -> None:
-        key, entry = self._blocks.popitem(last=False)
-        self._size_blocks[entry[2]] -= 1
-        for i in range(3, len(entry), 2):
-            emap = self._emap.get(entry[i], {}).get(entry[2])
-            if emap is not None and emap.get(entry[i + 1]) == key:
-                del emap[entry[i + 1]]
-        self._counts["evictions"] += 1
+    def _evict(self, count: int) -> None:
+        """Evict the ``count`` least recently stored or matched blocks (one call, not one per
+        block: a full index evicts a block for every block it stores)."""
+        pop, sizes, emaps = self._blocks.popitem, self._size_blocks, self._emap
+        for _ in range(count):
+            key, entry = pop(last=False)
+            bs = entry[2]
+            sizes[bs] -= 1
+            for i in range(3, len(entry), 2):
+                maps = emaps.get(entry[i])
+                emap = maps.get(bs) if maps is not None else None
+                if emap is not None and emap.get(entry[i + 1]) == key:
+                    del emap[entry[i + 1]]
+        self._counts["evictions"] += count
 
     def _clear(self, rid: int) -> None:
         for maps in self._emap[rid].values():
