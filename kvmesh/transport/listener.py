@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 # connection for the next request.
 Handler = Callable[[socket.socket, dict[str, Any]], bool]
 SWEEP_S = 0.05  # how often deadlines are checked
+LATE_WARN_MS = 1000  # a selector thread held up this long is logged (a new maximum only)
 COUNTERS = (
     "accepted",
     "refused_cap",
@@ -54,6 +55,10 @@ COUNTERS = (
     "deadline_drops",
     "requests",
     "queue_wait_ms_max",  # the longest a complete request waited for a pool thread
+    # The longest the selector thread was away past its wake-up (select's timeout, or the
+    # end of a pass over ready sockets): a thread starved of the CPU or the interpreter
+    # lock, which every connection's handshake then waits for.
+    "loop_late_ms_max",
 )
 
 
@@ -139,7 +144,12 @@ class Listener:
         next_sweep = time.monotonic() + SWEEP_S
         try:
             while not self._closed.is_set():
-                for skey, _ in self._sel.select(SWEEP_S):
+                asked = time.monotonic()
+                ready = self._sel.select(SWEEP_S)
+                woke = time.monotonic()
+                if not ready:  # a timeout: due at asked + SWEEP_S
+                    self._late(woke - asked - SWEEP_S)
+                for skey, _ in ready:
                     if skey.data is None:
                         self._take_returned()
                     elif isinstance(skey.data, socket.socket):
@@ -147,6 +157,7 @@ class Listener:
                     else:
                         self._read(skey.data)
                 now = time.monotonic()
+                self._late(now - woke)  # one pass over what was ready
                 if now >= next_sweep:
                     self._sweep(now)
                     next_sweep = now + SWEEP_S
@@ -156,6 +167,18 @@ class Listener:
             for conn in list(self._conns.values()):
                 if not conn.busy:
                     self._drop(conn, None)
+
+    def _late(self, seconds: float) -> None:
+        ms = int(seconds * 1000)
+        if ms > self.counters["loop_late_ms_max"]:
+            self.counters["loop_late_ms_max"] = ms
+            if ms >= LATE_WARN_MS:
+                log.warning(
+                    "kvmesh: listener %s: its selector thread was held up %d ms (the process is "
+                    "short of CPU, or another thread holds the interpreter lock); handshakes wait for it",
+                    self.name,
+                    ms,
+                )
 
     def _accept(self, lst: socket.socket) -> None:
         while True:

@@ -94,3 +94,28 @@ def test_close_while_a_request_runs(server: tuple[Listener, int]) -> None:
     assert not any(t.name == "test" for t in threading.enumerate())  # the selector thread ended
     assert _hung_up(s)  # the request's connection is closed once its handler returns
     s.close()
+
+
+def test_a_held_up_selector_thread_is_counted_and_logged(
+    server: tuple[Listener, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fault injection: the selector thread's next wait overruns by 1.2 s (as a thread starved
+    of the CPU or the interpreter lock would); the listener reports it and keeps serving."""
+    lst, port = server
+    real = lst._sel.select
+    stalled = threading.Event()
+
+    def select(timeout: float | None = None) -> Any:
+        if not stalled.is_set():
+            stalled.set()
+            time.sleep(1.2)
+            return []
+        return real(timeout)
+
+    lst._sel.select = select  # type: ignore[method-assign]
+    assert stalled.wait(5)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(_proof(s) + frame({"op": "x"}))
+        assert recv_msg(s, deadline=time.monotonic() + 2) == {"t": "ok", "n": 0}
+    assert lst.stats()["loop_late_ms_max"] >= 1000
+    assert any("held up" in r.getMessage() for r in caplog.records)
