@@ -597,3 +597,38 @@ def test_sigkill_mid_write_never_yields_wrong_data(tmp_path: Path) -> None:
             assert g is not None and bytes(g.data) == payload(index[text])
         tier.close()
     assert len(acked) > 0
+
+
+def test_a_large_chunk_starts_its_writeback_piece_by_piece(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk file larger than a piece has each full piece's writeback started as it is
+    written (the file's fsync still makes it durable); a small chunk starts none; a refused
+    start changes nothing."""
+    import kvmesh.tiers.diskfiles as diskfiles
+
+    started: list[tuple[int, int]] = []
+
+    def start(fd: int, off: int, length: int) -> bool:
+        started.append((off, length))
+        return False  # as where the call is missing
+
+    monkeypatch.setattr(diskfiles, "start_writeback", start)
+    monkeypatch.setattr(diskfiles, "WRITEBACK_PIECE", 4096)
+    tier = DiskTier(str(tmp_path), opts())
+    (big,) = make_chunks(1, layout=KVLayout(2, 2, 64, "float32"))
+    body = len(big.data)
+    assert body > 3 * 4096
+    assert put(tier, [big]) == [True]
+    head = os.path.getsize(file_of(tmp_path, big.key)) - body
+    # every full piece but one ending the body started, at its file offset; the rest is
+    # left to the fsync
+    want = [(head + at, 4096) for at in range(0, body - 4096, 4096)]
+    assert started == want and len(want) >= 3
+    started.clear()
+    (small,) = make_chunks(1, seed=1)  # 512 B of KV: under one piece
+    assert put(tier, [small]) == [True]
+    assert started == []
+    assert_same(tier.get([big.key])[0], big)
+    assert_same(tier.get([small.key])[0], small)
+    tier.close()
