@@ -343,7 +343,7 @@ def _write_started(fd: int, mv: memoryview, at: int) -> None:
     for start in range(0, mv.nbytes, WRITEBACK_PIECE):
         piece = mv[start : start + WRITEBACK_PIECE]
         _write_all(fd, piece)
-        if piece.nbytes == WRITEBACK_PIECE and start + WRITEBACK_PIECE < mv.nbytes:
+        if start + WRITEBACK_PIECE < mv.nbytes:  # a full piece, and not the last
             start_writeback(fd, at + start, WRITEBACK_PIECE)
 
 

@@ -141,14 +141,18 @@ def start_writeback(fd: int, off: int, length: int) -> bool:
     """Start writing ``[off, off + length)`` to the device now, without waiting for it
     (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, as RocksDB's ``bytes_per_sync``).
 
-    Left to the kernel, a batch's pages stay dirty until its ``fdatasync``: the device idles
-    while they are written to the page cache, then takes the whole batch at once, and a large
-    batch runs into the kernel's dirty-page throttling, which stalls a later write. Started
-    per record, the device writes while the next record is copied in, and the ``fdatasync``
-    that makes the batch durable waits for what is left. Not a durability step: ``False``
-    where the call is missing or refused (the ``fdatasync`` still does it all).
+    Left to the kernel, written pages stay dirty until the ``fdatasync`` that makes them
+    durable: the device idles while they are copied into the page cache, then takes them all
+    at once, and many dirty pages run into the kernel's throttling, which stalls a later
+    write. Started as each piece is written, the device writes while the next is copied in,
+    and the ``fdatasync`` waits for what is left. Not a durability step: ``False`` where the
+    call is missing or refused (the ``fdatasync`` still does it all).
     """
-    fn = getattr(_libc, "sync_file_range", None)
-    if fn is None:
+    if _sync_file_range is None:
         return False
-    return int(fn(fd, ctypes.c_int64(off), ctypes.c_int64(length), ctypes.c_uint(SYNC_FILE_RANGE_WRITE))) == 0
+    return int(_sync_file_range(fd, ctypes.c_int64(off), ctypes.c_int64(length), SYNC_FILE_RANGE_WRITE)) == 0
+
+
+_sync_file_range = getattr(_libc, "sync_file_range", None)  # Linux only
+if _sync_file_range is not None:
+    _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]

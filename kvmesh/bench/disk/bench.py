@@ -238,7 +238,6 @@ def real_cell(
         "readback_p50_ms": round(cold * 1e3, 3),
         "implied_ttft_2000_ms": round(load_s * 1e3, 1),
         "write_mb_s_32mib": round(big_mb_s, 1),
-        "_write_mb_s_32mib_each": [round(mb, 1) for _, mb in loads],
         "hints": res.placement.get("hints_accepted"),
         "_lat": per_chunk.tolist(),
         "_puts": res.puts,
