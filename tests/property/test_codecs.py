@@ -139,15 +139,18 @@ def test_cachegen_ans_and_zstd_entropy_coders_decode_the_same_kv() -> None:
 def _torch_dequantise(
     a8: np.ndarray, d8: np.ndarray, side: np.ndarray, q: int, n_tokens: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The decoder's steps in torch (what the codec ran before its kernel): the reference."""
+    """The decoder's steps in torch: each group's anchor, then its deltas added token by
+    token in float32 (the encoder's closed-loop reconstruction): the reference."""
     sections, groups, channels = a8.shape
     g = d8.shape[1] // groups + 1
     amin, step, dbin = (torch.from_numpy(side[i]) for i in range(3))
-    deq_a = amin[:, None] + torch.from_numpy(a8.copy()).float() * step[:, None]
+    rec = amin[:, None] + torch.from_numpy(a8.copy()).float() * step[:, None]
     d = torch.from_numpy(d8.copy()).float().sub_(q).view(sections, groups, g - 1, channels)
     full = torch.empty(sections, groups, g, channels)
-    full[:, :, 0] = deq_a
-    full[:, :, 1:] = deq_a[:, :, None] + d.mul_(dbin[:, None, None]).cumsum_(dim=2)
+    full[:, :, 0] = rec
+    for j in range(1, g):
+        rec = rec + d[:, :, j - 1] * dbin[:, None]
+        full[:, :, j] = rec
     return full.view(sections, groups * g, channels)[:, :n_tokens].to(dtype)
 
 
@@ -198,8 +201,9 @@ def test_cachegen_delta_out_of_range_is_corrupt_even_in_the_padding() -> None:
 
 
 def _torch_quantise(x: torch.Tensor, codec: CacheGenCodec, alphas: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The encoder's steps in torch (what the codec ran before its kernels): side info and
-    symbols for one chunk ``x[sections, tokens, channels]`` (float32), as the reference."""
+    """The encoder's steps in torch (what the codec ran before its kernels): side info,
+    symbols, and the closed loop's reconstruction of every token, for one chunk
+    ``x[sections, tokens, channels]`` (float32), as the reference."""
     sections, n, channels = x.shape
     g, q = codec.group, codec.half_range
     ng = -(-n // g)
@@ -215,11 +219,15 @@ def _torch_quantise(x: torch.Tensor, codec: CacheGenCodec, alphas: torch.Tensor)
     a_sym = ((anchors - amin[:, None]) / step.clamp_min(1e-8)[:, None]).round_().clamp_(0, 255)
     rec = amin[:, None] + a_sym * step[:, None]
     d_sym = torch.empty(sections, ng, g - 1, channels)
+    recs = torch.empty(sections, ng, g, channels)
+    recs[:, :, 0] = rec
     for j in range(1, g):
         qj = ((xp[:, :, j] - rec) / dbin[:, None]).round_().clamp_(-q, q)
         rec = rec + qj * dbin[:, None]
         d_sym[:, :, j - 1] = qj
-    return side, a_sym.to(torch.uint8), d_sym.add_(q).to(torch.uint8)
+        recs[:, :, j] = rec
+    recs = recs.view(sections, ng * g, channels)[:, :n]
+    return side, a_sym.to(torch.uint8), d_sym.add_(q).to(torch.uint8), recs
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
@@ -228,7 +236,8 @@ def test_cachegen_kernels_encode_torchs_payload_byte_for_byte(
     dtype: str, planes: int, n: int, group: int
 ) -> None:
     """Finite KV: the compiled encoder writes the payload the torch steps wrote (side info
-    and every symbol), and the compiled decoder reads it back within the bins."""
+    and every symbol), and the compiled decoder gives back exactly the encoder's
+    closed-loop reconstruction, in the chunk's dtype."""
     layout = KVLayout(4, 2, 8, dtype, kv_planes=planes)
     gen = torch.Generator().manual_seed(n * 31 + group)
     kv = (torch.randn(layout.shape(n), generator=gen) * 3).cumsum(2).to(DTYPES[dtype])
@@ -239,11 +248,13 @@ def test_cachegen_kernels_encode_torchs_payload_byte_for_byte(
     alphas = torch.tensor(
         [cachegen.layer_alpha(codec.alpha, s // planes, layout.num_layers) for s in range(sections)]
     )
-    side, a8, d8 = _torch_quantise(kv.float().reshape(sections, n, -1), codec, alphas)
+    side, a8, d8, recs = _torch_quantise(kv.float().reshape(sections, n, -1), codec, alphas)
     head = cachegen._HEAD.size
     assert payload[head : head + side.numel() * 2] == side.numpy().tobytes()
     body = zstandard.ZstdDecompressor().decompress(payload[head + side.numel() * 2 :])
     assert body == a8.numpy().tobytes() + d8.numpy().tobytes()
+    out = codec.decode(memoryview(payload), layout, n, raw.nbytes)
+    assert bytes(out) == recs.to(DTYPES[dtype]).contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def test_cachegen_kernels_leave_the_gil() -> None:

@@ -185,21 +185,19 @@ _NO_BF16 = np.zeros((0, 0, 0), dtype=np.uint16)
 def _dequantise(
     a8: np.ndarray, d8: np.ndarray, side: np.ndarray, q: int, n_tokens: int, f32: np.ndarray, bf16: np.ndarray
 ) -> bool:
-    """The decoder's one pass: anchors dequantised, each group's deltas summed, every
+    """The decoder's one pass: anchors dequantised, each group's deltas added up, every
     token written once — as float32 into ``f32``, or as bfloat16 bits into ``bf16`` when
     that is not empty. Returns False if a delta symbol is out of range.
 
-    The arithmetic is torch's of the same steps, bit for bit: ``amin + a * step`` in
-    float32, the deltas ``(d - q) * dbin`` in float32 summed in float64 (torch's CPU
-    cumsum accumulates in double) and rounded, then added to the anchor in float32;
-    bfloat16 by round-to-nearest-even, as ``c10::BFloat16`` does (NaN as a quiet NaN).
+    The running value is the encoder's own reconstruction, bit for bit: ``amin + a * step``
+    then ``+ (d - q) * dbin`` token by token, in float32 as :func:`_quantise` computes it
+    (closed loop: the decoder ends where the encoder assumed it would). bfloat16 by
+    round-to-nearest-even, as ``c10::BFloat16`` does (NaN as a quiet NaN).
     """
     sections, groups, channels = a8.shape
     gm1 = d8.shape[1] // groups
     g = gm1 + 1
     to_bf16 = bf16.shape[0] > 0
-    deq = np.empty(channels, np.float32)
-    acc = np.empty(channels, np.float64)
     row = np.empty(channels, np.float32)
     bits = row.view(np.uint32)
     fq = np.float32(q)
@@ -212,15 +210,12 @@ def _dequantise(
                 if j == 0:
                     ak = a8[s, k]
                     for c in range(channels):
-                        deq[c] = amin[c] + np.float32(ak[c]) * step[c]
-                        acc[c] = 0.0
-                        row[c] = deq[c]
+                        row[c] = amin[c] + np.float32(ak[c]) * step[c]
                 else:
                     dj = d8[s, k * gm1 + j - 1]
                     for c in range(channels):
                         top = max(top, dj[c])
-                        acc[c] += (np.float32(dj[c]) - fq) * dbin[c]
-                        row[c] = deq[c] + np.float32(acc[c])
+                        row[c] = row[c] + (np.float32(dj[c]) - fq) * dbin[c]
                 t = t0 + j
                 if t >= n_tokens:
                     continue  # the padding of the last group: range-checked, not written
