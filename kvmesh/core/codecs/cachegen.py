@@ -4,7 +4,8 @@ What it keeps from CacheGen: KV is coded per layer and K/V, token-wise *deltas* 
 anchor tokens (neighbouring tokens' KV is similar), quantised per channel with coarser bins
 in deeper layers (early layers matter more to the output), then entropy coded.
 
-Steps, for each (layer, K/V) section ``x[tokens, channels]`` of the chunk:
+Steps, for each (layer, K/V) section ``x[tokens, channels]`` of the chunk (each layer's latent
+plane for MLA), in numba-compiled kernels that release the GIL:
 
 1. anchors: every ``group``-th token, 8-bit quantised per channel between the anchors'
    min and max;
