@@ -12,7 +12,9 @@ Codecs:
 * ``raw``  — the bytes as they are.
 * ``zstd`` — zstd over byte planes: every element's bytes are split into planes (high and low
   bytes of 16-bit values apart) before compressing, which compresses KV far better than
-  plain zstd because exponent bytes repeat and mantissa bytes do not.
+  plain zstd because exponent bytes repeat and mantissa bytes do not. The planes are made
+  and undone by compiled kernels (:mod:`kvmesh.core.codecs.planes`); level 1 by default:
+  on KV it compresses as well as level 3 or better, at twice the speed or more.
 * ``safetensors`` — the KV as a safetensors blob (:mod:`kvmesh.core.codecs.safetensors_codec`).
 * ``cachegen`` — lossy, opt-in: CacheGen-style delta quantisation + entropy coding
   (:mod:`kvmesh.core.codecs.cachegen`).
@@ -158,23 +160,26 @@ class ZstdPlaneCodec:
     name = "zstd"
     lossless = True
 
-    def __init__(self, level: int = 3) -> None:
+    def __init__(self, level: int = 1) -> None:
+        from kvmesh.core.codecs import planes  # numba: loaded when a zstd codec is made
+
         self.level = level
+        self._planes = planes
+        planes.warm_up()
 
     def encode(self, data: memoryview, layout: KVLayout, n_tokens: int) -> Buffer:
         itemsize = layout.itemsize
         arr = np.frombuffer(data, dtype=np.uint8)
         if itemsize > 1 and arr.size % itemsize == 0:
-            arr = np.ascontiguousarray(arr.reshape(-1, itemsize).T)
+            arr = self._planes.split_planes(arr, itemsize)
         # write_content_size (the default) declares the size a reader checks before decoding
-        return zstandard.ZstdCompressor(level=self.level).compress(arr.tobytes())
+        return zstandard.ZstdCompressor(level=self.level).compress(arr.data)
 
     def decode(self, data: memoryview, layout: KVLayout, n_tokens: int, raw_len: int) -> Buffer:
         itemsize = layout.itemsize
         out = zstd_decompress(data, raw_len)
         if itemsize > 1 and raw_len % itemsize == 0:
-            planes = np.frombuffer(out, dtype=np.uint8).reshape(itemsize, -1)
-            return np.ascontiguousarray(planes.T).reshape(-1).data
+            return self._planes.merge_planes(np.frombuffer(out, dtype=np.uint8), itemsize).data
         return out
 
     def max_encoded(self, layout: KVLayout, n_tokens: int) -> int:

@@ -1,0 +1,101 @@
+"""Byte planes for the ``zstd`` codec: byte ``p`` of every element, plane after plane.
+
+The same bytes as ``np.ascontiguousarray(raw.reshape(-1, itemsize).T)`` (and back), in one
+numba-compiled pass for 2- and 4-byte elements on a little-endian host: a shift per plane of
+each element read as one integer, ~10x faster than numpy's strided transpose. Anything else
+(1-byte elements, a big-endian host, a buffer not aligned to its elements) takes the
+transpose. The kernels release the GIL: a
+tier's I/O thread coding a chunk leaves it to vLLM's forward loop.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import numpy as np
+from numba import njit
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_LITTLE = sys.byteorder == "little"
+
+
+def _jit(fn: _F) -> _F:
+    """numba.njit with its type kept (numba has no stubs); compiled once, cached on disk."""
+    return cast(_F, njit(cache=True, nogil=True)(fn))
+
+
+@_jit
+def _split2(words: np.ndarray, out: np.ndarray) -> None:
+    n = words.size
+    for i in range(n):
+        w = words[i]
+        out[i] = np.uint8(w & 0xFF)
+        out[n + i] = np.uint8(w >> 8)
+
+
+@_jit
+def _split4(words: np.ndarray, out: np.ndarray) -> None:
+    n = words.size
+    for i in range(n):
+        w = words[i]
+        out[i] = np.uint8(w & 0xFF)
+        out[n + i] = np.uint8((w >> 8) & 0xFF)
+        out[2 * n + i] = np.uint8((w >> 16) & 0xFF)
+        out[3 * n + i] = np.uint8(w >> 24)
+
+
+@_jit
+def _merge2(planes: np.ndarray, words: np.ndarray) -> None:
+    n = words.size
+    for i in range(n):
+        words[i] = np.uint16(planes[i]) | (np.uint16(planes[n + i]) << np.uint16(8))
+
+
+@_jit
+def _merge4(planes: np.ndarray, words: np.ndarray) -> None:
+    n = words.size
+    for i in range(n):
+        words[i] = (
+            np.uint32(planes[i])
+            | (np.uint32(planes[n + i]) << np.uint32(8))
+            | (np.uint32(planes[2 * n + i]) << np.uint32(16))
+            | (np.uint32(planes[3 * n + i]) << np.uint32(24))
+        )
+
+
+_KERNELS = {2: (np.uint16, _split2, _merge2), 4: (np.uint32, _split4, _merge4)}
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view: one compiled signature, whether the caller's buffer is writable."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+def split_planes(raw: np.ndarray, itemsize: int) -> np.ndarray:
+    """``raw`` (uint8, a whole number of elements) as its byte planes, in a new array."""
+    kernels = _KERNELS.get(itemsize)
+    if kernels is None or not _LITTLE or raw.ctypes.data % itemsize:
+        return np.ascontiguousarray(raw.reshape(-1, itemsize).T).reshape(-1)
+    out = np.empty(raw.size, dtype=np.uint8)
+    kernels[1](_readonly(raw.view(kernels[0])), out)
+    return out
+
+
+def merge_planes(planes: np.ndarray, itemsize: int) -> np.ndarray:
+    """The elements back from their byte planes (uint8), in a new array."""
+    kernels = _KERNELS.get(itemsize)
+    if kernels is None or not _LITTLE:
+        return np.ascontiguousarray(planes.reshape(itemsize, -1).T).reshape(-1)
+    words = np.empty(planes.size // itemsize, dtype=kernels[0])
+    kernels[2](_readonly(planes), words)
+    return words.view(np.uint8)
+
+
+def warm_up() -> None:
+    """Compile the kernels (or load them from numba's cache on disk) before the first chunk."""
+    for itemsize in _KERNELS:
+        merge_planes(split_planes(np.zeros(2 * itemsize, dtype=np.uint8), itemsize), itemsize)
