@@ -48,6 +48,11 @@ ENTROPY = {"ans": 0, "zstd": 1}
 _F16_MAX = 60000.0
 _MIN_BIN = 1e-8
 MAX_GROUP = 1024
+# A group longer than its chunk only pads it: the encoder caps the group at the chunk's
+# length (or 16, the default group), and the decoder refuses a longer one. So the symbols a
+# payload makes the decoder allocate stay within ~2x the chunk's tokens (+15), whatever
+# group its header names (1,024 on a 1-token chunk would be ~1,000x).
+SHORT_GROUP = 16
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
@@ -82,7 +87,7 @@ class CacheGenCodec:
     def encode(self, data: memoryview, layout: KVLayout, n_tokens: int) -> bytes:
         sections = layout.num_layers * layout.kv_planes
         channels = layout.num_kv_heads * layout.head_size
-        g, q = self.group, self.half_range
+        g, q = min(self.group, max(SHORT_GROUP, n_tokens)), self.half_range
         if n_tokens < 1:
             raise ValueError("cachegen codes chunks of at least one token")
         ng = -(-n_tokens // g)
@@ -144,9 +149,9 @@ class CacheGenCodec:
             layout.num_kv_heads * layout.head_size,
         ):
             raise CorruptChunkError("cachegen payload's shape does not match the chunk header")
-        # The group sets how many padded tokens are decoded: bounded like the encoder's, so
-        # the symbol arrays stay within a small multiple of the chunk's own size.
-        if not 2 <= g <= MAX_GROUP or q < 1 or q > 127 or n_tokens < 1:
+        # The group sets how many padded tokens are decoded: no longer than the chunk (see
+        # SHORT_GROUP), so the symbol arrays stay within a small multiple of its own size.
+        if not 2 <= g <= min(MAX_GROUP, max(SHORT_GROUP, n_tokens)) or q < 1 or q > 127 or n_tokens < 1:
             raise CorruptChunkError("cachegen payload has invalid parameters")
         side_dtype = np.float32 if ent & 0x80 else np.float16
         n_side = 3 * sections * channels
