@@ -23,23 +23,16 @@ million page writes per second; nothing here loops over pages in Python.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import numpy as np
-from numba import njit
 
+from kvmesh.core.jit import kernel
 from kvmesh.errors import ConfigError
 from kvmesh.storage.trace import OP_READ, OP_TRIM, OP_WRITE
 
 GC_POLICIES = {"greedy": 0, "cost-benefit": 1}
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _jit(fn: _F) -> _F:
-    """numba.njit with its type kept (numba has no stubs); compiled once, cached on disk."""
-    return cast(_F, njit(cache=True)(fn))
 
 
 @dataclass(frozen=True)
@@ -115,13 +108,13 @@ class FTLResult:
         }
 
 
-@_jit
+@kernel
 def _alloc(free: np.ndarray, nfree: np.ndarray) -> int:
     nfree[0] -= 1
     return int(free[nfree[0]])
 
 
-@_jit
+@kernel
 def _victim(
     state: np.ndarray, valid: np.ndarray, closed_at: np.ndarray, now: float, ppr: int, policy: int
 ) -> int:
@@ -143,7 +136,7 @@ def _victim(
     return best
 
 
-@_jit
+@kernel
 def _place(
     s: int,
     lpn: int,
@@ -175,7 +168,7 @@ def _place(
     valid[open_ru[s]] += 1
 
 
-@_jit
+@kernel
 def _simulate(
     ops: np.ndarray,
     lpns: np.ndarray,

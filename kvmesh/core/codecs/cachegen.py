@@ -29,15 +29,13 @@ is checked before the codec runs).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
-from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
 import zstandard
-from numba import njit
 
 from kvmesh.core.codecs.base import zstd_bound, zstd_decompress
+from kvmesh.core.jit import kernel
 from kvmesh.core.keys import KVLayout
 from kvmesh.core.memory import torch_dtype
 from kvmesh.errors import ConfigError, CorruptChunkError
@@ -53,13 +51,6 @@ MAX_GROUP = 1024
 # payload makes the decoder allocate stay within ~2x the chunk's tokens (+15), whatever
 # group its header names (1,024 on a 1-token chunk would be ~1,000x).
 SHORT_GROUP = 16
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _jit(fn: _F) -> _F:
-    """numba.njit with its type kept (numba has no stubs); compiled once, cached on disk.
-    ``nogil``: a tier's I/O thread decoding a chunk leaves the GIL to vLLM's forward loop."""
-    return cast(_F, njit(cache=True, nogil=True)(fn))
 
 
 def _early_layers(num_layers: int) -> int:
@@ -187,7 +178,7 @@ _NO_F32 = np.zeros((0, 0, 0), dtype=np.float32)
 _NO_BF16 = np.zeros((0, 0, 0), dtype=np.uint16)
 
 
-@_jit
+@kernel
 def _dequantise(
     a8: np.ndarray, d8: np.ndarray, side: np.ndarray, q: int, n_tokens: int, f32: np.ndarray, bf16: np.ndarray
 ) -> bool:
@@ -268,7 +259,7 @@ def _as_rows(data: memoryview, dtype: str, shape: tuple[int, int, int]) -> tuple
     return _readonly(x.reshape(shape)), _NO_X16
 
 
-@_jit
+@kernel
 def _load_row(x32: np.ndarray, x16: np.ndarray, s: int, t: int, row: np.ndarray, bits: np.ndarray) -> None:
     if x16.shape[0] > 0:
         src = x16[s, t]
@@ -278,7 +269,7 @@ def _load_row(x32: np.ndarray, x16: np.ndarray, s: int, t: int, row: np.ndarray,
         row[:] = x32[s, t]
 
 
-@_jit
+@kernel
 def _encode_stats(
     x32: np.ndarray,
     x16: np.ndarray,
@@ -323,7 +314,7 @@ def _encode_stats(
                 std[s, c] = abs(first[c])
 
 
-@_jit
+@kernel
 def _quantise(
     x32: np.ndarray, x16: np.ndarray, side: np.ndarray, q: int, n_tokens: int, a8: np.ndarray, d8: np.ndarray
 ) -> None:

@@ -4,29 +4,21 @@ The same bytes as ``np.ascontiguousarray(raw.reshape(-1, itemsize).T)`` (and bac
 numba-compiled pass for 2- and 4-byte elements on a little-endian host: a shift per plane of
 each element read as one integer, ~10x faster than numpy's strided transpose. Anything else
 (1-byte elements, a big-endian host, a buffer not aligned to its elements) takes the
-transpose. The kernels release the GIL: a
-tier's I/O thread coding a chunk leaves it to vLLM's forward loop.
+transpose. The kernels release the GIL (:mod:`kvmesh.core.jit`).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from typing import Any, TypeVar, cast
 
 import numpy as np
-from numba import njit
 
-_F = TypeVar("_F", bound=Callable[..., Any])
+from kvmesh.core.jit import kernel
+
 _LITTLE = sys.byteorder == "little"
 
 
-def _jit(fn: _F) -> _F:
-    """numba.njit with its type kept (numba has no stubs); compiled once, cached on disk."""
-    return cast(_F, njit(cache=True, nogil=True)(fn))
-
-
-@_jit
+@kernel
 def _split2(words: np.ndarray, out: np.ndarray) -> None:
     n = words.size
     for i in range(n):
@@ -35,7 +27,7 @@ def _split2(words: np.ndarray, out: np.ndarray) -> None:
         out[n + i] = np.uint8(w >> 8)
 
 
-@_jit
+@kernel
 def _split4(words: np.ndarray, out: np.ndarray) -> None:
     n = words.size
     for i in range(n):
@@ -46,14 +38,14 @@ def _split4(words: np.ndarray, out: np.ndarray) -> None:
         out[3 * n + i] = np.uint8(w >> 24)
 
 
-@_jit
+@kernel
 def _merge2(planes: np.ndarray, words: np.ndarray) -> None:
     n = words.size
     for i in range(n):
         words[i] = np.uint16(planes[i]) | (np.uint16(planes[n + i]) << np.uint16(8))
 
 
-@_jit
+@kernel
 def _merge4(planes: np.ndarray, words: np.ndarray) -> None:
     n = words.size
     for i in range(n):
