@@ -1,4 +1,7 @@
-"""``kvmesh ftl``: validate the FTL simulator, or replay a disk-tier I/O trace through it."""
+"""``kvmesh ftl``: validate the FTL simulator, or replay a disk-tier I/O trace through it.
+
+The simulator (numba) is imported when one of these commands runs, not when the parser is
+built: every kvmesh command builds it."""
 
 from __future__ import annotations
 
@@ -7,12 +10,13 @@ import json
 from typing import Any
 
 from kvmesh.errors import ConfigError
-from kvmesh.storage import ftl
-from kvmesh.storage.trace import compact, load_trace
+from kvmesh.storage.trace import GC_POLICIES, compact, load_trace
 from kvmesh.tiers.placement import LIFETIME_CLASSES, Placement
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from kvmesh.storage import ftl
+
     rows = ftl.validate(logical_pages=args.logical_pages)
     for r in rows:
         print(
@@ -28,6 +32,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    from kvmesh.storage import ftl
+
     # FDP: one reclaim-unit handle per lifetime level, as the disk tier's placement groups them.
     placement = Placement(
         "segments", class_map=json.loads(args.placement_map) if args.placement_map else None
@@ -83,7 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--page-bytes", type=int, default=4096)
     r.add_argument("--pages-per-block", type=int, default=64)
     r.add_argument("--blocks-per-ru", type=int, default=1)
-    r.add_argument("--gc", choices=sorted(ftl.GC_POLICIES), default="greedy")
+    r.add_argument("--gc", choices=sorted(GC_POLICIES), default="greedy")
     r.add_argument("--fdp", action="store_true", help="one reclaim-unit handle per lifetime level")
     r.add_argument(
         "--placement-map", help='JSON class -> level, as disk_placement_map (e.g. {"evict":"short"})'

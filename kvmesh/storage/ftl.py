@@ -30,9 +30,7 @@ import numpy as np
 
 from kvmesh.core.jit import kernel
 from kvmesh.errors import ConfigError
-from kvmesh.storage.trace import OP_READ, OP_TRIM, OP_WRITE
-
-GC_POLICIES = {"greedy": 0, "cost-benefit": 1}
+from kvmesh.storage.trace import GC_POLICIES, OP_READ, OP_TRIM, OP_WRITE
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Request kinds of the FTL (kvmesh.storage.ftl); here so the disk tier's tracing never
-# imports numba.
+# Request kinds and GC policies of the FTL (kvmesh.storage.ftl); here so the disk tier's
+# tracing, and the CLI's parser (every kvmesh command builds it), never import numba.
 OP_WRITE = 0
 OP_TRIM = 1
 OP_READ = 2
+GC_POLICIES = {"greedy": 0, "cost-benefit": 1}
 
 FS_IOC_FIEMAP = 0xC020660B
 FIEMAP_FLAG_SYNC = 0x1
