@@ -121,6 +121,17 @@ def test_tail_chunk_reload_leaves_only_the_last_token(redis_run: dict[str, Any])
     same(redis_run["a_tail_loaded_vs_local"], LOOSE)
 
 
+def test_zstd_coded_chunks_are_smaller_and_load_exactly(redis_run: dict[str, Any]) -> None:
+    """The Redis scenario codes its shared tier with zstd (compiled byte-plane kernels, in
+    vLLM's worker): every chunk the cpu tier took raw went to Redis in fewer bytes (raw, with
+    its headers, would be more), and B's loads of them were exact (the tests above)."""
+    assert redis_run["codec"] == "zstd"
+    cpu, remote = redis_run["a_stats"]["engine"]["cpu"], redis_run["a_stats"]["engine"]["remote"]
+    assert remote["stores"] == cpu["stores"] > 0
+    assert remote["bytes_in"] < 0.95 * cpu["bytes_in"], (remote["bytes_in"], cpu["bytes_in"])
+    assert stats(redis_run, "b_stats", "remote", "corrupt") == 0
+
+
 def test_redis_down_is_a_miss(redis_run: dict[str, Any]) -> None:
     assert redis_run["b_redis_down"]["num_cached_tokens"] == 0
     same(redis_run["b_redis_down_vs_local"], LOOSE)

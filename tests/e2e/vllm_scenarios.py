@@ -7,7 +7,7 @@ once): instance A caches a prompt, instance B (fresh CPU pool, same shared tier)
 A's prefix on its first request.
 
     python tests/e2e/vllm_scenarios.py fs    --model DIR --work DIR   # chunk 256, disk + fs://
-    python tests/e2e/vllm_scenarios.py redis --model DIR --work DIR   # chunk 512, Redis
+    python tests/e2e/vllm_scenarios.py redis --model DIR --work DIR   # chunk 512, Redis (zstd)
     python tests/e2e/vllm_scenarios.py swa   --model DIR --work DIR   # hybrid: sliding window + full
 
 vLLM's hybrid KV cache manager is on in every scenario (kvmesh implements SupportsHMA).
@@ -286,7 +286,8 @@ def scenario_fs(model: str, work: Path) -> dict[str, Any]:
 
 
 def scenario_redis(model: str, work: Path) -> dict[str, Any]:
-    """chunk 512, Redis remote tier, tail chunks on; then Redis stopped: misses, never errors.
+    """chunk 512, Redis remote tier coded with zstd (its compiled byte-plane kernels inside
+    vLLM's worker), tail chunks on; then Redis stopped: misses, never errors.
 
     P3 (1300 tokens) ends in a partial chunk: with save_unfull_chunk its reload covers all
     but the last prompt token (1299), not just the 1024 of its whole chunks."""
@@ -294,7 +295,7 @@ def scenario_redis(model: str, work: Path) -> dict[str, Any]:
 
     sock = work / "sock"
     p1, p3 = prompt(4321, 1537), prompt(777, 1300)
-    res: dict[str, Any] = {"chunk_size": 512, "p1_tokens": len(p1), "p3_tokens": len(p3)}
+    res: dict[str, Any] = {"chunk_size": 512, "p1_tokens": len(p1), "p3_tokens": len(p3), "codec": "zstd"}
     redis = RedisServer().start()
     try:
         base = {
@@ -302,6 +303,7 @@ def scenario_redis(model: str, work: Path) -> dict[str, Any]:
             "max_local_cpu_size": 0.25,
             "socket_dir": str(sock),
             "remote_url": redis.url,
+            "remote_serde": "zstd",
             "remote_timeout_s": 0.5,
             "save_unfull_chunk": True,
         }
