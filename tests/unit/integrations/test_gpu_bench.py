@@ -65,10 +65,11 @@ def test_gpu_check_script_imports_no_vllm() -> None:
 
 def _on_a_bare_gpu_machine(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     """``scripts/<script>`` with only torch, numpy, xxhash and msgpack importable (pydantic,
-    zstandard, msgspec, blake3, yaml and vLLM made unimportable), as on the GPU machines."""
+    zstandard, msgspec, blake3, yaml, numba and vLLM made unimportable), as on the GPU
+    machines."""
     code = (
         "import sys, importlib.abc, runpy\n"
-        "BLOCK = {'pydantic', 'zstandard', 'msgspec', 'blake3', 'vllm', 'yaml'}\n"
+        "BLOCK = {'pydantic', 'zstandard', 'msgspec', 'blake3', 'vllm', 'yaml', 'numba', 'llvmlite'}\n"
         "class B(importlib.abc.MetaPathFinder):\n"
         "    def find_spec(self, name, path, target=None):\n"
         "        if name.split('.')[0] in BLOCK:\n"
