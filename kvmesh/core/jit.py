@@ -30,6 +30,10 @@ def kernel(fn: _F) -> _F:
         return cast(_F, njit(cache=True, nogil=True)(fn))
     except RuntimeError as exc:  # numba: "cannot cache function ...: no locator available"
         if not _uncached:
-            log.warning("numba cannot cache compiled kernels here (%s): compiling them in each process", exc)
+            log.warning(
+                "numba cannot cache compiled kernels here (%s): compiling them in each process; "
+                "set NUMBA_CACHE_DIR to a writable directory to keep them",
+                exc,
+            )
         _uncached.append(fn.__qualname__)
         return cast(_F, njit(nogil=True)(fn))
