@@ -295,7 +295,7 @@ def test_zstd_codec_reads_payloads_of_any_level() -> None:
 
 def test_cachegen_group_is_capped_at_the_chunk_and_a_longer_one_is_corrupt() -> None:
     """A group longer than the chunk only pads it: the encoder writes the chunk's length
-    instead, and a payload naming a longer one (1,024 for 1 token: ~1,000x its KV in
+    instead, and a payload naming a longer one (1,024 for 1 token: 512x its bfloat16 KV in
     symbols) is refused before anything is allocated."""
     layout = KVLayout(2, 2, 8, "bfloat16")
     kv = torch.randn(layout.shape(20)).cumsum(2).to(torch.bfloat16)
