@@ -132,6 +132,19 @@ def test_zstd_coded_chunks_are_smaller_and_load_exactly(redis_run: dict[str, Any
     assert stats(redis_run, "b_stats", "remote", "corrupt") == 0
 
 
+def test_cachegen_disk_chunks_load_inside_vllm(redis_run: dict[str, Any]) -> None:
+    """A disk tier coded with cachegen (lossy, compiled kernels in vLLM's worker): the
+    prompt's whole chunks load from disk, none corrupt, stored several times smaller than
+    the cpu tier holds them. Outputs are not compared: the codec is lossy."""
+    assert redis_run["c_writes_landed"]
+    assert redis_run["c_loaded"]["num_cached_tokens"] == (redis_run["p1_tokens"] - 1) // 512 * 512
+    disk, cpu = redis_run["c_stats"]["engine"]["disk"], redis_run["c_stats"]["engine"]["cpu"]
+    assert disk["hits"] >= 1 and disk["corrupt"] == 0
+    # The cpu tier holds the same chunks again (the loads promoted them), raw.
+    assert disk["objects"] == cpu["objects"] > 0
+    assert 3 * disk["bytes_used"] < cpu["bytes_used"], (disk["bytes_used"], cpu["bytes_used"])
+
+
 def test_redis_down_is_a_miss(redis_run: dict[str, Any]) -> None:
     assert redis_run["b_redis_down"]["num_cached_tokens"] == 0
     same(redis_run["b_redis_down_vs_local"], LOOSE)

@@ -287,7 +287,8 @@ def scenario_fs(model: str, work: Path) -> dict[str, Any]:
 
 def scenario_redis(model: str, work: Path) -> dict[str, Any]:
     """chunk 512, Redis remote tier coded with zstd (its compiled byte-plane kernels inside
-    vLLM's worker), tail chunks on; then Redis stopped: misses, never errors.
+    vLLM's worker), tail chunks on; then Redis stopped: misses, never errors. Then C: a
+    disk tier coded with cachegen.
 
     P3 (1300 tokens) ends in a partial chunk: with save_unfull_chunk its reload covers all
     but the last prompt token (1299), not just the 1024 of its whole chunks."""
@@ -327,10 +328,28 @@ def scenario_redis(model: str, work: Path) -> dict[str, Any]:
         down, res["b_redis_down"] = b.run(p1)
         res["b_redis_down_vs_local"] = compare(local1, down)
         res["b_stats"] = b.call("stats")
-        res["start_s"] = [a.start_s, b.start_s]
         b.close()
     finally:
         redis.stop()
+    # C: a disk tier coded with cachegen (lossy; its compiled kernels in vLLM's worker): the
+    # prompt stored, the cpu tier cleared, the prompt loaded from disk.
+    c = Instance(
+        model,
+        "e2e-redis-C",
+        {"chunk_size": 512, "max_local_cpu_size": 0.25, "socket_dir": str(sock),
+         "local_disk": str(work / "disk-c"), "disk_serde": "cachegen"},
+        policy="recompute",
+        events=None,
+    )  # fmt: skip
+    c.run(prompt(3, 201))
+    c.run(p1)
+    res["c_writes_landed"] = c.call("wait_for_writes", timeout=60)
+    c.call("clear", tier="cpu")
+    c.llm.reset_prefix_cache()
+    _, res["c_loaded"] = c.run(p1)
+    res["c_stats"] = c.call("stats")
+    res["start_s"] = [a.start_s, b.start_s, c.start_s]
+    c.close()
     return res
 
 
