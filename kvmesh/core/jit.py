@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
+import numpy as np
 from numba import njit
 
 log = logging.getLogger(__name__)
@@ -37,3 +38,12 @@ def kernel(fn: _F) -> _F:
             )
         _uncached.append(fn.__qualname__)
         return cast(_F, njit(nogil=True)(fn))
+
+
+def readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a``. numba compiles a kernel once per argument type, and a
+    read-only array is another type: passing inputs read-only whoever made them (a tier's
+    ``bytes``, a writable slot) keeps each kernel to one signature, compiled or loaded once."""
+    v = a.view()
+    v.flags.writeable = False
+    return v

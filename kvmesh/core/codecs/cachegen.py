@@ -35,7 +35,7 @@ import torch
 import zstandard
 
 from kvmesh.core.codecs.base import zstd_bound, zstd_decompress
-from kvmesh.core.jit import kernel
+from kvmesh.core.jit import kernel, readonly
 from kvmesh.core.keys import KVLayout
 from kvmesh.core.memory import torch_dtype
 from kvmesh.errors import ConfigError, CorruptChunkError
@@ -78,9 +78,9 @@ class CacheGenCodec:
     def encode(self, data: memoryview, layout: KVLayout, n_tokens: int) -> bytes:
         sections = layout.num_layers * layout.kv_planes
         channels = layout.num_kv_heads * layout.head_size
-        g, q = min(self.group, max(SHORT_GROUP, n_tokens)), self.half_range
         if n_tokens < 1:
             raise ValueError("cachegen codes chunks of at least one token")
+        g, q = min(self.group, max(SHORT_GROUP, n_tokens)), self.half_range
         ng = -(-n_tokens // g)
         x32, x16 = _as_rows(data, layout.dtype, (sections, n_tokens, channels))
         amin = np.empty((sections, channels), dtype=np.float32)
@@ -237,26 +237,19 @@ def _split(flat: np.ndarray, shapes: tuple[tuple[int, int, int], ...]) -> tuple[
     return flat[:split].reshape(shapes[0]), flat[split:].reshape(shapes[1])
 
 
-def _readonly(a: np.ndarray) -> np.ndarray:
-    """A read-only view: the kernels are compiled for one signature, whoever made the array."""
-    v = a.view()
-    v.flags.writeable = False
-    return v
-
-
-_NO_X32 = _readonly(np.zeros((0, 0, 0), dtype=np.float32))
-_NO_X16 = _readonly(np.zeros((0, 0, 0), dtype=np.uint16))
+_NO_X32 = readonly(np.zeros((0, 0, 0), dtype=np.float32))
+_NO_X16 = readonly(np.zeros((0, 0, 0), dtype=np.uint16))
 
 
 def _as_rows(data: memoryview, dtype: str, shape: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
     """The chunk as the encoder's kernels read it: float32 as it is, bfloat16 as its bits
     (widened in the kernel), any other dtype cast to float32 first."""
     if dtype == "bfloat16":
-        return _NO_X32, _readonly(np.frombuffer(data, dtype=np.uint16).reshape(shape))
+        return _NO_X32, readonly(np.frombuffer(data, dtype=np.uint16).reshape(shape))
     if dtype == "float32":
-        return _readonly(np.frombuffer(data, dtype=np.float32).reshape(shape)), _NO_X16
+        return readonly(np.frombuffer(data, dtype=np.float32).reshape(shape)), _NO_X16
     x = torch.frombuffer(data, dtype=torch.uint8).view(torch_dtype(dtype)).float().numpy()
-    return _readonly(x.reshape(shape)), _NO_X16
+    return readonly(x.reshape(shape)), _NO_X16
 
 
 @kernel
@@ -432,4 +425,4 @@ def _ans_decode(
             arr[...] = sym.reshape(arr.shape)
     if pos != body.nbytes:
         raise CorruptChunkError("cachegen payload has trailing bytes")
-    return _split(_readonly(flat), shapes)
+    return _split(readonly(flat), shapes)

@@ -13,11 +13,14 @@ import sys
 
 import numpy as np
 
-from kvmesh.core.jit import kernel
+from kvmesh.core.jit import kernel, readonly
 
 _LITTLE = sys.byteorder == "little"
 
 
+# One kernel per word size and direction: with the size fixed the shifts are constants. One
+# kernel taking the size as an argument ran 10-12.5 ms against ~8 for 32 MiB (new buffer
+# included).
 @kernel
 def _split2(words: np.ndarray, out: np.ndarray) -> None:
     n = words.size
@@ -60,20 +63,13 @@ def _merge4(planes: np.ndarray, words: np.ndarray) -> None:
 _KERNELS = {2: (np.uint16, _split2, _merge2), 4: (np.uint32, _split4, _merge4)}
 
 
-def _readonly(a: np.ndarray) -> np.ndarray:
-    """A read-only view: one compiled signature, whether the caller's buffer is writable."""
-    v = a.view()
-    v.flags.writeable = False
-    return v
-
-
 def split_planes(raw: np.ndarray, itemsize: int) -> np.ndarray:
     """``raw`` (uint8, a whole number of elements) as its byte planes, in a new array."""
     kernels = _KERNELS.get(itemsize)
     if kernels is None or not _LITTLE or raw.ctypes.data % itemsize:
         return np.ascontiguousarray(raw.reshape(-1, itemsize).T).reshape(-1)
     out = np.empty(raw.size, dtype=np.uint8)
-    kernels[1](_readonly(raw.view(kernels[0])), out)
+    kernels[1](readonly(raw.view(kernels[0])), out)
     return out
 
 
@@ -83,7 +79,7 @@ def merge_planes(planes: np.ndarray, itemsize: int) -> np.ndarray:
     if kernels is None or not _LITTLE:
         return np.ascontiguousarray(planes.reshape(itemsize, -1).T).reshape(-1)
     words = np.empty(planes.size // itemsize, dtype=kernels[0])
-    kernels[2](_readonly(planes), words)
+    kernels[2](readonly(planes), words)
     return words.view(np.uint8)
 
 
