@@ -6,16 +6,21 @@ hash algorithm and ``PYTHONHASHSEED``, so two replicas (or the router) could not
 them. Engine hashes are kept per replica only as opaque ids, to find the parent of a new
 ``BlockStored`` and to resolve ``BlockRemoved``.
 
-Layout, chosen for memory (1M blocks in a few hundred MB) and lookup speed:
+Layout, chosen for memory (10M blocks in ~1 GB) and lookup speed:
 
-* ``_blocks``: our key → ``(mask >> shift, shift, block_size, rid, engine_hash, rid,
-  engine_hash, …)`` in LRU order. ``mask`` has a byte per replica id, bit ``8*rid + slot``
-  (the medium's bit, ordered by rank: :mod:`kvmesh.index.media`); one Python int answers
-  "who holds this block, where" with a few shifts. It is stored shifted down to its lowest
-  holder, so its size follows the spread of the holders' ids, not the highest id (at 1,000
-  replicas that was 250-500 of ~650 bytes per block with a nibble per replica).
-* ``_emap[rid][block_size]``: engine hash → our key. Split by block size because vLLM's
-  offloading may reuse a GPU block's hash for a larger CPU block with other tokens.
+* ``_table`` (:class:`~kvmesh.index.table.BlockTable`): a row per block in numpy columns,
+  its key, LRU links and block size, and a record per ``(replica, engine hash)`` holding,
+  found by ``(rid, block size, engine hash)``: the engine-hash map that resolves a
+  ``BlockRemoved`` or a new ``BlockStored``'s parent. No Python object per block or holder.
+* ``_masks[row]``: the block's ``(mask >> shift, shift)``. ``mask`` has a byte per replica
+  id, bit ``8*rid + slot`` (the medium's bit, ordered by rank: :mod:`kvmesh.index.media`);
+  one Python int answers "who holds this block, where" with a few shifts. It is stored
+  shifted down to its lowest holder, so its size follows the spread of the holders' ids, not
+  the highest id, and consecutive blocks with the same holders share one pair object.
+
+Engine hashes are kept as 64-bit ints (vLLM's default 32-byte hashes by their xxh3-64, see
+:func:`~kvmesh.index.table.engine_hash`) and per block size, because vLLM's offloading may
+reuse a GPU block's hash for a larger CPU block with other tokens.
 
 A medium with no alias is kept under its publisher's name (up to four per index; see
 :mod:`kvmesh.index.media`). ``REMOTE`` is shared storage: a REMOTE bit set by any replica
@@ -27,9 +32,9 @@ expire.
 from __future__ import annotations
 
 import heapq
+import struct
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -42,6 +47,18 @@ from kvmesh.index.matching import match_chain, medium_counts, walk
 from kvmesh.index.media import BITS, BYTE, AnyMedium, Media, medium_name, slot
 from kvmesh.index.prefix import PrefixMatch, PromptKeys, chain, chain_root, combine_ranges
 from kvmesh.index.speculative import SpeculativeTable
+from kvmesh.index.table import (
+    KEY_WORDS,
+    REMOVE,
+    STORE,
+    BlockTable,
+    block_bytes,
+    block_words,
+    check_keys,
+    engine_hash,
+    engine_hashes,
+)
+from kvmesh.index.table import warm as warm_table
 
 _BITS = BITS
 # vLLM's KV cache spec kinds whose blocks hold every token of a prefix (kv_interface's
@@ -92,27 +109,34 @@ class BlockIndex:
         self._rid_view: dict[str, int] = {}
         self._free_rids: list[int] = []
         self._low = 0  # bit 8*rid set for every registered replica (REMOTE bit positions)
-        # Tuples, not lists: tuples of ints and bytes drop out of the cyclic GC, so a full
-        # collection does not walk a million entries in the middle of a lookup.
-        self._blocks: OrderedDict[bytes, tuple[Any, ...]] = OrderedDict()
-        self._emap: dict[int, dict[int, dict[BlockHash, bytes]]] = {}
+        warm_table()
+        self._table = BlockTable()
+        # row → (mask >> shift, shift); None for a free row. Pairs of ints drop out of the
+        # cyclic GC, so a full collection does not walk them in the middle of a lookup.
+        self._masks: list[tuple[int, int] | None] = []
+        self._rid_sizes: dict[int, list[int]] = {}  # rid → the block sizes it has stored, in order
+        self._rid_media: dict[int, int] = {}  # rid → the media bits it has stored blocks in
+        # rid → its last stored block (engine hash as int64, block size, key): a store chained
+        # to it (vLLM's order within a request) needs no lookup for its parent's key
+        self._tails: dict[int, tuple[int, int, bytes]] = {}
         self._size_blocks: dict[int, int] = {}  # block size → live blocks
         self._spec = SpeculativeTable()
         self.media = Media()
         self._counts = dict.fromkeys(_COUNTERS, 0)
-        self._last_mask = 0  # see _share()
+        self._last_pair = (0, 0)  # see _share()
 
-    def _share(self, m: int) -> int:
-        """``m`` (a packed mask), or the equal int object the last entry written holds.
+    def _share(self, m: int, shift: int) -> tuple[int, int]:
+        """``(m, shift)`` (a packed mask), or the equal pair the last row written holds.
 
         A chain's blocks are stored (and dropped) together, so consecutive blocks get the same
         holders: the same mask. A mask of two far-apart replicas is a big int (replicas 1 and
-        334: ~360 bytes), which every block of the prompt kept a copy of.
+        334: ~360 bytes), which every block of the prompt would keep a copy of.
         """
-        if m == self._last_mask:
-            return self._last_mask
-        self._last_mask = m
-        return m
+        last = self._last_pair
+        if shift == last[1] and m == last[0]:
+            return last
+        self._last_pair = pair = (m, shift)
+        return pair
 
     # -- replicas -------------------------------------------------------------------------
 
@@ -140,7 +164,8 @@ class BlockIndex:
             if rid is None:
                 return
             self._clear(rid)
-            del self._names[rid], self._emap[rid]
+            del self._names[rid], self._rid_sizes[rid], self._rid_media[rid]
+            self._tails.pop(rid, None)
             self._prefix_group.pop(rid, None)
             self._rid_names = (*self._rid_names[:rid], None, *self._rid_names[rid + 1 :])
             self._rid_view = dict(self._rids)
@@ -158,65 +183,204 @@ class BlockIndex:
             names[rid] = replica
             self._rid_names = tuple(names)
             self._rid_view = dict(self._rids)
-            self._emap[rid] = {}
+            self._rid_sizes[rid] = []
+            self._rid_media[rid] = 0
             self._low |= 1 << (_BITS * rid)
         return rid
 
     # -- events ---------------------------------------------------------------------------
 
     def apply(self, replica: str, batch: EventBatch) -> None:
-        """Apply one event batch from ``replica``, in order."""
+        """Apply one event batch from ``replica``, in order.
+
+        The batch's stores and removals go to the table as one program, in one call (see
+        :class:`_Program`): a kernel call costs about what a 4-block store's own work does.
+        """
         tokens = batch_tokens(batch.events)
-        for ev in batch.events:
-            if isinstance(ev, BlockStored):
-                self.store(replica, ev, tokens.get(id(ev)))
-            elif isinstance(ev, BlockRemoved):
-                self.remove(replica, ev.block_hashes, ev.medium, ev.group_idx, ev.locality, ev.ownership)
-            elif isinstance(ev, AllBlocksCleared):
-                self.clear_replica(replica)
+        self._apply(replica, [self._prepare(ev, tokens.get(id(ev))) for ev in batch.events])
 
     def store(self, replica: str, ev: BlockStored, tokens: np.ndarray | None = None) -> None:
         """Record one ``BlockStored``; ``tokens``: its token ids already validated (see
         :func:`kvmesh.index.events.batch_tokens`), else they are validated here."""
+        self._apply(replica, [self._prepare(ev, tokens)])
+
+    def remove(
+        self,
+        replica: str,
+        block_hashes: Iterable[BlockHash],
+        medium: str | None,
+        group_idx: int | None = None,
+        locality: str | None = None,
+        ownership: str | None = None,
+    ) -> None:
+        """``replica`` no longer holds these engine blocks in ``medium``."""
+        ev = BlockRemoved(tuple(block_hashes), medium, group_idx, locality=locality, ownership=ownership)
+        self._apply(replica, [(ev, None, None)])
+
+    def _prepare(self, ev: Any, tokens: np.ndarray | None) -> _Item:
+        """What can be done outside the lock: a store's medium and validated tokens."""
+        if not isinstance(ev, BlockStored):
+            return ev, None, None
         medium = self.media.get(medium_name(ev.medium, ev.locality, ev.ownership))
-        prepared = event_keys(ev, tokens) if medium is not None else None
+        return ev, medium, event_keys(ev, tokens) if medium is not None else None
+
+    def _apply(self, replica: str, items: list[_Item]) -> None:
         with self._lock:
-            rid = self._rid(replica)
-            if medium is None:
-                self._counts["unknown_medium"] += 1
-                return
-            kind = ev.kv_cache_spec_kind
-            if kind is not None and kind in PREFIX_KINDS:
-                self._prefix_group[rid] = ev.group_idx or 0
-            if (kind is not None and kind not in PREFIX_KINDS) or (
-                (ev.group_idx or 0) != self._prefix_group.get(rid, 0)
-            ):
-                # A hybrid model's other groups (e.g. sliding window) hold only a window of a
-                # prefix and drop old blocks all the time under the same hashes: never a
-                # full-prefix hit, and their removals would erase the full group's prefix.
-                self._counts["ignored_group"] += 1
-                return
-            if prepared is None:
-                self._counts["placeholders" if ev.block_size == 0 else "invalid"] += 1
-                return
-            bs = ev.block_size
-            maps = self._emap[rid]
-            emap = maps.get(bs)
-            if emap is None:
-                emap = maps[bs] = {}
-            if ev.parent_block_hash is None:
-                prev = chain_root(bs, ev.lora_name)
-            else:
-                parent = emap.get(ev.parent_block_hash)
-                if parent is None:
+            rid = self._rids.get(replica)
+            prog = _Program()
+            for item in items:
+                ev = item[0]
+                if isinstance(ev, BlockStored):
+                    if rid is None:
+                        rid = self._rid(replica)
+                    self._add_store(rid, prog, item)
+                elif rid is None:
+                    continue  # a replica is known by its stores
+                elif isinstance(ev, BlockRemoved):
+                    self._add_remove(rid, prog, ev)
+                elif isinstance(ev, AllBlocksCleared):
+                    self._run(rid, prog)
+                    self._counts["clears"] += 1
+                    self._clear(rid)
+            if rid is not None:
+                self._run(rid, prog)
+
+    def _add_store(self, rid: int, prog: _Program, item: _Item) -> None:
+        ev, medium, prepared = item
+        assert isinstance(ev, BlockStored)
+        if medium is None:
+            self._counts["unknown_medium"] += 1
+            return
+        kind = ev.kv_cache_spec_kind
+        if kind is not None and kind in PREFIX_KINDS:
+            self._prefix_group[rid] = ev.group_idx or 0
+        if (kind is not None and kind not in PREFIX_KINDS) or (
+            (ev.group_idx or 0) != self._prefix_group.get(rid, 0)
+        ):
+            # A hybrid model's other groups (e.g. sliding window) hold only a window of a
+            # prefix and drop old blocks all the time under the same hashes: never a
+            # full-prefix hit, and their removals would erase the full group's prefix.
+            self._counts["ignored_group"] += 1
+            return
+        if prepared is None:
+            self._counts["placeholders" if ev.block_size == 0 else "invalid"] += 1
+            return
+        bs, parent = ev.block_size, ev.parent_block_hash
+        check: tuple[int, bytes] | None = None
+        if parent is None:
+            prev = chain_root(bs, ev.lora_name)
+        else:
+            # The parent's key, as the table should have it when this store runs (it checks):
+            # a block stored earlier in this batch, this replica's last store, or a lookup.
+            eh = engine_hash(parent)
+            known = prog.tails.get((eh, bs))
+            if known is None:
+                tail = self._tails.get(rid)
+                if tail is not None and tail[0] == eh and tail[1] == bs:
+                    known = tail[2]
+            if known is None and not prog.kinds:
+                row = self._table.held(rid, bs, eh)  # nothing pending: the table as it stands
+                if row < 0:
                     self._counts["orphans"] += 1
                     return
-                prev = parent
-            hashes = chain(prepared[0], bs, prev, prepared[1])
-            self._hold(rid, medium, bs, emap, zip(ev.block_hashes, hashes, strict=True))
-            self._counts["stored_blocks"] += len(hashes)
-            if len(self._blocks) > self.max_blocks:
-                self._evict(len(self._blocks) - self.max_blocks)
+                known = self._table.key(row)
+            elif known is None:
+                self._run(rid, prog)  # then look it up as the table stands
+                self._add_store(rid, prog, item)
+                return
+            else:
+                check = (eh, known)
+            prev = known
+        hashes = chain(prepared[0], bs, prev, prepared[1])
+        bit = slot(medium)
+        prog.store(bs, bit, hashes, ev.block_hashes, check, item)
+        self._rid_media[rid] |= 1 << bit
+        if bs not in self._rid_sizes[rid]:
+            self._rid_sizes[rid].append(bs)
+        if hashes:
+            last = (engine_hash(ev.block_hashes[-1]), bs)
+            prog.tails[last] = hashes[-1]
+            self._tails[rid] = (*last, hashes[-1])
+
+    def _add_remove(self, rid: int, prog: _Program, ev: BlockRemoved) -> None:
+        med = self.media.get(medium_name(ev.medium, ev.locality, ev.ownership), register=False)
+        if (ev.group_idx or 0) != self._prefix_group.get(rid, 0):
+            return
+        if med is None:
+            self._counts["unknown_medium"] += 1
+            return
+        bit = 1 << slot(med)
+        held_media = self._rid_media[rid]
+        if not held_media & bit:
+            return  # never stored in this medium
+        ehs = engine_hashes(ev.block_hashes)
+        if held_media == bit:
+            # Only ever stored in this medium: each block it names goes entirely, found and
+            # unlinked in the program.
+            prog.remove(self._rid_sizes[rid], ehs, ev)
+            return
+        self._run(rid, prog)
+        # per block size (vLLM's offloading may reuse a GPU block's hash for a CPU block)
+        found = [self._table.find_held(rid, (bs,), ehs) for bs in self._rid_sizes[rid]]
+        gone: list[int] = []  # rows rid no longer holds in any medium
+        for i in range(len(ehs)):
+            for rows in found:
+                row = rows[i]
+                dropped = self._drop_bits(rid, row, bit) if row >= 0 else 0
+                if dropped:
+                    self._counts["removed_blocks"] += 1
+                    if dropped == 2:
+                        gone.append(row)
+                    break
+        self._unlink(rid, gone)
+
+    def _run(self, rid: int, prog: _Program) -> None:
+        """Run ``prog`` in the table and bring the masks and counters in step; empty it."""
+        while prog.kinds:
+            table, masks, counts = self._table, self._masks, self._counts
+            done, out, outputs = table.run(
+                rid, prog.ops, b"".join(prog.words), self.max_blocks, prog.new_blocks, prog.outputs
+            )
+            if len(masks) < table.capacity:  # a row id per slot of the table's arrays
+                masks.extend([None] * (table.capacity - len(masks)))
+            o = 0
+            for k in range(done):
+                n, count = prog.ns[k], outputs[k]
+                if prog.kinds[k] == STORE:
+                    self._replay_store(rid, prog.bits[k], prog.sizes[k], out[o : o + n])
+                    counts["stored_blocks"] += n
+                    if count > n:
+                        for row, size, *_ in out[o + n : o + count]:
+                            masks[row] = None
+                            self._size_blocks[size] -= 1
+                        counts["evictions"] += count - n
+                else:
+                    at = _BITS * rid
+                    for row, freed, size, _ in out[o : o + count]:
+                        if row < 0:
+                            continue
+                        counts["removed_blocks"] += 1
+                        m, shift = masks[row]  # type: ignore[misc]  # a live row has its mask
+                        if freed and m == (m & BYTE << (at - shift)):  # rid was its only holder
+                            masks[row] = None
+                            self._size_blocks[size] -= 1
+                        else:
+                            self._unheld(row, size, freed, self._clear_byte(rid, row))
+                o += count
+            rest = prog.items[done + 1 :] if done < len(prog.kinds) else []
+            failed = prog.items[done] if done < len(prog.kinds) else None
+            prog.clear()
+            if failed is not None:
+                # The parent's engine hash moved on before this store ran: look it up again
+                # as the table stands, then the rest as before.
+                self._tails.pop(rid, None)
+                for item in (failed, *rest):
+                    if isinstance(item[0], BlockStored):
+                        self._add_store(rid, prog, item)
+                    else:
+                        self._add_remove(rid, prog, item[0])
+        if len(self._table) > self.max_blocks:
+            self._evict(len(self._table) - self.max_blocks)
 
     def store_keys(
         self, replica: str, medium: str | None, block_size: int, blocks: Iterable[tuple[BlockHash, bytes]]
@@ -229,155 +393,133 @@ class BlockIndex:
         med = self.media.get(medium_name(medium))
         if med is None:
             raise ValueError(f"no room for medium {medium!r}: this index keeps {', '.join(self.media.named)}")
+        pairs = list(blocks)
+        keys = [key for _, key in pairs]
+        check_keys(keys)
+        words = block_words(keys, [eh for eh, _ in pairs])
         with self._lock:
             rid = self._rid(replica)
-            emap = self._emap[rid].setdefault(block_size, {})
-            self._counts["stored_blocks"] += self._hold(rid, med, block_size, emap, blocks)
-            if len(self._blocks) > self.max_blocks:
-                self._evict(len(self._blocks) - self.max_blocks)
+            bit = slot(med)
+            self._rid_media[rid] |= 1 << bit
+            if block_size not in self._rid_sizes[rid]:
+                self._rid_sizes[rid].append(block_size)
+            table, masks = self._table, self._masks
+            held = table.hold(rid, block_size, words)
+            if len(masks) < table.capacity:
+                masks.extend([None] * (table.capacity - len(masks)))
+            self._replay_store(rid, bit, block_size, held)
+            self._counts["stored_blocks"] += len(held)
+            if len(table) > self.max_blocks:
+                self._evict(len(table) - self.max_blocks)
 
-    def _hold(
-        self,
-        rid: int,
-        medium: AnyMedium,
-        bs: int,
-        emap: dict[BlockHash, bytes],
-        blocks: Iterable[tuple[BlockHash, bytes]],
-    ) -> int:
-        """``rid`` holds these ``(engine hash, key)`` blocks in ``medium``; returns how many.
-
-        One call per event, not per block: at ~4 blocks an event the calls were ~5% of ingest.
-        """
-        bit = slot(medium)
-        alone, rid_shift = 1 << bit, _shift(rid)  # a new entry's packed mask and shift
-        table = self._blocks
-        n = new = 0
-        for eh, key in blocks:
-            n += 1
-            old = emap.get(eh)
-            if old is not None and old != key:
-                # The engine reused this hash for other tokens: the old block is gone from it.
+    def _replay_store(self, rid: int, bit: int, bs: int, held: list[list[int]]) -> None:
+        """The masks of blocks the table says ``rid`` now holds in medium slot ``bit``, in
+        order: ``[row, new, moved, freed]`` each (:func:`kvmesh.index.table._hold_one`)."""
+        alone = (1 << bit, _shift(rid))  # a new row's packed mask
+        masks, sizes = self._masks, self._size_blocks
+        new = 0
+        for row, is_new, moved, freed in held:
+            if moved >= 0:
+                # The engine reused this hash for other tokens: the old block is gone from it
+                # (the table unlinked rid's records there; freed: nobody holds it now).
                 if new:  # counted first: the old block may be one this call added
-                    self._size_blocks[bs] = self._size_blocks.get(bs, 0) + new
+                    sizes[bs] = sizes.get(bs, 0) + new
                     new = 0
-                self._drop_holder(rid, old, BYTE)
-            entry = table.get(key)
-            if entry is None:
-                table[key] = (alone, rid_shift, bs, rid, eh)
+                self._unheld(moved, bs, freed, self._clear_byte(rid, moved))
+            if is_new:
+                masks[row] = alone
                 new += 1
-                emap[eh] = key
                 continue
-            table.move_to_end(key)
-            # Worked on packed (see _drop_holder): the mask is never unpacked, a big int
+            # Worked on packed (see _drop_bits): the mask is never unpacked, a big int
             # allocation or more per block held by far-apart replicas.
-            m, shift, holders = entry[0], entry[1], entry[3:]
+            m, shift = masks[row]  # type: ignore[misc]  # a live row has its mask
             at = _BITS * rid - shift  # rid's byte in the packed mask
             if at >= 0:
-                held = (m >> at) & BYTE
                 m |= 1 << (at + bit)
             else:  # rid is below every holder: it becomes the lowest
-                held = 0
                 m = m << -at | 1 << bit
                 shift = _shift(rid)
-            # A replica without a bit here is not among the holders (a new holder of a shared
-            # prefix, the common case): no scan of the others.
-            if not held or not any(
-                holders[i] == rid and holders[i + 1] == eh for i in range(0, len(holders), 2)
-            ):
-                holders += (rid, eh)
-            table[key] = (self._share(m), shift, bs, *holders)
-            emap[eh] = key
+            masks[row] = self._share(m, shift)
         if new:
-            self._size_blocks[bs] = self._size_blocks.get(bs, 0) + new
-        return n
+            sizes[bs] = sizes.get(bs, 0) + new
 
-    def remove(
-        self,
-        replica: str,
-        block_hashes: Iterable[BlockHash],
-        medium: str | None,
-        group_idx: int | None = None,
-        locality: str | None = None,
-        ownership: str | None = None,
-    ) -> None:
-        """``replica`` no longer holds these engine blocks in ``medium``."""
-        med = self.media.get(medium_name(medium, locality, ownership), register=False)
-        with self._lock:
-            rid = self._rids.get(replica)
-            if rid is None or (group_idx or 0) != self._prefix_group.get(rid, 0):
-                return
-            if med is None:
-                self._counts["unknown_medium"] += 1
-                return
-            bit = 1 << slot(med)
-            maps = self._emap[rid].values()
-            for eh in block_hashes:
-                for emap in maps:
-                    key = emap.get(eh)
-                    if key is not None and self._drop_holder(rid, key, bit):
-                        self._counts["removed_blocks"] += 1
-                        break
+    def _drop_bits(self, rid: int, row: int, bits: int) -> int:
+        """Clear ``bits`` (of rid's byte: media slots) of ``rid`` on ``row``'s mask: 0 if it
+        had none of them, 1 if it still holds the block in another medium, 2 if it holds it no
+        more (its records are still to unlink: :meth:`_unlink`).
 
-    def _drop_holder(self, rid: int, key: bytes, bits: int) -> bool:
-        """Clear ``bits`` (of rid's byte: media slots, ``BYTE`` for all) of ``rid`` on ``key``;
-        unlink rid entirely once it holds nothing.
-
-        An entry's mask is kept packed: ``(m, shift)`` is the mask ``m << shift``, shifted
-        down to its lowest holder's byte (a block held by replica 999 alone is an 8-bit int and
-        a shift, not an 8,000-bit int).
+        A row's mask is kept packed: ``(m, shift)`` is the mask ``m << shift``, shifted down to
+        its lowest holder's byte (a block held by replica 999 alone is an 8-bit int and a
+        shift, not an 8,000-bit int).
         """
-        entry = self._blocks.get(key)
-        if entry is None:
-            return False
-        m, shift = entry[0], entry[1]
+        pair = self._masks[row]
+        if pair is None:
+            return 0
+        m, shift = pair
         at = _BITS * rid - shift  # rid's byte in the packed mask (below 0: not a holder)
         if at < 0 or not (m >> at) & bits:
-            return False
-        m &= ~(bits << at)
-        bs = entry[2]
-        if (m >> at) & BYTE:  # rid still holds it in another medium
-            self._blocks[key] = (self._share(m), shift, *entry[2:])
+            return 0
+        if (m >> at) & BYTE & ~bits:  # rid still holds it in another medium
+            self._masks[row] = self._share(m & ~(bits << at), shift)
+            return 1
+        self._clear_byte(rid, row)
+        return 2
+
+    def _clear_byte(self, rid: int, row: int) -> bool:
+        """Clear rid's byte of ``row``'s mask; True if no holder is left (the mask goes)."""
+        m, shift = self._masks[row]  # type: ignore[misc]  # a live row has its mask
+        m &= ~(BYTE << (_BITS * rid - shift))
+        if not m:
+            self._masks[row] = None
             return True
-        emap = self._emap[rid].get(bs, {})
-        keep: list[Any] = []
-        for i in range(3, len(entry), 2):
-            r, eh = entry[i], entry[i + 1]
-            if r != rid:
-                keep += (r, eh)
-            elif emap.get(eh) == key:
-                del emap[eh]
-        if m:
-            if not m & BYTE:  # rid was the lowest holder: down to the next one
-                low = ((m & -m).bit_length() - 1) // _BITS
-                m >>= _BITS * low
-                shift = _shift(shift // _BITS + low)
-            self._blocks[key] = (self._share(m), shift, bs, *keep)
-        else:
-            del self._blocks[key]
+        if not m & BYTE:  # rid was the lowest holder: down to the next one
+            low = ((m & -m).bit_length() - 1) // _BITS
+            m >>= _BITS * low
+            shift = _shift(shift // _BITS + low)
+        self._masks[row] = self._share(m, shift)
+        return False
+
+    def _unlink(self, rid: int, rows: list[int]) -> None:
+        """Unlink rid's records on ``rows`` (whose masks lost rid's byte) in one table call."""
+        if rows:
+            for row, (freed, bs) in zip(rows, self._table.unhold(rid, rows), strict=True):
+                self._unheld(row, bs, freed, self._masks[row] is None)
+
+    def _unheld(self, row: int, bs: int, freed: int, emptied: bool) -> None:
+        """The table ``freed`` (or kept) ``row``, whose mask ``emptied`` (or not)."""
+        if bool(freed) != emptied:
+            raise AssertionError(f"block index: row {row}'s mask and holder records disagree")
+        if freed:
             self._size_blocks[bs] -= 1
-        return True
 
     def _evict(self, count: int) -> None:
         """Evict the ``count`` least recently stored or matched blocks (one call, not one per
         block: a full index evicts a block for every block it stores)."""
-        pop, sizes, emaps = self._blocks.popitem, self._size_blocks, self._emap
-        for _ in range(count):
-            key, entry = pop(last=False)
-            bs = entry[2]
+        masks, sizes = self._masks, self._size_blocks
+        freed = self._table.evict(count)
+        for row, bs in freed:
+            masks[row] = None
             sizes[bs] -= 1
-            for i in range(3, len(entry), 2):
-                maps = emaps.get(entry[i])
-                emap = maps.get(bs) if maps is not None else None
-                if emap is not None and emap.get(entry[i + 1]) == key:
-                    del emap[entry[i + 1]]
-        self._counts["evictions"] += count
+        self._counts["evictions"] += len(freed)
 
     def _clear(self, rid: int) -> None:
-        for maps in self._emap[rid].values():
-            for key in list(maps.values()):
-                self._drop_holder(rid, key, BYTE)
-            maps.clear()
+        rows = self._table.rows_of(rid)
+        for row in rows:
+            self._clear_byte(rid, row)
+        self._unlink(rid, rows)
+        self._rid_media[rid] = 0
         self._spec.drop(rid)
+
+    def _entries(self) -> list[tuple[bytes, tuple[Any, ...]]]:
+        """Every block, least recently used first: ``(key, (m, shift, block size, rid,
+        engine hash, rid, engine hash, ...))`` (for tests and debugging: one Python tuple per
+        block)."""
+        t, out = self._table, []
+        for row in t.lru():
+            m, shift = self._masks[row]  # type: ignore[misc]  # a live row has its mask
+            flat = [x for holder in t.holders(row) for x in holder]
+            out.append((t.key(row), (m, shift, t.block_size(row), *flat)))
+        return out
 
     # -- speculative entries --------------------------------------------------------------
 
@@ -451,11 +593,11 @@ class BlockIndex:
             if len(chains) == 1:
                 # One block size (the usual case): arrays, ranges built only on demand.
                 bs, keys = chains[0]
-                masks, alives = walk(self._blocks, self._low, spec, keys, wanted)
+                masks, alives = walk(self._table, self._masks, self._low, spec, keys, wanted)
             else:
                 for size, keys in chains:
                     for rid, ranges in match_chain(
-                        self._blocks, self._low, spec, size, keys, wanted, now, media
+                        self._table, self._masks, self._low, spec, size, keys, wanted, now, media
                     ).items():
                         per_rid.setdefault(rid, []).append(ranges)
                 names = self._names
@@ -473,14 +615,82 @@ class BlockIndex:
     def stats(self) -> dict[str, int]:
         with self._lock:
             out = dict(self._counts)
-            out["blocks"] = len(self._blocks)
+            out["blocks"] = len(self._table)
             out["replicas"] = len(self._rids)
             out["speculative_blocks"] = len(self._spec)
             out["named_media"] = len(self.media.named)
             return out
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._table)
+
+
+_Item = tuple[Any, AnyMedium | None, Any]  # (event, a store's medium, its event_keys())
+
+
+class _Program:
+    """One replica's stores and fast removals, for :meth:`BlockTable.run` in one call.
+
+    Ops are packed as they are added (:data:`_OP`), so a 16-event batch costs no numpy
+    conversion of its own. ``tails``: ``(engine hash, block size) → key`` of each store's
+    last block, so a later store of the batch chained to it hashes from the right key (the
+    table checks it when the store runs).
+    """
+
+    __slots__ = ("bits", "items", "kinds", "new_blocks", "ns", "ops", "outputs", "sizes", "tails", "words")
+
+    def __init__(self) -> None:
+        self.ops = bytearray()
+        self.words: list[bytes] = []
+        self.kinds: list[int] = []
+        self.ns: list[int] = []
+        self.sizes: list[int] = []  # per op: a store's block size
+        self.bits: list[int] = []  # per op: a store's medium slot
+        self.items: list[_Item] = []  # per op: the event it came from (to redo from a failed check)
+        self.tails: dict[tuple[int, int], bytes] = {}
+        self.new_blocks = 0  # blocks stored: rows and records the table may need
+        self.outputs = 0  # output rows the table may write
+
+    def store(
+        self,
+        bs: int,
+        bit: int,
+        keys: list[bytes],
+        ehs: tuple[BlockHash, ...],
+        check: tuple[int, bytes] | None,
+        item: _Item,
+    ) -> None:
+        n = len(keys)
+        if check is None:
+            self.ops += _OP.pack(STORE, n, bs, 0, 0, 0, 0, 0)
+        else:
+            hi, lo = KEY_WORDS.unpack(check[1])
+            self.ops += _OP.pack(STORE, n, bs, 1, check[0], hi, lo, 0)
+        self.words.append(block_bytes(keys, ehs))
+        self._add(STORE, n, bs, bit, item)
+        self.new_blocks += n
+        self.outputs += 2 * n  # a row per block, at most as many evictions
+
+    def remove(self, sizes: list[int], ehs: np.ndarray, ev: BlockRemoved) -> None:
+        n = len(ehs)
+        self.ops += _OP.pack(REMOVE, n, 0, 0, 0, 0, 0, 0)
+        self.words.append(_WORDS[len(sizes)].pack(len(sizes), *sizes) + ehs.tobytes())
+        self._add(REMOVE, n, 0, 0, (ev, None, None))
+        self.outputs += n
+
+    def _add(self, kind: int, n: int, bs: int, bit: int, item: _Item) -> None:
+        self.kinds.append(kind)
+        self.ns.append(n)
+        self.sizes.append(bs)
+        self.bits.append(bit)
+        self.items.append(item)
+
+    def clear(self) -> None:
+        self.__init__()  # type: ignore[misc]
+
+
+_OP = struct.Struct("<8q")
+_WORDS = tuple(struct.Struct(f"<{n + 1}q") for n in range(64))  # a size count and the sizes
 
 
 def _shift(rid: int) -> int:

@@ -8,17 +8,19 @@ the range building visits two replicas, not 1,000 (see ``docs/bench/scale.md``).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from kvmesh.index.media import BITS, BYTE, COLUMNS, AnyMedium, MediaView
+from kvmesh.index.table import BlockTable, key_words
+
+Masks = list[tuple[int, int] | None]  # row → (mask >> shift, shift): BlockIndex._masks
 
 
 def match_chain(
-    blocks: OrderedDict[bytes, tuple[Any, ...]],
+    table: BlockTable,
+    masks: Masks,
     low: int,
     spec: dict[bytes, int],
     bs: int,
@@ -29,20 +31,20 @@ def match_chain(
 ) -> dict[int, list[tuple[int, int, AnyMedium]]]:
     """Per replica id: the ``(start, end, medium)`` token ranges of its longest prefix of ``keys``.
 
-    ``blocks``: key → entry whose first two items are the holder mask, shifted down, and the
-    shift (matched keys are moved to the LRU end). ``low``: bit ``BITS*rid`` of every
+    ``table``, ``masks``: the index's rows and each row's holder mask, shifted down, with the
+    shift (matched rows are moved to the LRU end). ``low``: bit ``BITS*rid`` of every
     registered replica. ``spec``: speculative entries (key → its holders' GPU bits, expired at
     ``now``), counting as GPU. ``wanted``: the ``low`` bits of the replicas asked about.
     ``media``: the index's media (a replica's byte → its best medium).
     """
     # ``spec`` is exact here: the table was expired at ``now`` just before.
-    masks, alives = walk(blocks, low, spec, keys, wanted)
+    found, alives = walk(table, masks, low, spec, keys, wanted)
     out: dict[int, list[tuple[int, int, AnyMedium]]] = {}
-    if not masks:
+    if not found:
         return out
     # Neighbouring blocks mostly have the same holders: work per run, not per block.
     runs: list[tuple[int, int, int]] = []
-    for i, mask in enumerate(masks):
+    for i, mask in enumerate(found):
         if runs and runs[-1][2] == mask:
             runs[-1] = (runs[-1][0], i + 1, mask)
         else:
@@ -81,22 +83,24 @@ def _leading(alives: list[int], bit: int) -> int:
 
 
 def walk(
-    blocks: OrderedDict[bytes, tuple[Any, ...]],
+    table: BlockTable,
+    row_masks: Masks,
     low: int,
     spec: dict[bytes, int],
     keys: Sequence[bytes],
     wanted: int,
 ) -> tuple[list[int], list[int]]:
     """:func:`match_chain`'s walk alone: per matched block its holder mask and the ``low``
-    bits of the replicas whose prefix still covers it (matched keys move to the LRU end)."""
+    bits of the replicas whose prefix still covers it (matched rows move to the LRU end)."""
     low7f, low80 = low * 0x7F, low << 7
     alive = wanted
     masks: list[int] = []
     alives: list[int] = []
     last, present = -1, 0
-    for key in keys:
-        entry = blocks.get(key)
-        mask = entry[0] << entry[1] if entry is not None else 0
+    rows = table.find(key_words(keys)) if keys else []
+    for key, row in zip(keys, rows, strict=True):
+        pair = row_masks[row] if row >= 0 else None
+        mask = pair[0] << pair[1] if pair is not None else 0
         if spec:
             held = spec.get(key)
             if held is not None:
@@ -116,10 +120,9 @@ def walk(
             alive = now_alive
         if not alive:
             break
-        if entry is not None:
-            blocks.move_to_end(key)
         masks.append(mask)
         alives.append(alive)
+    table.touch(rows[: len(masks)])
     return masks, alives
 
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from kvmesh.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvmesh.index import BlockIndex
+from kvmesh.index.table import key_words
 
 REPLICAS = ("a", "b", "c")
 SIZES = (2, 4)
@@ -167,31 +168,34 @@ class Model:
 
 
 def check_internal_links(index: BlockIndex) -> None:
-    """Engine-hash maps and block holder lists point at each other, and nothing dangles.
+    """Rows, holder records and masks agree, and nothing dangles.
 
-    Entries are ``(mask >> shift, shift, block_size, rid, engine_hash, ...)``; the mask is
-    stored shifted down to its lowest holder, so its lowest byte is never empty.
+    Every live row is found by its key, has a mask shifted down to its lowest holder (so its
+    lowest byte is never empty) whose non-empty bytes are exactly its records' replicas, and
+    each record is found again by ``(rid, block size, engine hash)``. Freed rows have no
+    mask, and the per-size counts are the live rows'.
     """
-    blocks, emap = index._blocks, index._emap
-    linked = 0
-    for rid, sizes in emap.items():
-        for bs, maps in sizes.items():
-            for eh, key in maps.items():
-                entry = blocks[key]
-                mask = entry[0] << entry[1]
-                assert entry[2] == bs and (mask >> (8 * rid)) & 0xFF, "engine hash of a dropped holding"
-                assert any(entry[i] == rid and entry[i + 1] == eh for i in range(3, len(entry), 2))
-                linked += 1
-    pairs = 0
-    for key, entry in blocks.items():
-        assert entry[0] & 0xFF and entry[1] % 8 == 0, "mask not shifted down to its lowest holder"
-        mask = entry[0] << entry[1]
-        for i in range(3, len(entry), 2):
-            assert emap[entry[i]][entry[2]][entry[i + 1]] == key
-            pairs += 1
-        holders = {entry[i] for i in range(3, len(entry), 2)}
-        assert holders == {rid for rid in emap if (mask >> (8 * rid)) & 0xFF}
-    assert pairs == linked
+    table = index._table
+    entries = index._entries()
+    assert len(entries) == len(table) == sum(p is not None for p in index._masks)
+    keys = [key for key, _ in entries]
+    rows = table.find(key_words(keys)) if keys else []
+    assert sorted(rows) == sorted(table.lru()) and -1 not in rows
+    records = 0
+    sizes: dict[int, int] = {}
+    for row, (key, entry) in zip(rows, entries, strict=True):
+        m, shift, bs = entry[0], entry[1], entry[2]
+        assert table.key(row) == key
+        assert m & 0xFF and shift % 8 == 0, "mask not shifted down to its lowest holder"
+        mask = m << shift
+        pairs = list(zip(entry[3::2], entry[4::2], strict=True))
+        assert {rid for rid, _ in pairs} == {rid for rid in index._rid_sizes if (mask >> (8 * rid)) & 0xFF}
+        for rid, eh in pairs:
+            assert table.held(rid, bs, eh) == row, "a holder record not found by its engine hash"
+        records += len(pairs)
+        sizes[bs] = sizes.get(bs, 0) + 1
+    assert records == table.records
+    assert {bs: n for bs, n in index._size_blocks.items() if n} == sizes
 
 
 tokens_st = st.lists(st.integers(0, 1), max_size=12).map(tuple)

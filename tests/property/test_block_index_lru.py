@@ -83,6 +83,6 @@ def test_lru_order_and_bound_match_the_model(max_blocks: int, data: st.DataObjec
             )
             model.store(parent, tokens)
             stored.append(start + tokens)
-        assert list(index._blocks) == [_key(p) for p in model.lru], "LRU order"
+        assert [key for key, _ in index._entries()] == [_key(p) for p in model.lru], "LRU order"
         assert len(index) <= max_blocks
         assert index.stats()["evictions"] == model.evictions

@@ -32,7 +32,8 @@ PROMPT = tuple(range(100, 100 + 8 * BS))  # 8 blocks; stores hold prefixes of it
 def _reference(index: BlockIndex, prompt: PromptKeys) -> dict[str, tuple[tuple[int, int, object], ...]]:
     with index._lock:
         got = match_chain(
-            index._blocks, index._low, index._spec.keys, BS, prompt.chain(BS), index._low, index._clock(),
+            index._table, index._masks, index._low, index._spec.keys, BS, prompt.chain(BS), index._low,
+            index._clock(),
             index.media.view,
         )  # fmt: skip
         return {index._names[rid]: tuple(ranges) for rid, ranges in got.items()}

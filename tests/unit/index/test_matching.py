@@ -67,7 +67,7 @@ def test_a_high_replica_id_does_not_make_every_block_wide() -> None:
     rng = np.random.default_rng(4)
     tokens = rng.integers(0, 50_000, 256).astype(np.uint32)
     idx = fleet(1000, (999,), tokens)
-    widths = [entry[0].bit_length() for entry in idx._blocks.values()]
+    widths = [entry[0].bit_length() for _, entry in idx._entries()]
     assert len(widths) == 16 and max(widths) <= 8  # one byte: replica 999's own
     assert {k: m.tokens for k, m in idx.match(tokens).items()} == {"r999": 256}
     idx.remove("r999", [999_000], "GPU")  # its first block: the prefix is gone
@@ -96,7 +96,7 @@ def test_a_prefix_stored_by_two_far_apart_replicas_shares_one_mask() -> None:
     rng = np.random.default_rng(6)
     tokens = rng.integers(0, 50_000, 512).astype(np.uint32)
     idx = fleet(1000, (3, 900), tokens)
-    masks = [entry[0] for entry in idx._blocks.values()]
+    masks = [entry[0] for _, entry in idx._entries()]
     assert len(masks) == 32 and masks[0].bit_length() > 7000  # replicas 3 and 900: a wide int
     assert len({id(m) for m in masks}) == 1
     assert {k: m.tokens for k, m in idx.match(tokens).items()} == {"r3": 512, "r900": 512}
