@@ -32,7 +32,6 @@ expire.
 from __future__ import annotations
 
 import heapq
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -50,9 +49,9 @@ from kvmesh.index.speculative import SpeculativeTable
 from kvmesh.index.table import (
     KEY_WORDS,
     REMOVE,
+    REMOVE_SIZES,
     STORE,
     BlockTable,
-    block_bytes,
     block_words,
     check_keys,
     engine_hash,
@@ -116,9 +115,11 @@ class BlockIndex:
         self._masks: list[tuple[int, int] | None] = []
         self._rid_sizes: dict[int, list[int]] = {}  # rid → the block sizes it has stored, in order
         self._rid_media: dict[int, int] = {}  # rid → the media bits it has stored blocks in
-        # rid → its last stored block (engine hash as int64, block size, key): a store chained
-        # to it (vLLM's order within a request) needs no lookup for its parent's key
-        self._tails: dict[int, tuple[int, int, bytes]] = {}
+        # (rid, engine hash, block size) → key of the last block of recent stores: a store
+        # chained to one (a request's next block) needs no table lookup for its parent's key
+        # (the table checks it when the store runs). Bounded: emptied when full (a plain
+        # dict's insert is half an OrderedDict's, and a miss costs only a batched lookup).
+        self._recent: dict[tuple[int, int, int], bytes] = {}
         self._size_blocks: dict[int, int] = {}  # block size → live blocks
         self._spec = SpeculativeTable()
         self.media = Media()
@@ -165,7 +166,6 @@ class BlockIndex:
                 return
             self._clear(rid)
             del self._names[rid], self._rid_sizes[rid], self._rid_media[rid]
-            self._tails.pop(rid, None)
             self._prefix_group.pop(rid, None)
             self._rid_names = (*self._rid_names[:rid], None, *self._rid_names[rid + 1 :])
             self._rid_view = dict(self._rids)
@@ -228,12 +228,12 @@ class BlockIndex:
         with self._lock:
             rid = self._rids.get(replica)
             prog = _Program()
-            for item in items:
+            for i, item in enumerate(items):
                 ev = item[0]
                 if isinstance(ev, BlockStored):
                     if rid is None:
                         rid = self._rid(replica)
-                    self._add_store(rid, prog, item)
+                    self._add_store(rid, prog, items, i)
                 elif rid is None:
                     continue  # a replica is known by its stores
                 elif isinstance(ev, BlockRemoved):
@@ -245,8 +245,9 @@ class BlockIndex:
             if rid is not None:
                 self._run(rid, prog)
 
-    def _add_store(self, rid: int, prog: _Program, item: _Item) -> None:
-        ev, medium, prepared = item
+    def _add_store(self, rid: int, prog: _Program, items: list[_Item], i: int) -> None:
+        """Add ``items[i]``, a store, to ``prog`` (``items[i + 1:]``: the rest of its batch)."""
+        ev, medium, prepared = items[i]
         assert isinstance(ev, BlockStored)
         if medium is None:
             self._counts["unknown_medium"] += 1
@@ -271,36 +272,48 @@ class BlockIndex:
             prev = chain_root(bs, ev.lora_name)
         else:
             # The parent's key, as the table should have it when this store runs (it checks):
-            # a block stored earlier in this batch, this replica's last store, or a lookup.
+            # the last block of a recent store (of this batch or an earlier one), or looked up
+            # in the table with the rest of the batch's parents.
             eh = engine_hash(parent)
-            known = prog.tails.get((eh, bs))
+            known = self._recent.get((rid, eh, bs))
             if known is None:
-                tail = self._tails.get(rid)
-                if tail is not None and tail[0] == eh and tail[1] == bs:
-                    known = tail[2]
-            if known is None and not prog.kinds:
-                row = self._table.held(rid, bs, eh)  # nothing pending: the table as it stands
-                if row < 0:
+                if (eh, bs) not in prog.looked:
+                    prog.looked.update(self._parents(rid, items[i:]))
+                known = prog.looked.get((eh, bs))
+            if known is None:
+                if prog.items:  # a store pending in the batch may make it: ask the table after it
+                    self._run(rid, prog)
+                    self._add_store(rid, prog, items, i)
+                else:
                     self._counts["orphans"] += 1
-                    return
-                known = self._table.key(row)
-            elif known is None:
-                self._run(rid, prog)  # then look it up as the table stands
-                self._add_store(rid, prog, item)
                 return
-            else:
-                check = (eh, known)
+            check = (eh, known)
             prev = known
         hashes = chain(prepared[0], bs, prev, prepared[1])
         bit = slot(medium)
-        prog.store(bs, bit, hashes, ev.block_hashes, check, item)
+        prog.store(bs, bit, hashes, ev.block_hashes, check, items[i])
         self._rid_media[rid] |= 1 << bit
         if bs not in self._rid_sizes[rid]:
             self._rid_sizes[rid].append(bs)
         if hashes:
-            last = (engine_hash(ev.block_hashes[-1]), bs)
-            prog.tails[last] = hashes[-1]
-            self._tails[rid] = (*last, hashes[-1])
+            recent = self._recent
+            if len(recent) >= _RECENT:
+                recent.clear()
+            recent[(rid, engine_hash(ev.block_hashes[-1]), bs)] = hashes[-1]
+
+    def _parents(self, rid: int, items: list[_Item]) -> dict[tuple[int, int], bytes | None]:
+        """``(engine hash, block size) → key`` (None: not held) of the stores' parents, in
+        one table call."""
+        wanted = {
+            (engine_hash(ev.parent_block_hash), ev.block_size)
+            for ev, _, _ in items
+            if isinstance(ev, BlockStored) and ev.parent_block_hash is not None
+        }
+        pairs = list(wanted)
+        keys = self._table.parent_keys(
+            rid, np.array([bs for _, bs in pairs], np.int64), np.array([eh for eh, _ in pairs], np.int64)
+        )
+        return dict(zip(pairs, keys, strict=True))
 
     def _add_remove(self, rid: int, prog: _Program, ev: BlockRemoved) -> None:
         med = self.media.get(medium_name(ev.medium, ev.locality, ev.ownership), register=False)
@@ -313,13 +326,14 @@ class BlockIndex:
         held_media = self._rid_media[rid]
         if not held_media & bit:
             return  # never stored in this medium
-        ehs = engine_hashes(ev.block_hashes)
-        if held_media == bit:
+        sizes = self._rid_sizes[rid]
+        if held_media == bit and len(sizes) <= REMOVE_SIZES:
             # Only ever stored in this medium: each block it names goes entirely, found and
             # unlinked in the program.
-            prog.remove(self._rid_sizes[rid], ehs, ev)
+            prog.remove(sizes, ev)
             return
         self._run(rid, prog)
+        ehs = engine_hashes(ev.block_hashes)
         # per block size (vLLM's offloading may reuse a GPU block's hash for a CPU block)
         found = [self._table.find_held(rid, (bs,), ehs) for bs in self._rid_sizes[rid]]
         gone: list[int] = []  # rows rid no longer holds in any medium
@@ -336,18 +350,30 @@ class BlockIndex:
 
     def _run(self, rid: int, prog: _Program) -> None:
         """Run ``prog`` in the table and bring the masks and counters in step; empty it."""
-        while prog.kinds:
-            table, masks, counts = self._table, self._masks, self._counts
-            done, out, outputs = table.run(
-                rid, prog.ops, b"".join(prog.words), self.max_blocks, prog.new_blocks, prog.outputs
-            )
+        while prog.items:
+            table, masks, counts, ops = self._table, self._masks, self._counts, prog.ops
+            done, out, outputs = table.run(rid, ops, prog.keys, prog.ehs, self.max_blocks, prog.outputs)
             if len(masks) < table.capacity:  # a row id per slot of the table's arrays
                 masks.extend([None] * (table.capacity - len(masks)))
             o = 0
+            sizes, rid_shift = self._size_blocks, _shift(rid)
             for k in range(done):
-                n, count = prog.ns[k], outputs[k]
-                if prog.kinds[k] == STORE:
-                    self._replay_store(rid, prog.bits[k], prog.sizes[k], out[o : o + n])
+                kind, n, bs, count = ops[8 * k], ops[8 * k + 1], ops[8 * k + 2], outputs[k]
+                if kind == STORE:
+                    # new rows (the usual case) inline; the first other one and the rest by
+                    # _replay_store
+                    alone, new, j = (1 << prog.bits[k], rid_shift), 0, o
+                    while j < o + n:
+                        row, is_new, moved, _ = out[j]
+                        if not is_new or moved >= 0:
+                            break
+                        masks[row] = alone
+                        new += 1
+                        j += 1
+                    if new:
+                        sizes[bs] = sizes.get(bs, 0) + new
+                    if j < o + n:
+                        self._replay_store(rid, prog.bits[k], bs, out[j : o + n])
                     counts["stored_blocks"] += n
                     if count > n:
                         for row, size, *_ in out[o + n : o + count]:
@@ -367,16 +393,17 @@ class BlockIndex:
                         else:
                             self._unheld(row, size, freed, self._clear_byte(rid, row))
                 o += count
-            rest = prog.items[done + 1 :] if done < len(prog.kinds) else []
-            failed = prog.items[done] if done < len(prog.kinds) else None
+            rest = prog.items[done + 1 :] if done < len(prog.items) else []
+            failed = prog.items[done] if done < len(prog.items) else None
             prog.clear()
             if failed is not None:
                 # The parent's engine hash moved on before this store ran: look it up again
                 # as the table stands, then the rest as before.
-                self._tails.pop(rid, None)
-                for item in (failed, *rest):
+                self._recent.clear()
+                redo = [failed, *rest]
+                for i, item in enumerate(redo):
                     if isinstance(item[0], BlockStored):
-                        self._add_store(rid, prog, item)
+                        self._add_store(rid, prog, redo, i)
                     else:
                         self._add_remove(rid, prog, item[0])
         if len(self._table) > self.max_blocks:
@@ -631,24 +658,20 @@ _Item = tuple[Any, AnyMedium | None, Any]  # (event, a store's medium, its event
 class _Program:
     """One replica's stores and fast removals, for :meth:`BlockTable.run` in one call.
 
-    Ops are packed as they are added (:data:`_OP`), so a 16-event batch costs no numpy
-    conversion of its own. ``tails``: ``(engine hash, block size) → key`` of each store's
-    last block, so a later store of the batch chained to it hashes from the right key (the
-    table checks it when the store runs).
+    Gathered as plain lists (ops flat, 8 ints each; the stores' keys; every engine hash) and
+    converted once per batch: per event, numpy's conversions cost more than the table's work.
     """
 
-    __slots__ = ("bits", "items", "kinds", "new_blocks", "ns", "ops", "outputs", "sizes", "tails", "words")
+    __slots__ = ("bits", "ehs", "items", "keys", "looked", "ops", "outputs")
 
     def __init__(self) -> None:
-        self.ops = bytearray()
-        self.words: list[bytes] = []
-        self.kinds: list[int] = []
-        self.ns: list[int] = []
-        self.sizes: list[int] = []  # per op: a store's block size
+        self.ops: list[int] = []
+        self.keys: list[bytes] = []
+        self.ehs: list[Any] = []
         self.bits: list[int] = []  # per op: a store's medium slot
         self.items: list[_Item] = []  # per op: the event it came from (to redo from a failed check)
-        self.tails: dict[tuple[int, int], bytes] = {}
-        self.new_blocks = 0  # blocks stored: rows and records the table may need
+        # parents looked up in the table since the program was last run: key, None if not held
+        self.looked: dict[tuple[int, int], bytes | None] = {}
         self.outputs = 0  # output rows the table may write
 
     def store(
@@ -662,35 +685,29 @@ class _Program:
     ) -> None:
         n = len(keys)
         if check is None:
-            self.ops += _OP.pack(STORE, n, bs, 0, 0, 0, 0, 0)
+            self.ops += (STORE, n, bs, 0, 0, 0, 0, 0)
         else:
-            hi, lo = KEY_WORDS.unpack(check[1])
-            self.ops += _OP.pack(STORE, n, bs, 1, check[0], hi, lo, 0)
-        self.words.append(block_bytes(keys, ehs))
-        self._add(STORE, n, bs, bit, item)
-        self.new_blocks += n
-        self.outputs += 2 * n  # a row per block, at most as many evictions
-
-    def remove(self, sizes: list[int], ehs: np.ndarray, ev: BlockRemoved) -> None:
-        n = len(ehs)
-        self.ops += _OP.pack(REMOVE, n, 0, 0, 0, 0, 0, 0)
-        self.words.append(_WORDS[len(sizes)].pack(len(sizes), *sizes) + ehs.tobytes())
-        self._add(REMOVE, n, 0, 0, (ev, None, None))
-        self.outputs += n
-
-    def _add(self, kind: int, n: int, bs: int, bit: int, item: _Item) -> None:
-        self.kinds.append(kind)
-        self.ns.append(n)
-        self.sizes.append(bs)
+            self.ops += (STORE, n, bs, 1, check[0], *KEY_WORDS.unpack(check[1]), 0)
+        self.keys += keys
+        self.ehs += ehs
         self.bits.append(bit)
         self.items.append(item)
+        self.outputs += 2 * n  # a row per block, at most as many evictions
+
+    def remove(self, sizes: list[int], ev: BlockRemoved) -> None:
+        n = len(ev.block_hashes)
+        self.ops += (REMOVE, n, len(sizes), *sizes, *_ZEROS[len(sizes) :])
+        self.ehs += ev.block_hashes
+        self.bits.append(0)
+        self.items.append((ev, None, None))
+        self.outputs += n
 
     def clear(self) -> None:
         self.__init__()  # type: ignore[misc]
 
 
-_OP = struct.Struct("<8q")
-_WORDS = tuple(struct.Struct(f"<{n + 1}q") for n in range(64))  # a size count and the sizes
+_RECENT = 1 << 16  # parents remembered (BlockIndex._recent)
+_ZEROS = (0,) * (REMOVE_SIZES + 1)  # a removal's unused size columns and its output count
 
 
 def _shift(rid: int) -> int:

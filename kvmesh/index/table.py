@@ -34,11 +34,12 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 import xxhash
 
-from kvmesh.core.jit import kernel
+from kvmesh.core.jit import kernel, readonly
 
 KEY_BYTES = 16
 _I64 = np.int64
 _MASK64 = (1 << 64) - 1
+_SIGN = 1 << 63
 _LOAD = 0.7  # grow a slot table past this load factor
 KEY_WORDS = struct.Struct("<qq")  # a 16-byte key as its two int64 words
 # meta fields (one int64 array, so the kernels can update the counters)
@@ -52,6 +53,8 @@ def engine_hash(h: object) -> int:
     A hash is only ever compared within one replica's map (by replica id and block size): two
     of its own engine hashes colliding in 64 bits would mislink one block's removal.
     """
+    if type(h) is int and 0 <= h < _SIGN:  # the usual int hash: itself
+        return h
     if isinstance(h, int) and -(1 << 63) <= h <= _MASK64:
         v = h & _MASK64
     elif isinstance(h, bytes):
@@ -85,7 +88,8 @@ def engine_hashes(hashes: Sequence[object]) -> np.ndarray:
     data = _u64_bytes(hashes)
     if data is not None:
         return np.frombuffer(data, _I64)
-    return np.array([engine_hash(h) for h in hashes], dtype=_I64)
+    # read-only as frombuffer's: one kernel signature whichever way the hashes came
+    return readonly(np.array([engine_hash(h) for h in hashes], dtype=_I64))
 
 
 def block_bytes(keys: Sequence[bytes], hashes: Sequence[object]) -> bytes:
@@ -416,28 +420,32 @@ def _hold(
 
 
 # A program (:meth:`BlockTable.run`): one replica's stores and removals in order, one call.
-# op = (kind, n, block size, check, parent engine hash, parent key hi, parent key lo, outputs)
+# A store: (STORE, n, block size, check, parent engine hash, parent key hi, parent key lo, -);
+# a removal: (REMOVE, n, number of block sizes (up to 4), the sizes...). The last column
+# comes back as the op's output count.
 STORE, REMOVE = 0, 1
+REMOVE_SIZES = 4
 
 
 @kernel
 def _run(
     meta: np.ndarray, kslots: np.ndarray, rk: np.ndarray, ri: np.ndarray, hslots: np.ndarray,
-    he: np.ndarray, hr: np.ndarray, rid: int, ops: np.ndarray, words: np.ndarray, max_rows: int,
-    out: np.ndarray,
+    he: np.ndarray, hr: np.ndarray, rid: int, ops: np.ndarray, keys: np.ndarray, ehs: np.ndarray,
+    max_rows: int, out: np.ndarray,
 ) -> int:  # fmt: skip
     """Run ``ops`` in order; returns how many ran (all, or up to the first failed check).
 
-    STORE: ``words`` has its n keys (two words each) then their n engine hashes. With
-    ``check``, first: does rid's engine hash ``parent`` still name the key the blocks were
-    chained from? If not, stop before it. Outputs: a :func:`_hold_one` row per block, then
-    ``(row, block size, -2, 0)`` per row evicted to keep ``max_rows`` (at most n).
-    REMOVE: ``words`` has the count of rid's block sizes, the sizes, then n engine hashes.
-    Outputs, per hash: ``(row or -1, freed, block size, 0)``, the row rid held under it (the
-    first size that has it) with every record of rid there unlinked.
+    ``keys``: the stores' block keys (two words each), in order; ``ehs``: the engine hashes
+    of the stores' blocks and of the removals, in order.
+    STORE: with ``check``, first: does rid's engine hash ``parent`` still name the key the
+    blocks were chained from? If not, stop before it. Outputs: a :func:`_hold_one` row per
+    block, then ``(row, block size, -2, 0)`` per row evicted to keep ``max_rows`` (at most n).
+    REMOVE: outputs, per hash: ``(row or -1, freed, block size, 0)``, the row rid held under
+    it (the first of the op's sizes that has it) with every record of rid there unlinked.
     ``ops[k, 7]`` is set to op k's output count.
     """
-    w = 0
+    kp = 0
+    e = 0
     o = 0
     for k in range(len(ops)):
         n = ops[k, 1]
@@ -450,11 +458,12 @@ def _run(
                     return k
             for i in range(n):
                 _hold_one(
-                    meta, kslots, rk, ri, hslots, he, hr, rid, bs, words[w + 2 * i], words[w + 2 * i + 1],
-                    words[w + 2 * n + i], out, o,
+                    meta, kslots, rk, ri, hslots, he, hr, rid, bs, keys[kp + 2 * i], keys[kp + 2 * i + 1],
+                    ehs[e + i], out, o,
                 )  # fmt: skip
                 o += 1
-            w += 3 * n
+            kp += 2 * n
+            e += n
             evicted = 0
             while meta[3] > max_rows and evicted < n:
                 row = meta[0]
@@ -466,16 +475,14 @@ def _run(
                 o += 1
                 evicted += 1
         else:
-            ns = words[w]
-            sizes = words[w + 1 : w + 1 + ns]
-            w += 1 + ns
             for i in range(n):
                 out[o, 0] = -1
                 out[o, 1] = 0
                 out[o, 2] = 0
                 out[o, 3] = 0
-                for bs in sizes:
-                    q = _hfind(hslots, ri, he, hr, rid, bs, words[w + i])
+                for j in range(ops[k, 2]):
+                    bs = ops[k, 3 + j]
+                    q = _hfind(hslots, ri, he, hr, rid, bs, ehs[e + i])
                     if q >= 0:
                         row = hr[q, 1]
                         out[o, 0] = row
@@ -483,7 +490,7 @@ def _run(
                         out[o, 1] = _unhold(meta, kslots, rk, ri, hslots, he, hr, rid, row)
                         break
                 o += 1
-            w += n
+            e += n
         ops[k, 7] = o - o0
     return len(ops)
 
@@ -669,15 +676,17 @@ class BlockTable:
         return result
 
     def run(
-        self, rid: int, ops: bytearray, words: bytes, max_rows: int, new_blocks: int, outputs: int
+        self, rid: int, ops: list[int], keys: list[bytes], ehs: list[object], max_rows: int, outputs: int
     ) -> tuple[int, list[list[int]], list[int]]:
-        """Run a program (see :func:`_run`; ``ops`` packed int64 rows of 8): how many ops
-        ran, their outputs in order, each op's output count. ``new_blocks``: the blocks its
-        stores hold; ``outputs``: the most output rows it can write."""
-        self.reserve(new_blocks)
-        table = np.frombuffer(ops, _I64).reshape(-1, 8)  # a view of the bytearray: writable
+        """Run a program (see :func:`_run`; ``ops`` flat, 8 ints per op; ``keys`` the stores'
+        16-byte keys; ``ehs`` the engine hashes): how many ops ran, their outputs in order,
+        each op's output count. ``outputs``: the most output rows it can write."""
+        self.reserve(len(keys))
+        table = np.array(ops, _I64).reshape(-1, 8)
         out = np.empty((outputs, 4), _I64)
-        done = _run(*self._state(), rid, table, np.frombuffer(words, _I64), max_rows, out)
+        done = _run(
+            *self._state(), rid, table, key_words(keys).reshape(-1), engine_hashes(ehs), max_rows, out
+        )
         counts: list[int] = table[:done, 7].tolist()
         result: list[list[int]] = out[: sum(counts)].tolist()
         return int(done), result, counts
@@ -774,15 +783,12 @@ def warm() -> None:
     keys = [bytes([i]) * KEY_BYTES for i in range(12)]
     t.hold(0, 16, block_words(keys[6:], list(range(6, 12))))  # grows the arrays, rehashes the slots
     t.hold(0, 16, block_words(keys[:2], [1, 2]))
-    ops = bytearray(
-        struct.pack("<16q", STORE, 2, 16, 1, 2, *KEY_WORDS.unpack(keys[1]), 0, REMOVE, 1, 0, 0, 0, 0, 0, 0)
-    )
-    words = block_bytes(keys[2:4], [3, 4]) + struct.pack("<3q", 1, 16, 3)
-    t.run(0, ops, words, 9, 2, 5)
+    ops = [STORE, 2, 16, 1, 2, *KEY_WORDS.unpack(keys[1]), 0, REMOVE, 1, 1, 16, 0, 0, 0, 0]
+    t.run(0, ops, keys[2:4], [3, 4, 3], 9, 5)
     rows = t.find(key_words(keys))
     t.touch(rows)
     t.find_held(0, [16], engine_hashes([1, 9]))
-    t.parent_keys(0, np.array([16], _I64), engine_hashes([1]))
+    t.parent_keys(0, np.array([16], _I64), np.array([1], _I64))
     t.held(0, 16, 1)
     t.unhold(0, t.rows_of(0)[:1])
     t.evict(1)
