@@ -22,6 +22,10 @@ import msgspec
 for _heavy in ("torch", "numpy", "zstandard", "xxhash", "pydantic", "yaml", "zmq", "tokenizers", "jinja2"):
     __import__(_heavy)
 
+# The block index's numba kernels, uninstrumented too: numba compiles a kernel from its
+# bytecode, which atheris's instrumentation changes beyond what numba can type.
+import kvmesh.index.table  # noqa: E402, F401
+
 with atheris.instrument_imports(include=["kvmesh"]):
     from kvmesh.core import serde
     from kvmesh.errors import CorruptChunkError, EventDecodeError, TokenizeError, WireError
