@@ -52,7 +52,6 @@ from kvmesh.index.table import (
     REMOVE_SIZES,
     STORE,
     BlockTable,
-    block_words,
     check_keys,
     engine_hash,
     engine_hashes,
@@ -290,16 +289,29 @@ class BlockIndex:
             check = (eh, known)
             prev = known
         hashes = chain(prepared[0], bs, prev, prepared[1])
-        bit = slot(medium)
-        prog.store(bs, bit, hashes, ev.block_hashes, check, items[i])
-        self._rid_media[rid] |= 1 << bit
-        if bs not in self._rid_sizes[rid]:
-            self._rid_sizes[rid].append(bs)
+        self._stored(rid, prog, bs, slot(medium), hashes, ev.block_hashes, check, items[i])
         if hashes:
             recent = self._recent
             if len(recent) >= _RECENT:
                 recent.clear()
             recent[(rid, engine_hash(ev.block_hashes[-1]), bs)] = hashes[-1]
+
+    def _stored(
+        self,
+        rid: int,
+        prog: _Program,
+        bs: int,
+        bit: int,
+        keys: list[bytes],
+        ehs: tuple[BlockHash, ...],
+        check: tuple[int, bytes] | None,
+        item: _Item,
+    ) -> None:
+        """Add a store to ``prog``; what rid has stored in (media, block sizes) grows with it."""
+        prog.store(bs, bit, keys, ehs, check, item)
+        self._rid_media[rid] |= 1 << bit
+        if bs not in self._rid_sizes[rid]:
+            self._rid_sizes[rid].append(bs)
 
     def _parents(self, rid: int, items: list[_Item]) -> dict[tuple[int, int], bytes | None]:
         """``(engine hash, block size) → key`` (None: not held) of the stores' parents, in
@@ -423,21 +435,13 @@ class BlockIndex:
         pairs = list(blocks)
         keys = [key for _, key in pairs]
         check_keys(keys)
-        words = block_words(keys, [eh for eh, _ in pairs])
         with self._lock:
             rid = self._rid(replica)
-            bit = slot(med)
-            self._rid_media[rid] |= 1 << bit
-            if block_size not in self._rid_sizes[rid]:
-                self._rid_sizes[rid].append(block_size)
-            table, masks = self._table, self._masks
-            held = table.hold(rid, block_size, words)
-            if len(masks) < table.capacity:
-                masks.extend([None] * (table.capacity - len(masks)))
-            self._replay_store(rid, bit, block_size, held)
-            self._counts["stored_blocks"] += len(held)
-            if len(table) > self.max_blocks:
-                self._evict(len(table) - self.max_blocks)
+            prog = _Program()
+            self._stored(
+                rid, prog, block_size, slot(med), keys, tuple(eh for eh, _ in pairs), None, (None, med, None)
+            )
+            self._run(rid, prog)
 
     def _replay_store(self, rid: int, bit: int, bs: int, held: list[list[int]]) -> None:
         """The masks of blocks the table says ``rid`` now holds in medium slot ``bit``, in

@@ -92,21 +92,6 @@ def engine_hashes(hashes: Sequence[object]) -> np.ndarray:
     return readonly(np.array([engine_hash(h) for h in hashes], dtype=_I64))
 
 
-def block_bytes(keys: Sequence[bytes], hashes: Sequence[object]) -> bytes:
-    """Blocks as the table takes them: the keys' words, then the engine hashes, int64."""
-    data = b"".join(keys)
-    if len(data) != KEY_BYTES * len(hashes):
-        check_keys(keys)
-        raise ValueError(f"{len(keys)} keys for {len(hashes)} engine hashes")
-    ehs = _u64_bytes(hashes)
-    return data + (ehs if ehs is not None else engine_hashes(hashes).tobytes())
-
-
-def block_words(keys: Sequence[bytes], hashes: Sequence[object]) -> np.ndarray:
-    """:func:`block_bytes` as the int64 array :meth:`BlockTable.hold` takes."""
-    return np.frombuffer(block_bytes(keys, hashes), _I64)
-
-
 def key_words(keys: Sequence[bytes]) -> np.ndarray:
     """16-byte index keys as an ``(n, 2)`` int64 array. Only their total length is checked
     here: keys from outside the index's own hashing go through :func:`check_keys` first."""
@@ -391,39 +376,12 @@ def _hold_one(
     out[o, 3] = freed
 
 
-@kernel
-def _hold(
-    meta: np.ndarray, kslots: np.ndarray, rk: np.ndarray, ri: np.ndarray, hslots: np.ndarray,
-    he: np.ndarray, hr: np.ndarray, rid: int, bs: int, words: np.ndarray, out: np.ndarray,
-) -> None:  # fmt: skip
-    """``rid`` holds block ``i`` for each i, in order (``words``: n keys, two words each,
-    then their n engine hashes): ``out[i]`` as :func:`_hold_one`. Capacity for n new rows
-    and records must be there (:meth:`BlockTable.reserve`)."""
-    n = len(words) // 3
-    for i in range(n):
-        _hold_one(
-            meta,
-            kslots,
-            rk,
-            ri,
-            hslots,
-            he,
-            hr,
-            rid,
-            bs,
-            words[2 * i],
-            words[2 * i + 1],
-            words[2 * n + i],
-            out,
-            i,
-        )
-
-
 # A program (:meth:`BlockTable.run`): one replica's stores and removals in order, one call.
 # A store: (STORE, n, block size, check, parent engine hash, parent key hi, parent key lo, -);
 # a removal: (REMOVE, n, number of block sizes (up to 4), the sizes...). The last column
 # comes back as the op's output count.
 STORE, REMOVE = 0, 1
+_NO_BOUND = 1 << 62  # max_rows that evicts nothing
 REMOVE_SIZES = 4
 
 
@@ -665,15 +623,11 @@ class BlockTable:
     def _state(self) -> _State:
         return self.meta, self.kslots, self.rk, self.ri, self.hslots, self.he, self.hr
 
-    def hold(self, rid: int, bs: int, words: np.ndarray) -> list[list[int]]:
-        """``rid`` holds these blocks (``words``: :func:`block_words`): ``[row, new, moved,
-        freed]`` each (see :func:`_hold_one`)."""
-        n = len(words) // 3
-        self.reserve(n)
-        out = np.empty((n, 4), _I64)
-        _hold(*self._state(), rid, bs, words, out)
-        result: list[list[int]] = out.tolist()
-        return result
+    def hold(self, rid: int, bs: int, keys: list[bytes], ehs: list[object]) -> list[list[int]]:
+        """``rid`` holds these blocks, no eviction: ``[row, new, moved, freed]`` each (see
+        :func:`_hold_one`); one store of :meth:`run`."""
+        _, out, _ = self.run(rid, [STORE, len(keys), bs, 0, 0, 0, 0, 0], keys, ehs, _NO_BOUND, len(keys))
+        return out
 
     def run(
         self, rid: int, ops: list[int], keys: list[bytes], ehs: list[object], max_rows: int, outputs: int
@@ -781,8 +735,8 @@ def warm() -> None:
         return
     t = BlockTable(rows=2)
     keys = [bytes([i]) * KEY_BYTES for i in range(12)]
-    t.hold(0, 16, block_words(keys[6:], list(range(6, 12))))  # grows the arrays, rehashes the slots
-    t.hold(0, 16, block_words(keys[:2], [1, 2]))
+    t.hold(0, 16, keys[6:], list(range(6, 12)))  # grows the arrays, rehashes the slots
+    t.hold(0, 16, keys[:2], [1, 2])
     ops = [STORE, 2, 16, 1, 2, *KEY_WORDS.unpack(keys[1]), 0, REMOVE, 1, 1, 16, 0, 0, 0, 0]
     t.run(0, ops, keys[2:4], [3, 4, 3], 9, 5)
     rows = t.find(key_words(keys))

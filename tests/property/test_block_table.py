@@ -17,7 +17,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvmesh.index.table import BlockTable, block_words, engine_hash, engine_hashes, key_words
+from kvmesh.index.table import BlockTable, engine_hash, engine_hashes, key_words
 
 SIZES = (2, 4)
 # Keys decide their block size (as the index's chain roots do); few distinct words, so many
@@ -83,7 +83,7 @@ def test_table_matches_the_model(ops: list[tuple]) -> None:  # type: ignore[type
             _, rid, bs, blocks = op
             keys = [KEYS[SIZES.index(bs) * 24 + i] for i, _ in blocks]
             ehs = [eh * 1_000_003 - 17 for _, eh in blocks]  # negative ones too
-            got = table.hold(rid, bs, block_words(keys, ehs))
+            got = table.hold(rid, bs, keys, list(ehs))
             assert got is not None
             for (row, new, moved, freed), key, eh in zip(got, keys, ehs, strict=True):
                 want_new, want_moved, want_freed = model.hold(rid, key, eh)
