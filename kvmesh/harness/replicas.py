@@ -45,6 +45,9 @@ def vllm_env(cpu: int | None = None, extra: dict[str, str] | None = None) -> dic
             "DO_NOT_TRACK": "1",
         }
     )
+    # A replica whose kvmesh threads all stop for 3 s writes every thread's stack to its log
+    # (kvmesh.core.stallwatch): what held a test's or a benchmark's replica up, on record.
+    env.setdefault("KVMESH_STALL_DUMP_S", "3")
     if cpu is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)  # one core per replica, none shared
     if extra:

@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.core import stallwatch
 from kvmesh.core.fleetkey import FleetKey
 from kvmesh.errors import WireError
 from kvmesh.transport.auth import AUTH_FAILED, ServerAuth
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 Handler = Callable[[socket.socket, dict[str, Any]], bool]
 SWEEP_S = 0.05  # how often deadlines are checked
 LATE_WARN_MS = 1000  # a selector thread held up this long is logged (a new maximum only)
+STALL_HINT = f" ({stallwatch.ENV}=3 logs every thread's stack when a stall that long comes)"
 COUNTERS = (
     "accepted",
     "refused_cap",
@@ -59,6 +61,7 @@ COUNTERS = (
     # end of a pass over ready sockets): a thread starved of the CPU or the interpreter
     # lock, which every connection's handshake then waits for.
     "loop_late_ms_max",
+    "held_up",  # how many times it was held up LATE_WARN_MS or more (each one, not a new maximum)
 )
 
 
@@ -142,13 +145,17 @@ class Listener:
     # -- the selector thread -------------------------------------------------------------
     def _loop(self) -> None:
         next_sweep = time.monotonic() + SWEEP_S
+        stallwatch.started()
         try:
             while not self._closed.is_set():
                 asked = time.monotonic()
+                stallwatch.pet(asked)
                 ready = self._sel.select(SWEEP_S)
                 woke = time.monotonic()
-                if not ready:  # a timeout: due at asked + SWEEP_S
-                    self._late(woke - asked - SWEEP_S)
+                # Due at asked + SWEEP_S at the latest: a thread that got the CPU or the
+                # interpreter lock back only after that is late, whether or not a socket
+                # became ready meanwhile (a starved thread wakes to a ready one).
+                self._late(woke - asked - SWEEP_S)
                 for skey, _ in ready:
                     if skey.data is None:
                         self._take_returned()
@@ -164,20 +171,24 @@ class Listener:
         except Exception:  # never expected; the log says why the listener stopped
             log.exception("kvmesh: listener %s stopped", self.name)
         finally:
+            stallwatch.stopped()
             for conn in list(self._conns.values()):
                 if not conn.busy:
                     self._drop(conn, None)
 
     def _late(self, seconds: float) -> None:
         ms = int(seconds * 1000)
+        if ms >= LATE_WARN_MS:
+            self.counters["held_up"] += 1
         if ms > self.counters["loop_late_ms_max"]:
             self.counters["loop_late_ms_max"] = ms
             if ms >= LATE_WARN_MS:
                 log.warning(
                     "kvmesh: listener %s: its selector thread was held up %d ms (the process is "
-                    "short of CPU, or another thread holds the interpreter lock); handshakes wait for it",
+                    "short of CPU, or another thread holds the interpreter lock); handshakes wait for it%s",
                     self.name,
                     ms,
+                    STALL_HINT if not stallwatch.enabled() else "",
                 )
 
     def _accept(self, lst: socket.socket) -> None:

@@ -168,20 +168,29 @@ def pd_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         # 1b. vLLM reports the producer's own prefix hits as a decode's cached tokens when the
         # parameters carry remote_prefill_cached_tokens (vLLM's P/D semantics); without them
         # the consumer reports its own count: the pulled prompt.
-        p4 = tokens(4)
-        pre4 = complete(producer.url, p4, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-        res["prefill4"] = pre4
-        own = {k: v for k, v in pre4["kv_transfer_params"].items() if k != "remote_prefill_cached_tokens"}
-        res["decode4"] = complete(consumer.url, p4, **GEN, kv_transfer_params=own)
+        res["starved"] = []
+        for seed in (4, 14):
+            before = admin_stats(c_admin), admin_stats(p_admin)
+            p4 = tokens(seed)
+            pre4 = complete(producer.url, p4, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+            res["prefill4"] = pre4
+            own = {k: v for k, v in pre4["kv_transfer_params"].items() if k != "remote_prefill_cached_tokens"}
+            res["decode4"] = complete(consumer.url, p4, **GEN, kv_transfer_params=own)
+            if not starved(before, (admin_stats(c_admin), admin_stats(p_admin)), res, f"decode4 seed {seed}"):
+                break
         # 1c. the same handshake through /v1/chat/completions.
-        words = " ".join(f"w{i % 97}" for i in range(700))
-        res["chat_ref"] = chat(producer.url, words, **CHAT)
-        res["chat_prefill"] = chat(
-            producer.url, words, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
-        )
-        res["chat_decode"] = chat(
-            consumer.url, words, **CHAT, kv_transfer_params=res["chat_prefill"]["kv_transfer_params"]
-        )
+        for word in ("w", "x"):
+            before = admin_stats(c_admin), admin_stats(p_admin)
+            words = " ".join(f"{word}{i % 97}" for i in range(700))
+            res["chat_ref"] = chat(producer.url, words, **CHAT)
+            res["chat_prefill"] = chat(
+                producer.url, words, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+            )
+            res["chat_decode"] = chat(
+                consumer.url, words, **CHAT, kv_transfer_params=res["chat_prefill"]["kv_transfer_params"]
+            )
+            if not starved(before, (admin_stats(c_admin), admin_stats(p_admin)), res, f"chat {word}"):
+                break
         res["c_after_chat"] = admin_stats(c_admin)
         res["p_after_chat"] = admin_stats(p_admin)
         # 1d. a hung producer (a listener here that accepts and never answers; fault
@@ -243,6 +252,41 @@ def pd_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         consumer.stop()
 
 
+def starved(
+    before: tuple[dict[str, Any], dict[str, Any]],
+    after: tuple[dict[str, Any], dict[str, Any]],
+    res: dict[str, Any],
+    step: str,
+) -> bool:
+    """Whether ``step``'s pull ran out of its time budget while the producer's transfer
+    listener was held up a second or more (``pd_server_held_up``), the first time this run:
+    then the fixture runs the step once more on a fresh prompt (the consumer holds the first
+    one now) and the module's checks read the second run.
+
+    CI runs on this 2-core machine saw the producer's threads held up ~5 s, about 1 run in 9,
+    at a different pull each time (decode 4's, the chat's), while the consumer's were not:
+    the consumer recomputed, correctly, but this module checks pulls that complete. The stall
+    is the machine's (two vLLM replicas, their engine cores' busy polling and pytest on 2
+    cores), counted by the producer and with every thread's stack in its log (the harness sets
+    KVMESH_STALL_DUMP_S). A timeout without a counted stall, or a second one, fails the checks."""
+    timeouts = after[0]["pd_fallbacks_total"].get("timeout", 0) - before[0]["pd_fallbacks_total"].get(
+        "timeout", 0
+    )
+    held = after[1]["pd_server_held_up"] - before[1]["pd_server_held_up"]
+    if timeouts == 1 and held > 0 and not res["starved"]:
+        res["starved"].append(step)
+        return True
+    return False
+
+
+def explained(pd_run: dict[str, Any], counts: dict[str, int]) -> dict[str, int]:
+    """``counts`` (fallbacks by reason) less the one timeout :func:`starved` ran again."""
+    left = dict(counts)
+    if pd_run["starved"]:
+        left["timeout"] = left.get("timeout", 0) - 1
+    return {k: v for k, v in left.items() if v}
+
+
 def kvmesh_lines(pd_run: dict[str, Any]) -> str:
     """The replicas' kvmesh log lines and pull counters: what a failed assertion shows."""
     out = []
@@ -253,6 +297,11 @@ def kvmesh_lines(pd_run: dict[str, Any]) -> str:
     chat = {k: v for k, v in pd_run["c_after_chat"].items() if k.startswith("pd_")}
     served = {k: v for k, v in pd_run["p_after_chat"].items() if k.startswith(("pd_served", "pd_server"))}
     counts = [f"consumer after decode1: {pulls}", f"consumer after chat: {chat}", f"producer: {served}"]
+    counts.append(f"run again after a counted producer stall: {pd_run.get('starved')}")
+    for path in pd_run["logs"]:  # the stall watch's dumps (kvmesh.core.stallwatch): every thread's stack
+        text = Path(path).read_text(errors="replace")
+        if "Timeout (" in text:
+            counts.append(f"{Path(path).name}, last stall dump:\n" + text[text.rindex("Timeout (") :][:6000])
     return "\n".join([*out, *counts])
 
 
@@ -288,7 +337,7 @@ def test_chat_completions_carry_the_handshake_too(pd_run: dict[str, Any]) -> Non
     assert ids == ref_ids and top5_diff(lp, ref_lp) <= LOOSE
     before, after = pd_run["c_after_decode"], pd_run["c_after_chat"]
     assert after["pd_pull_chunks"] > before["pd_pull_chunks"], kvmesh_lines(pd_run)
-    assert not after["pd_fallbacks_total"], kvmesh_lines(pd_run)
+    assert not explained(pd_run, after["pd_fallbacks_total"]), kvmesh_lines(pd_run)
 
 
 def test_forged_address_is_refused_without_connecting(pd_run: dict[str, Any]) -> None:
@@ -304,7 +353,8 @@ def test_hung_producer_costs_the_handshake_budget_not_the_fetch_timeout(pd_run: 
     ref_ids, ref_lp, _ = output(pd_run["ref5b"])
     ids, lp, _ = output(pd_run["decode5"])
     assert ids == ref_ids and top5_diff(lp, ref_lp) <= LOOSE
-    assert pd_run["c_after_hang"]["pd_fallbacks_total"].get("timeout", 0) >= 1
+    timeouts = [pd_run[k]["pd_fallbacks_total"].get("timeout", 0) for k in ("c_after_chat", "c_after_hang")]
+    assert timeouts[1] - timeouts[0] >= 1, timeouts
     # the handshake's budget (5 s) and the recompute, under the fetch budget (15 s)
     assert CONNECT_TIMEOUT_S <= pd_run["decode5_s"] < FETCH_TIMEOUT_S, pd_run["decode5_s"]
     assert pd_run["plain_during_hang_s"] < FETCH_TIMEOUT_S + 30

@@ -1,0 +1,104 @@
+"""Who held the process up: every thread's stack, dumped when kvmesh's service loops all stop.
+
+A listener's selector thread wakes at least every 50 ms. When it wakes seconds late, its log
+line says so (``held up``), but not why: another thread held the interpreter lock, or the
+process got no CPU. Set ``KVMESH_STALL_DUMP_S`` (seconds; off by default) and each service
+loop :func:`pet`\\ s a process-wide watchdog of :mod:`faulthandler` at most every
+:data:`PET_S`; when no loop has petted it for that long, faulthandler's own C thread (which
+needs no interpreter lock) writes every Python thread's stack to stderr, the replica's log.
+The thread that held the lock is the one not waiting in a ``select``, ``wait`` or ``recv``.
+
+One watchdog per process: a loop's pet replaces any other's, so it fires only when every
+petting loop is stopped (a held interpreter lock stops them all). ``faulthandler`` keeps
+one deferred dump per process, so with this on nothing else may use
+``faulthandler.dump_traceback_later`` (pytest's ``faulthandler_timeout`` among them).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import threading
+
+log = logging.getLogger(__name__)
+
+ENV = "KVMESH_STALL_DUMP_S"
+STDERR = 2  # the descriptor, not sys.stderr: a replica's log, whatever wraps sys.stderr
+PET_S = 0.5  # re-armed at most this often: a dump comes after a stall of the setting - PET_S
+
+_lock = threading.Lock()
+_after: float | None = None  # the setting, read once per process
+_next = 0.0  # monotonic time of the next re-arm
+_pets = 0  # loops petting now (the watchdog is cancelled when the last one stops)
+
+
+def setting(environ: dict[str, str] | None = None) -> float:
+    """``KVMESH_STALL_DUMP_S`` as seconds; 0 (off) when unset, not a number or below 1."""
+    raw = (os.environ if environ is None else environ).get(ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        log.warning("kvmesh: %s=%r is not a number of seconds: stall dumps stay off", ENV, raw)
+        return 0.0
+    if value < 1.0:
+        log.warning("kvmesh: %s=%r is under 1 s: stall dumps stay off", ENV, raw)
+        return 0.0
+    return value
+
+
+def _seconds() -> float:
+    global _after
+    if _after is None:
+        _after = setting()
+    return _after
+
+
+def enabled() -> bool:
+    """Whether stall dumps are on in this process."""
+    return _seconds() > 0
+
+
+def started() -> None:
+    """A service loop begins petting."""
+    global _pets
+    if _seconds() > 0:
+        with _lock:
+            _pets += 1
+
+
+def pet(now: float) -> None:
+    """Called by a service loop each time it runs (cheap when it is not yet time to re-arm)."""
+    global _next
+    after = _after if _after is not None else _seconds()
+    if after <= 0 or now < _next:
+        return
+    with _lock:
+        if _pets and now >= _next:
+            _next = now + PET_S
+            faulthandler.dump_traceback_later(after, file=STDERR)
+
+
+def stopped() -> None:
+    """A service loop stops petting; the last one cancels the pending dump."""
+    global _pets, _next
+    if _seconds() <= 0:
+        return
+    with _lock:
+        _pets = max(0, _pets - 1)
+        if not _pets:
+            faulthandler.cancel_dump_traceback_later()
+            _next = 0.0
+
+
+def reset_for_tests(after: float | None = None) -> None:
+    """Forget the setting (read again on next use) or force ``after``; cancel the dump."""
+    global _after, _next, _pets
+    with _lock:
+        _after, _next, _pets = after, 0.0, 0
+        faulthandler.cancel_dump_traceback_later()
+
+
+__all__ = ["ENV", "PET_S", "enabled", "pet", "reset_for_tests", "setting", "started", "stopped"]
