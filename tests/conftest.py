@@ -34,6 +34,17 @@ from kvmesh.harness.stores import MotoServer
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _stall_dumps() -> Iterator[None]:
+    """The test replicas write every thread's stack to their logs when their kvmesh threads
+    all stop for 3 s (kvmesh.core.stallwatch): a CI stall is then on record, with its cause."""
+    from kvmesh.harness import replicas
+
+    replicas.STALL_DUMP_S = "3"
+    yield
+    replicas.STALL_DUMP_S = None
+
+
 @pytest.fixture
 def free_port() -> Callable[[], int]:
     return ports.free_port

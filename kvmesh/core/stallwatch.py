@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 ENV = "KVMESH_STALL_DUMP_S"
 STDERR = 2  # the descriptor, not sys.stderr: a replica's log, whatever wraps sys.stderr
-PET_S = 0.5  # re-armed at most this often: a dump comes after a stall of the setting - PET_S
+PET_S = 1.0  # re-armed at most this often (a third of the setting if less): a dump comes after
+# a stall of between two thirds of the setting and all of it
 
 _lock = threading.Lock()
 _after: float | None = None  # the setting, read once per process
@@ -77,7 +78,7 @@ def pet(now: float) -> None:
         return
     with _lock:
         if _pets and now >= _next:
-            _next = now + PET_S
+            _next = now + min(PET_S, after / 3)
             faulthandler.dump_traceback_later(after, file=STDERR)
 
 

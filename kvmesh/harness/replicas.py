@@ -30,6 +30,11 @@ from kvmesh.harness.processes import spawn, stop_process
 # here (0.2-0.8 s with the cap): measured 5 December 2026, plain vLLM and kvmesh alike.
 # Benchmarks size their replicas themselves (their figures depend on it).
 TEST_KV_BLOCKS = 256
+# KVMESH_STALL_DUMP_S for the replicas started here (kvmesh.core.stallwatch): a replica whose
+# kvmesh threads all stop that long writes every thread's stack to its log. The test suite
+# sets "3" (tests/conftest.py), so what held a test's replica up is on record; benchmarks
+# leave it off (re-arming the watchdog costs each listener ~60 us a second).
+STALL_DUMP_S: str | None = None
 
 
 def vllm_env(cpu: int | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -45,9 +50,8 @@ def vllm_env(cpu: int | None = None, extra: dict[str, str] | None = None) -> dic
             "DO_NOT_TRACK": "1",
         }
     )
-    # A replica whose kvmesh threads all stop for 3 s writes every thread's stack to its log
-    # (kvmesh.core.stallwatch): what held a test's or a benchmark's replica up, on record.
-    env.setdefault("KVMESH_STALL_DUMP_S", "3")
+    if STALL_DUMP_S:
+        env.setdefault("KVMESH_STALL_DUMP_S", STALL_DUMP_S)
     if cpu is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)  # one core per replica, none shared
     if extra:

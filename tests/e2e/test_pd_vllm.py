@@ -265,10 +265,12 @@ def starved(
 
     CI runs on this 2-core machine saw the producer's threads held up ~5 s, about 1 run in 9,
     at a different pull each time (decode 4's, the chat's), while the consumer's were not:
-    the consumer recomputed, correctly, but this module checks pulls that complete. The stall
-    is the machine's (two vLLM replicas, their engine cores' busy polling and pytest on 2
-    cores), counted by the producer and with every thread's stack in its log (the harness sets
-    KVMESH_STALL_DUMP_S). A timeout without a counted stall, or a second one, fails the checks."""
+    the consumer recomputed, correctly, but this module checks pulls that complete. What
+    holds the producer up is not known yet: it did not happen here in runs under two extra
+    busy processes or with cold compile caches. The producer counts it, and writes every
+    thread's stack to its log (the suite sets KVMESH_STALL_DUMP_S for its replicas:
+    tests/conftest.py), which a failure prints. A timeout without a counted stall, or a
+    second one, fails the checks."""
     timeouts = after[0]["pd_fallbacks_total"].get("timeout", 0) - before[0]["pd_fallbacks_total"].get(
         "timeout", 0
     )

@@ -161,3 +161,14 @@ def test_start_replicas_on_stops_every_replica_when_one_fails(monkeypatch: pytes
         assert start_replicas_on(stack, reps) >= 0.0
         assert events == ["start r0", "start r1"]
     assert events[2:] == ["stop r1", "stop r0"]
+
+
+def test_the_suites_replicas_dump_their_stacks_on_a_stall_and_a_benchmarks_do_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvmesh.harness import replicas
+
+    monkeypatch.delenv("KVMESH_STALL_DUMP_S", raising=False)
+    assert replicas.vllm_env()["KVMESH_STALL_DUMP_S"] == "3"  # tests/conftest.py
+    monkeypatch.setattr(replicas, "STALL_DUMP_S", None)  # as a benchmark runs it
+    assert "KVMESH_STALL_DUMP_S" not in replicas.vllm_env()
