@@ -73,7 +73,7 @@ def started() -> None:
 def pet(now: float) -> None:
     """Called by a service loop each time it runs (cheap when it is not yet time to re-arm)."""
     global _next
-    after = _after if _after is not None else _seconds()
+    after = _seconds()
     if after <= 0 or now < _next:
         return
     with _lock:
