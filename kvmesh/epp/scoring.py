@@ -205,5 +205,6 @@ class EndpointPicker:
             "endpoints": core["replicas"],
             "index": core["index"],
             "ready": self.ready(),
+            "gc": core["gc"],
             **({"cost": core["cost"]} if "cost" in core else {}),
         }

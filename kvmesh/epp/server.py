@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvmesh.errors import ClosedError, ProcessError
-from kvmesh.routing.loop import loop_factory
+from kvmesh.routing.loop import freeze_heap, loop_factory
 
 from .config import EppConfig
 from .protocol import StreamHandler, StreamTimeout
@@ -162,7 +162,10 @@ class EppServer:
 
 
 async def serve_forever(server: EppServer) -> None:
+    """Serve until cancelled (the ``kvmesh epp`` command); its process's start-up heap frozen
+    (:func:`kvmesh.routing.loop.freeze_heap`)."""
     await server.start()
+    freeze_heap()
     try:
         await asyncio.Event().wait()
     finally:

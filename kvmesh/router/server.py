@@ -18,7 +18,7 @@ from kvmesh.index import BlockIndex
 from kvmesh.router.app import RouterService
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.metrics import RouterMetrics
-from kvmesh.routing.loop import loop_factory
+from kvmesh.routing.loop import freeze_heap, loop_factory
 from kvmesh.routing.tokenize import PromptTokenizer
 
 
@@ -27,8 +27,10 @@ def run_forever(service: RouterService) -> None:
     cfg = service.config
     loop = loop_factory()()
     asyncio.set_event_loop(loop)
+    app = service.make_app()
+    app.on_startup.append(_freeze)  # the last hook: after the service's own start-up
     web.run_app(
-        service.make_app(),
+        app,
         host=cfg.host,
         port=cfg.port,
         access_log=None,
@@ -36,6 +38,10 @@ def run_forever(service: RouterService) -> None:
         print=None,
         shutdown_timeout=cfg.shutdown_timeout_s,
     )
+
+
+async def _freeze(app: web.Application) -> None:
+    freeze_heap()
 
 
 class Router:

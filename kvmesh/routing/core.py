@@ -36,6 +36,7 @@ from kvmesh.routing.config import ReplicaConfig, RoutingConfig
 from kvmesh.routing.costhooks import CostHooks
 from kvmesh.routing.dispatcher import Dispatcher
 from kvmesh.routing.health import Monitor
+from kvmesh.routing.loop import gc_state
 from kvmesh.routing.picker import build_picker
 from kvmesh.routing.pool import Pool, Replica
 from kvmesh.routing.prompts import Prompts
@@ -202,6 +203,7 @@ class RoutingCore:
             "index": self.index.stats(),
             "tokenizer_cache": self.tokenizer.cache_stats() if self.tokenizer else None,
             "subscribers": {name: s.stats() for name, s in self.subscribers.items()},
+            "gc": gc_state(),
         }
         if self.costs is not None:
             out["cost"] = self.costs.describe()

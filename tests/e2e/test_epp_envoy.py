@@ -221,6 +221,7 @@ def test_openai_client_streaming_and_not_each_from_the_picked_replica(fleet: Fle
     )
     assert chat.headers[PICKED] == chat.headers[SERVED]
     assert all(c.object == "chat.completion.chunk" for c in chat.parse())
+    assert fleet.state()["gc"]["frozen"] > 10_000  # `kvmesh epp` froze its start-up heap
 
 
 def test_a_prefix_goes_back_to_its_holder_and_load_moves_it(fleet: Fleet) -> None:

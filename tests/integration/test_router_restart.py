@@ -153,6 +153,8 @@ def test_restarted_router_credits_the_same_prefixes(
 
         wait_for(indexed, 20)
         assert all_home(), "before the kill, each prompt goes where its prefix is"
+        # `kvmesh router` froze its start-up heap (kvmesh.routing.loop.freeze_heap)
+        assert httpx.get(url + "/kvmesh/state", timeout=5).json()["gc"]["frozen"] > 10_000
         before = httpx.get(url + "/kvmesh/state", timeout=5).json()["index"]["blocks"]
 
         router.kill()
