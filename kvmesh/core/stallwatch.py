@@ -12,6 +12,13 @@ One watchdog per process: a loop's pet replaces any other's, so it fires only wh
 petting loop is stopped (a held interpreter lock stops them all). ``faulthandler`` keeps
 one deferred dump per process, so with this on nothing else may use
 ``faulthandler.dump_traceback_later`` (pytest's ``faulthandler_timeout`` among them).
+
+The stacks show who held the lock, not a process that got no CPU at all. With the setting
+on, a loop also keeps a :func:`usage` snapshot at most :data:`USAGE_S` old, and its ``held
+up`` line says what happened :func:`meanwhile`: the CPU time every thread of the process
+used (a thread holding the lock runs up seconds of it), its major page faults (code or data
+read back from disk: memory reclaimed while idle) and, with psutil, the time the hypervisor
+took from each CPU the thread may run on (``steal``: a virtual CPU not scheduled at all).
 """
 
 from __future__ import annotations
@@ -19,7 +26,10 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import resource
 import threading
+import time
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +37,8 @@ ENV = "KVMESH_STALL_DUMP_S"
 STDERR = 2  # the descriptor, not sys.stderr: a replica's log, whatever wraps sys.stderr
 PET_S = 1.0  # re-armed at most this often (a third of the setting if less): a dump comes after
 # a stall of between two thirds of the setting and all of it
+
+USAGE_S = 1.0  # a loop's usage snapshot is renewed when this old
 
 _lock = threading.Lock()
 _after: float | None = None  # the setting, read once per process
@@ -102,4 +114,60 @@ def reset_for_tests(after: float | None = None) -> None:
         faulthandler.cancel_dump_traceback_later()
 
 
-__all__ = ["ENV", "PET_S", "enabled", "pet", "reset_for_tests", "setting", "started", "stopped"]
+@dataclass(frozen=True)
+class Usage:
+    """What the process and the machine had used by ``at`` (monotonic seconds)."""
+
+    at: float
+    cpu_s: float  # this process's user + system CPU time, every thread
+    major_faults: int  # this process's page faults that read from disk
+    steal_s: tuple[float, ...]  # per CPU, the time the hypervisor ran something else (psutil)
+
+
+def usage(now: float | None = None) -> Usage:
+    """A snapshot for :func:`meanwhile` (~30 us: one ``getrusage`` and ``/proc/stat``)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    steal: tuple[float, ...] = ()
+    try:
+        import psutil  # vLLM's dependency; optional for kvmesh
+
+        steal = tuple(float(getattr(t, "steal", 0.0)) for t in psutil.cpu_times(percpu=True))
+    except Exception:  # not installed, or no /proc: the line goes without it
+        steal = ()
+    return Usage(time.monotonic() if now is None else now, ru.ru_utime + ru.ru_stime, ru.ru_majflt, steal)
+
+
+def meanwhile(before: Usage, after: Usage, cpus: set[int] | None = None) -> str:
+    """What changed from ``before`` to ``after``, for a ``held up`` line; ``cpus``: the CPUs
+    the held-up thread may run on (their steal only; every CPU's when None)."""
+    out = (
+        f"meanwhile ({after.at - before.at:.1f} s) the process used {after.cpu_s - before.cpu_s:.2f} s "
+        f"of CPU in all its threads and had {after.major_faults - before.major_faults} major page faults"
+    )
+    if before.steal_s and len(before.steal_s) == len(after.steal_s):
+        stolen = [
+            f"cpu{i} {a - b:.2f} s"
+            for i, (b, a) in enumerate(zip(before.steal_s, after.steal_s, strict=True))
+            if cpus is None or i in cpus
+        ]
+        if stolen:
+            out += "; the hypervisor took (steal) " + ", ".join(stolen)
+    if cpus is not None:
+        out += f"; the thread runs on cpu {','.join(map(str, sorted(cpus)))}"
+    return out
+
+
+__all__ = [
+    "ENV",
+    "PET_S",
+    "USAGE_S",
+    "Usage",
+    "enabled",
+    "meanwhile",
+    "pet",
+    "reset_for_tests",
+    "setting",
+    "started",
+    "stopped",
+    "usage",
+]

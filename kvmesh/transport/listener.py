@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import queue
 import selectors
 import socket
@@ -124,6 +125,7 @@ class Listener:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards _busy (read by close from another thread)
         self._busy: set[socket.socket] = set()
+        self._usage: stallwatch.Usage | None = None  # set by the selector thread (_loop)
 
     def add(self, sock: socket.socket, authenticate: bool) -> None:
         """Serve connections of the bound, listening ``sock``; ``authenticate``: each must
@@ -146,6 +148,9 @@ class Listener:
     def _loop(self) -> None:
         next_sweep = time.monotonic() + SWEEP_S
         stallwatch.started()
+        # With stall dumps on: what the process and the machine had used at most USAGE_S
+        # ago, so a held-up line can say what happened meanwhile.
+        self._usage = stallwatch.usage() if stallwatch.enabled() else None
         try:
             while not self._closed.is_set():
                 asked = time.monotonic()
@@ -156,6 +161,8 @@ class Listener:
                 # interpreter lock back only after that is late, whether or not a socket
                 # became ready meanwhile (a starved thread wakes to a ready one).
                 self._late(woke - asked - SWEEP_S)
+                if self._usage is not None and woke - self._usage.at >= stallwatch.USAGE_S:
+                    self._usage = stallwatch.usage(woke)
                 for skey, _ in ready:
                     if skey.data is None:
                         self._take_returned()
@@ -183,11 +190,17 @@ class Listener:
         if ms > self.counters["loop_late_ms_max"]:
             self.counters["loop_late_ms_max"] = ms
             if ms >= LATE_WARN_MS:
+                seen = ""
+                if self._usage is not None:
+                    seen = "; " + stallwatch.meanwhile(
+                        self._usage, stallwatch.usage(), os.sched_getaffinity(0)
+                    )
                 log.warning(
                     "kvmesh: listener %s: its selector thread was held up %d ms (the process is "
-                    "short of CPU, or another thread holds the interpreter lock); handshakes wait for it%s",
+                    "short of CPU, or another thread holds the interpreter lock); handshakes wait for it%s%s",
                     self.name,
                     ms,
+                    seen,
                     STALL_HINT if not stallwatch.enabled() else "",
                 )
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import socket
 import time
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -277,6 +278,12 @@ def starved(
     held = after[1]["pd_server_held_up"] - before[1]["pd_server_held_up"]
     if timeouts == 1 and held > 0 and not res["starved"]:
         res["starved"].append(step)
+        # Passing or not, the run's warnings summary says so, with what the producer logged
+        # of the stall (what happened meanwhile: kvmesh.core.stallwatch.meanwhile).
+        log = Path(res["logs"][0]).read_text(errors="replace").splitlines()
+        lines = [ln for ln in log if "held up" in ln][-3:]
+        warnings.warn(f"PD e2e: {step}'s pull ran out of its budget while the producer was held up; run "
+                      "once more. The producer's log: " + " | ".join(lines), stacklevel=1)  # fmt: skip
         return True
     return False
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from kvmesh.core import stallwatch
 from kvmesh.core.fleetkey import TRANSFER_AUTH, FleetKey
 from kvmesh.transport.listener import Limits, Listener
 from kvmesh.transport.wire import frame, recv_msg, send_msg
@@ -119,6 +120,39 @@ def test_a_held_up_selector_thread_is_counted_and_logged(
         assert recv_msg(s, deadline=time.monotonic() + 2) == {"t": "ok", "n": 0}
     assert lst.stats()["loop_late_ms_max"] >= 1000 and lst.stats()["held_up"] == 1
     assert any("held up" in r.getMessage() for r in caplog.records)
+
+
+def test_with_stall_dumps_on_a_held_up_line_says_what_happened_meanwhile(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With ``KVMESH_STALL_DUMP_S`` set, the held-up line carries the process's CPU time, major
+    page faults and the hypervisor's steal over the stall (kvmesh.core.stallwatch.meanwhile):
+    what tells a thread starved of the interpreter lock from a virtual CPU not scheduled."""
+    stallwatch.reset_for_tests(30.0)  # on; no dump within the test
+    lst = Listener("test", echo, KEY, TRANSFER_AUTH, Limits(), dedicated=False)
+    real = lst._sel.select
+    stalled = threading.Event()
+
+    def select(timeout: float | None = None) -> Any:
+        if not stalled.is_set():
+            stalled.set()
+            time.sleep(1.2)
+            return []
+        return real(timeout)
+
+    lst._sel.select = select  # type: ignore[method-assign]
+    try:
+        lst.start()
+        assert stalled.wait(5)
+        deadline = time.monotonic() + 5
+        while not lst.stats()["held_up"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        lst.close()
+        stallwatch.reset_for_tests()
+    (line,) = [r.getMessage() for r in caplog.records if "held up" in r.getMessage()]
+    assert "meanwhile (" in line and "s of CPU in all its threads" in line, line
+    assert f"the thread runs on cpu {','.join(map(str, sorted(os.sched_getaffinity(0))))}" in line
 
 
 def test_a_thread_held_up_until_a_socket_is_ready_is_counted_too(server: tuple[Listener, int]) -> None:
