@@ -17,8 +17,9 @@ The stacks show who held the lock, not a process that got no CPU at all. With th
 on, a loop also keeps a :func:`usage` snapshot at most :data:`USAGE_S` old, and its ``held
 up`` line says what happened :func:`meanwhile`: the CPU time every thread of the process
 used (a thread holding the lock runs up seconds of it), its major page faults (code or data
-read back from disk: memory reclaimed while idle) and, with psutil, the time the hypervisor
-took from each CPU the thread may run on (``steal``: a virtual CPU not scheduled at all).
+read back from disk: memory reclaimed while idle) and, with psutil, how busy each CPU the
+thread may run on was (other processes on it) and the time the hypervisor took from it
+(``steal``: a virtual CPU not scheduled at all).
 """
 
 from __future__ import annotations
@@ -121,37 +122,56 @@ class Usage:
     at: float
     cpu_s: float  # this process's user + system CPU time, every thread
     major_faults: int  # this process's page faults that read from disk
-    steal_s: tuple[float, ...]  # per CPU, the time the hypervisor ran something else (psutil)
+    steal_s: tuple[float, ...] = ()  # per CPU, the time the hypervisor ran something else (psutil)
+    busy_s: tuple[float, ...] = ()  # per CPU, the time it ran anything (psutil)
 
 
 def usage(now: float | None = None) -> Usage:
     """A snapshot for :func:`meanwhile` (~30 us: one ``getrusage`` and ``/proc/stat``)."""
     ru = resource.getrusage(resource.RUSAGE_SELF)
     steal: tuple[float, ...] = ()
+    busy: tuple[float, ...] = ()
     try:
         import psutil  # vLLM's dependency; optional for kvmesh
 
-        steal = tuple(float(getattr(t, "steal", 0.0)) for t in psutil.cpu_times(percpu=True))
+        per_cpu = psutil.cpu_times(percpu=True)
+        steal = tuple(float(getattr(t, "steal", 0.0)) for t in per_cpu)
+        busy = tuple(
+            float(sum(t)) - t.idle - float(getattr(t, "iowait", 0.0)) - float(getattr(t, "steal", 0.0))
+            - float(getattr(t, "guest", 0.0)) - float(getattr(t, "guest_nice", 0.0))
+            for t in per_cpu
+        )  # fmt: skip  # guest time is counted in user time too
     except Exception:  # not installed, or no /proc: the line goes without it
-        steal = ()
-    return Usage(time.monotonic() if now is None else now, ru.ru_utime + ru.ru_stime, ru.ru_majflt, steal)
+        steal, busy = (), ()
+    now = time.monotonic() if now is None else now
+    return Usage(now, ru.ru_utime + ru.ru_stime, ru.ru_majflt, steal, busy)
 
 
 def meanwhile(before: Usage, after: Usage, cpus: set[int] | None = None) -> str:
     """What changed from ``before`` to ``after``, for a ``held up`` line; ``cpus``: the CPUs
-    the held-up thread may run on (their steal only; every CPU's when None)."""
+    the held-up thread may run on (theirs only; every CPU's when None). Reads as: much CPU in
+    the process, another of its threads held the interpreter lock; major faults, memory read
+    back from disk; steal, a virtual CPU not scheduled; the thread's CPUs busy while the
+    process used little, other processes had them."""
     out = (
         f"meanwhile ({after.at - before.at:.1f} s) the process used {after.cpu_s - before.cpu_s:.2f} s "
         f"of CPU in all its threads and had {after.major_faults - before.major_faults} major page faults"
     )
-    if before.steal_s and len(before.steal_s) == len(after.steal_s):
-        stolen = [
-            f"cpu{i} {a - b:.2f} s"
-            for i, (b, a) in enumerate(zip(before.steal_s, after.steal_s, strict=True))
+
+    def per_cpu(b: tuple[float, ...], a: tuple[float, ...]) -> str:
+        if not b or len(b) != len(a):
+            return ""
+        return ", ".join(
+            f"cpu{i} {y - x:.2f} s"
+            for i, (x, y) in enumerate(zip(b, a, strict=True))
             if cpus is None or i in cpus
-        ]
-        if stolen:
-            out += "; the hypervisor took (steal) " + ", ".join(stolen)
+        )
+
+    stolen, busy = per_cpu(before.steal_s, after.steal_s), per_cpu(before.busy_s, after.busy_s)
+    if busy:
+        out += f"; busy (every process) {busy}"
+    if stolen:
+        out += f"; the hypervisor took (steal) {stolen}"
     if cpus is not None:
         out += f"; the thread runs on cpu {','.join(map(str, sorted(cpus)))}"
     return out

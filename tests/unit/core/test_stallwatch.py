@@ -68,19 +68,21 @@ def test_usage_counts_this_process_cpu_and_each_cpus_steal() -> None:
     after = stallwatch.usage()
     assert after.at > before.at and after.cpu_s - before.cpu_s >= 0.25
     assert after.major_faults >= before.major_faults >= 0
-    assert len(after.steal_s) == psutil.cpu_count() and all(
-        a >= b for a, b in zip(after.steal_s, before.steal_s, strict=True)
-    )
+    assert len(after.steal_s) == len(after.busy_s) == psutil.cpu_count()
+    assert all(a >= b for a, b in zip(after.steal_s, before.steal_s, strict=True))
+    assert sum(after.busy_s) - sum(before.busy_s) >= 0.2  # this thread's 0.3 s among them
 
 
 def test_meanwhile_says_what_the_process_and_the_host_did() -> None:
-    before = stallwatch.Usage(at=10.0, cpu_s=2.0, major_faults=5, steal_s=(1.0, 7.0))
-    after = stallwatch.Usage(at=15.6, cpu_s=2.04, major_faults=7, steal_s=(1.0, 11.8))
+    before = stallwatch.Usage(at=10.0, cpu_s=2.0, major_faults=5, steal_s=(1.0, 7.0), busy_s=(50.0, 60.0))
+    after = stallwatch.Usage(at=15.6, cpu_s=2.04, major_faults=7, steal_s=(1.0, 11.8), busy_s=(55.5, 60.5))
     # The thread runs on cpu 1 only: its steal is what held it (4.8 s of 5.6).
     assert stallwatch.meanwhile(before, after, {1}) == (
         "meanwhile (5.6 s) the process used 0.04 s of CPU in all its threads and had 2 major page "
-        "faults; the hypervisor took (steal) cpu1 4.80 s; the thread runs on cpu 1"
+        "faults; busy (every process) cpu1 0.50 s; the hypervisor took (steal) cpu1 4.80 s; "
+        "the thread runs on cpu 1"
     )
-    assert "cpu0 0.00 s, cpu1 4.80 s" in stallwatch.meanwhile(before, after)
-    no_psutil = stallwatch.Usage(at=10.0, cpu_s=2.0, major_faults=5, steal_s=())
-    assert "steal" not in stallwatch.meanwhile(no_psutil, after, {0, 1})
+    assert "steal) cpu0 0.00 s, cpu1 4.80 s" in stallwatch.meanwhile(before, after)
+    no_psutil = stallwatch.Usage(at=10.0, cpu_s=2.0, major_faults=5)
+    line = stallwatch.meanwhile(no_psutil, after, {0, 1})
+    assert "steal" not in line and "busy" not in line and line.endswith("the thread runs on cpu 0,1")
