@@ -31,11 +31,12 @@ def freeze_heap() -> int:
     """Collect, then ``gc.freeze()`` everything allocated so far; the number of objects frozen.
 
     Called once by a front end's process (``kvmesh router``, ``kvmesh epp``) when it has
-    started. A full collection walks every object the collector tracks, and a front end's
-    start-up leaves ~145,000 of them (the modules, aiohttp, grpc, the tokenizer): each of
-    the ~1-in-100 requests of a 32k-token prompt that set one off held the event loop, and
-    every request on it, 50-90 ms on the 2-core machine. Frozen objects are never collected
-    (they live as long as the process anyway); what is allocated later is, as before.
+    started. A full collection walks every object the collector tracks, and a started router
+    holds ~145,000 of them (the modules, aiohttp, grpc, the tokenizer): 50-90 ms of a held
+    event loop, and every request on it, on the 2-core machine. Full collections are rare
+    (none fell within the overhead bench's 600 requests of 32k tokens), so this bounds a
+    rare pause rather than a typical one. Frozen objects are never collected (they live as
+    long as the process anyway); what is allocated later is, as before.
     """
     started = time.perf_counter()
     gc.collect()
