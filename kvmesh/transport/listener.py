@@ -192,9 +192,8 @@ class Listener:
             if ms >= LATE_WARN_MS:
                 seen = ""
                 if self._usage is not None:
-                    seen = "; " + stallwatch.meanwhile(
-                        self._usage, stallwatch.usage(), os.sched_getaffinity(0)
-                    )
+                    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None  # Linux
+                    seen = "; " + stallwatch.meanwhile(self._usage, stallwatch.usage(), cpus)
                 log.warning(
                     "kvmesh: listener %s: its selector thread was held up %d ms (the process is "
                     "short of CPU, or another thread holds the interpreter lock); handshakes wait for it%s%s",
