@@ -31,6 +31,13 @@ import resource
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
+
+psutil: Any
+try:  # vLLM's dependency; optional for kvmesh (usage() then reports no per-CPU times)
+    import psutil
+except ImportError:  # pragma: no cover - present beside vLLM
+    psutil = None
 
 log = logging.getLogger(__name__)
 
@@ -131,18 +138,17 @@ def usage(now: float | None = None) -> Usage:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     steal: tuple[float, ...] = ()
     busy: tuple[float, ...] = ()
-    try:
-        import psutil  # vLLM's dependency; optional for kvmesh
-
-        per_cpu = psutil.cpu_times(percpu=True)
-        steal = tuple(float(getattr(t, "steal", 0.0)) for t in per_cpu)
-        busy = tuple(
-            float(sum(t)) - t.idle - float(getattr(t, "iowait", 0.0)) - float(getattr(t, "steal", 0.0))
-            - float(getattr(t, "guest", 0.0)) - float(getattr(t, "guest_nice", 0.0))
-            for t in per_cpu
-        )  # fmt: skip  # guest time is counted in user time too
-    except Exception:  # not installed, or no /proc: the line goes without it
-        steal, busy = (), ()
+    if psutil is not None:
+        try:
+            per_cpu = psutil.cpu_times(percpu=True)
+            steal = tuple(float(getattr(t, "steal", 0.0)) for t in per_cpu)
+            busy = tuple(
+                float(sum(t)) - t.idle - float(getattr(t, "iowait", 0.0)) - float(getattr(t, "steal", 0.0))
+                - float(getattr(t, "guest", 0.0)) - float(getattr(t, "guest_nice", 0.0))
+                for t in per_cpu
+            )  # fmt: skip  # guest time is counted in user time too
+        except Exception:  # no /proc: the line goes without them
+            steal, busy = (), ()
     now = time.monotonic() if now is None else now
     return Usage(now, ru.ru_utime + ru.ru_stime, ru.ru_majflt, steal, busy)
 

@@ -20,6 +20,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.core import stallwatch
 from kvmesh.errors import ProcessError
 from kvmesh.harness.ports import free_port
 from kvmesh.harness.processes import spawn, stop_process
@@ -51,7 +52,7 @@ def vllm_env(cpu: int | None = None, extra: dict[str, str] | None = None) -> dic
         }
     )
     if STALL_DUMP_S:
-        env.setdefault("KVMESH_STALL_DUMP_S", STALL_DUMP_S)
+        env.setdefault(stallwatch.ENV, STALL_DUMP_S)
     if cpu is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)  # one core per replica, none shared
     if extra:

@@ -97,23 +97,30 @@ def test_close_while_a_request_runs(server: tuple[Listener, int]) -> None:
     s.close()
 
 
-def test_a_held_up_selector_thread_is_counted_and_logged(
-    server: tuple[Listener, int], caplog: pytest.LogCaptureFixture
-) -> None:
-    """Fault injection: the selector thread's next wait overruns by 1.2 s (as a thread starved
-    of the CPU or the interpreter lock would); the listener reports it and keeps serving."""
-    lst, port = server
+def _stall_first_wait(lst: Listener, seconds: float = 1.2) -> threading.Event:
+    """Fault injection: the selector thread's next wait overruns by ``seconds`` and returns
+    nothing (as a thread starved of the CPU or the interpreter lock would); set once it began."""
     real = lst._sel.select
     stalled = threading.Event()
 
     def select(timeout: float | None = None) -> Any:
         if not stalled.is_set():
             stalled.set()
-            time.sleep(1.2)
+            time.sleep(seconds)
             return []
         return real(timeout)
 
     lst._sel.select = select  # type: ignore[method-assign]
+    return stalled
+
+
+def test_a_held_up_selector_thread_is_counted_and_logged(
+    server: tuple[Listener, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fault injection: the selector thread's next wait overruns by 1.2 s (as a thread starved
+    of the CPU or the interpreter lock would); the listener reports it and keeps serving."""
+    lst, port = server
+    stalled = _stall_first_wait(lst)
     assert stalled.wait(5)
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(_proof(s) + frame({"op": "x"}))
@@ -130,17 +137,7 @@ def test_with_stall_dumps_on_a_held_up_line_says_what_happened_meanwhile(
     what tells a thread starved of the interpreter lock from a virtual CPU not scheduled."""
     stallwatch.reset_for_tests(30.0)  # on; no dump within the test
     lst = Listener("test", echo, KEY, TRANSFER_AUTH, Limits(), dedicated=False)
-    real = lst._sel.select
-    stalled = threading.Event()
-
-    def select(timeout: float | None = None) -> Any:
-        if not stalled.is_set():
-            stalled.set()
-            time.sleep(1.2)
-            return []
-        return real(timeout)
-
-    lst._sel.select = select  # type: ignore[method-assign]
+    stalled = _stall_first_wait(lst)
     try:
         lst.start()
         assert stalled.wait(5)
