@@ -31,9 +31,7 @@ import resource
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
-psutil: Any
 try:  # vLLM's dependency; optional for kvmesh (usage() then reports no per-CPU times)
     import psutil
 except ImportError:  # pragma: no cover - present beside vLLM
