@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import getpass
 import http.client
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +24,9 @@ from typing import Any, Self
 from kvmesh.errors import ProcessError
 
 _LIVE: list[subprocess.Popen[bytes]] = []
+# pid -> the temporary directory of a child started with one of its own (:func:`own_tmp`),
+# removed when stop_process ends the child
+_TMP: dict[int, str] = {}
 
 
 def _stop_all() -> None:
@@ -47,13 +53,46 @@ def stop_process(proc: subprocess.Popen[Any], timeout: float = 15.0) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     if proc in _LIVE:
         _LIVE.remove(proc)
+    tmp = _TMP.pop(proc.pid, None)
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def own_tmp(env: dict[str, str], prefix: str = "kvmesh-proc-") -> tuple[dict[str, str], str]:
+    """``env`` with a new, empty temporary directory of the child's own (``TMPDIR``), and
+    that directory: pass both to :func:`spawn`, or :func:`track_tmp` for a child started
+    otherwise, and :func:`stop_process` removes it with the child.
+
+    For vLLM: its ZMQ sockets (``VLLM_RPC_BASE_PATH``, default the temporary directory) and
+    its workers' rendezvous file (``vllm_dist_*``) are left behind whenever it is killed,
+    not shut down — a few dozen a replica, thousands in /tmp after a day of tests. A
+    ``VLLM_RPC_BASE_PATH`` the caller set stays. torch's compile cache keeps its usual,
+    shared place (``TORCHINDUCTOR_CACHE_DIR``), so a start does not compile again."""
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    out = dict(env)
+    with contextlib.suppress(KeyError, OSError):  # no user name: torch's own default then
+        cache = f"torchinductor_{getpass.getuser()}"  # torch's default_cache_dir(), not imported
+        out.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), cache))
+    out["TMPDIR"] = tmp
+    out.setdefault("VLLM_RPC_BASE_PATH", tmp)
+    return out, tmp
+
+
+def track_tmp(proc: subprocess.Popen[Any], tmp: str) -> None:
+    """Remove ``tmp`` (from :func:`own_tmp`) when :func:`stop_process` stops ``proc``."""
+    _TMP[proc.pid] = tmp
 
 
 def spawn(
-    args: list[str], env: dict[str, str], log_path: str | None = None, cpus: set[int] | None = None
+    args: list[str],
+    env: dict[str, str],
+    log_path: str | None = None,
+    cpus: set[int] | None = None,
+    tmp: str | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start ``args`` in a new process group, tracked for cleanup; ``cpus``: the cores it and
-    every process it starts may run on (default: any).
+    every process it starts may run on (default: any); ``tmp``: its own temporary directory
+    (:func:`own_tmp`), removed when it is stopped.
 
     The pin is the forking thread's own, lent for the fork: a child inherits its creator's
     affinity, so it starts pinned, with no window before exec. Not ``preexec_fn``, which
@@ -70,6 +109,8 @@ def spawn(
         if own is not None:
             os.sched_setaffinity(0, own)
     _LIVE.append(proc)
+    if tmp is not None:
+        track_tmp(proc, tmp)
     return proc
 
 

@@ -23,7 +23,7 @@ from typing import Any
 from kvmesh.core import stallwatch
 from kvmesh.errors import ProcessError
 from kvmesh.harness.ports import free_port
-from kvmesh.harness.processes import spawn, stop_process
+from kvmesh.harness.processes import own_tmp, spawn, stop_process
 
 # vLLM's own KV cache for a test's replica: 256 blocks of 128 tokens (32,768 tokens), far
 # more than any test's prompts. Without a cap, VLLM_CPU_KVCACHE_SPACE=1 gives the tiny
@@ -133,7 +133,8 @@ class Replica:
 
     def start(self) -> Replica:
         cpus = {self.cpu} if self.pin_process and self.cpu is not None else None
-        self.proc = spawn(self.command(), vllm_env(self.cpu, self.env_extra), self.log_path, cpus)
+        env, tmp = own_tmp(vllm_env(self.cpu, self.env_extra), prefix="kvmesh-vllm-")
+        self.proc = spawn(self.command(), env, self.log_path, cpus, tmp=tmp)
         return self
 
     def wait_ready(self, timeout: float = 600.0) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import threading
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from kvmesh.harness.processes import own_tmp
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
@@ -77,8 +80,11 @@ class ScenarioPool:
     def _run(self, name: str) -> tuple[int | None, str, str]:
         script, preset = POOLED[name]
         core = self._cores.get()
+        tmp: str | None = None
         try:
-            env = {**os.environ, "PYTHONPATH": str(ROOT)}
+            # vLLM's sockets and rendezvous file go to a directory of the scenario's own, removed
+            # after it (a killed engine leaves them behind)
+            env, tmp = own_tmp({**os.environ, "PYTHONPATH": str(ROOT)}, prefix="kvmesh-e2e-")
             if self._bind:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
             out = self.work / name
@@ -99,6 +105,8 @@ class ScenarioPool:
                 stderr += f"\n(killed after {RUN_TIMEOUT_S} s)"
             return proc.returncode, stdout, stderr
         finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
             self._cores.put(core)
 
     def result(self, name: str) -> dict[str, Any]:

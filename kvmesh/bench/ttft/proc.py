@@ -22,7 +22,7 @@ from kvmesh.bench.runner import REPO_ROOT
 from kvmesh.bench.ttft.spec import FAIR_ENV, FAIR_LLM_ARGS
 from kvmesh.bench.ttft.worker import PREFIX
 from kvmesh.errors import ProcessError
-from kvmesh.harness.processes import log_tail, stop_process
+from kvmesh.harness.processes import log_tail, own_tmp, stop_process, track_tmp
 
 
 def worker_env(extra_path: str | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -119,9 +119,10 @@ class Worker:
         module: str = "kvmesh.bench.ttft.worker",  # bench stall's worker speaks the same protocol
     ) -> None:
         self.setup, self.log_path = setup, log_path
+        env, tmp = own_tmp(worker_env(extra_path), prefix="kvmesh-vllm-")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, spec_path],
-            env=worker_env(extra_path),
+            env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -130,6 +131,7 @@ class Worker:
             start_new_session=True,  # vLLM's engine and worker processes join our group
             cwd=str(REPO_ROOT),
         )
+        track_tmp(self.proc, tmp)  # vLLM's sockets: removed at stop_process
         self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True)
         self._reader.start()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from kvmesh.errors import ProcessError
 from kvmesh.harness.ports import free_port
-from kvmesh.harness.processes import Service, get_json, log_tail
+from kvmesh.harness.processes import Service, get_json, log_tail, own_tmp, spawn, stop_process
 
 
 class _HttpService(Service):
@@ -60,3 +61,41 @@ def test_log_tail_prefers_error_lines(tmp_path: Path) -> None:
     assert log_tail(str(log), limit=2) == "two | three"  # no error line: the last lines
     assert log_tail(str(tmp_path / "missing.log")) == ""
     assert log_tail(None) == ""
+
+
+def test_a_child_with_a_tmp_of_its_own_leaves_nothing_behind_when_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What vLLM does when it is killed, not shut down (a real child: a unix socket bound in
+    ``VLLM_RPC_BASE_PATH`` and a file in its temporary directory, then it hangs): the
+    directory goes with the child."""
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    env, tmp = own_tmp(dict(os.environ), prefix="kvmesh-test-")
+    assert env["TMPDIR"] == env["VLLM_RPC_BASE_PATH"] == tmp and os.listdir(tmp) == []
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(os.path.dirname(tmp))  # the shared compile cache
+    ready = tmp_path / "ready"
+    script = (
+        "import os, socket, tempfile, time\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        "s.bind(os.path.join(os.environ['VLLM_RPC_BASE_PATH'], 'engine'))\n"
+        "open(os.path.join(tempfile.gettempdir(), 'vllm_dist_x'), 'w').close()\n"
+        f"open({str(ready)!r}, 'w').close(); time.sleep(60)\n"
+    )
+    proc = spawn([sys.executable, "-c", script], env, tmp=tmp)
+    for _ in range(300):
+        if ready.exists():
+            break
+        time.sleep(0.05)
+    assert sorted(os.listdir(tmp)) == ["engine", "vllm_dist_x"]
+    stop_process(proc, timeout=1)  # SIGTERM: the socket stays behind, as vLLM's do
+    assert proc.poll() is not None and not os.path.exists(tmp)
+
+
+def test_own_tmp_keeps_a_socket_path_the_caller_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/run/vllm")
+    env, tmp = own_tmp(dict(os.environ))
+    try:
+        assert env["VLLM_RPC_BASE_PATH"] == "/run/vllm" and env["TMPDIR"] == tmp
+    finally:
+        os.rmdir(tmp)

@@ -108,10 +108,17 @@ def test_replica_pins_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[set[int] | None] = []
 
     def fake_spawn(
-        args: list[str], env: dict[str, str], log_path: str | None = None, cpus: set[int] | None = None
+        args: list[str],
+        env: dict[str, str],
+        log_path: str | None = None,
+        cpus: set[int] | None = None,
+        tmp: str | None = None,
     ) -> None:
         seen.append(cpus)
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+        # vLLM's sockets go to a directory of the replica's own, removed at stop_process
+        assert tmp is not None and env["TMPDIR"] == env["VLLM_RPC_BASE_PATH"] == tmp
+        os.rmdir(tmp)
 
     monkeypatch.setattr("kvmesh.harness.replicas.spawn", fake_spawn)
     Replica("model", cpu=1).start()
