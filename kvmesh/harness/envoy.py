@@ -364,8 +364,10 @@ class Envoy:
     def start(self, timeout_s: float = 30.0) -> Envoy:
         path = self.workdir / "envoy.json"
         path.write_text(json.dumps(self.config, indent=1))
+        # No hot restart: its shared memory (/dev/shm/envoy_shared_memory_*, one per base id)
+        # outlived every killed Envoy, and without it Envoys side by side need no base ids.
         args = [envoy_binary(), "-c", str(path), "--log-level", "warn", "--concurrency", "1",
-                "--base-id", str(self.admin_port)]  # fmt: skip
+                "--disable-hot-restart"]  # fmt: skip
         self.proc = spawn(args, env={"PATH": "/usr/bin:/bin"}, log_path=str(self.log_path))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -27,6 +27,8 @@ _LIVE: list[subprocess.Popen[bytes]] = []
 # pid -> the temporary directory of a child started with one of its own (:func:`own_tmp`),
 # removed when stop_process ends the child
 _TMP: dict[int, str] = {}
+# How long stop_process lets what is left of a group exit on its own after SIGTERM
+DRAIN_S = 3.0
 
 
 def _stop_all() -> None:
@@ -37,18 +39,42 @@ def _stop_all() -> None:
 atexit.register(_stop_all)
 
 
-def stop_process(proc: subprocess.Popen[Any], timeout: float = 15.0) -> None:
-    """SIGTERM the process group ``proc`` leads (started in a new session), then SIGKILL
-    what is left of it — also the children of a leader that has already exited."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+def _group_gone(pgid: int, timeout: float) -> bool:
+    """Whether process group ``pgid`` empties within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
         try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # a member that is not ours: nothing to wait for here
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 15.0, drain_s: float | None = None) -> None:
+    """SIGTERM the process group ``proc`` leads (started in a new session), then SIGKILL
+    what is left of it — also the children of a leader that has already exited.
+
+    Between the two, up to ``drain_s`` (default :data:`DRAIN_S`) for the rest of the group
+    to exit on its own: Python's ``multiprocessing`` resource tracker ignores SIGTERM on
+    purpose and, once the processes it serves are gone, unlinks the shared memory and
+    semaphores they left behind (vLLM's message-queue buffers, /dev/shm/psm_*, up to 250 MB
+    each). Killed with them — the leader was killed first, so the group went straight to
+    SIGKILL — it left them in /dev/shm."""
+    drain_s = DRAIN_S if drain_s is None else drain_s
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)  # a dead leader's children too
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+    else:
+        _group_gone(proc.pid, drain_s)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     if proc in _LIVE:
@@ -56,6 +82,38 @@ def stop_process(proc: subprocess.Popen[Any], timeout: float = 15.0) -> None:
     tmp = _TMP.pop(proc.pid, None)
     if tmp is not None:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` (Linux: /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp ...
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            out.append(int(entry))
+    return out
+
+
+def crash(proc: subprocess.Popen[Any]) -> None:
+    """SIGKILL every process of the group ``proc`` leads but Python's ``multiprocessing``
+    resource tracker: a crash as the node sees it (a replica's processes gone mid-step, no
+    handler run). The tracker outlives them, as it would any crash it did not share, and
+    unlinks the shared memory they left (vLLM's /dev/shm/psm_* buffers); SIGKILLed with the
+    group, it left them in /dev/shm, where they outlive the test. Reap with
+    :func:`stop_process`."""
+    for pid in group_members(proc.pid):
+        try:
+            if b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            os.kill(pid, signal.SIGKILL)
+        except (OSError, ProcessLookupError):  # gone meanwhile
+            continue
 
 
 def own_tmp(env: dict[str, str], prefix: str = "kvmesh-proc-") -> tuple[dict[str, str], str]:

@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 from kvmesh.bench.common.workload import words
+from kvmesh.harness.processes import crash
 from kvmesh.harness.replicas import Replica, start_replicas
 from kvmesh.index import BlockIndex
 from kvmesh.router import RouterConfig
@@ -540,7 +541,7 @@ def kill_run(cluster: Cluster) -> KillRun:
         wait_for(busy, 30, "a request in flight on the victim")
         proc = cluster.replicas[victim].proc
         assert proc is not None
-        os.killpg(proc.pid, signal.SIGKILL)  # the API server and its engine process
+        crash(proc)  # the API server and its engine processes (SIGKILL)
         killed_at = time.monotonic()
         wait_for(lambda: sum(o.sent > killed_at for o in outcomes) >= 16, 120, "traffic after the kill")
     finally:

@@ -40,7 +40,7 @@ from kvmesh.errors import ProcessError
 from kvmesh.harness.connector import connector_config, shipped_chunk_size
 from kvmesh.harness.model import ensure_model
 from kvmesh.harness.ports import free_port
-from kvmesh.harness.processes import install_signal_handlers, spawn, stop_process
+from kvmesh.harness.processes import crash, install_signal_handlers, spawn, stop_process
 from kvmesh.harness.replicas import Replica, start_replicas
 from kvmesh.harness.services import RedisServer
 
@@ -202,7 +202,7 @@ class Fleet:
     def replica_kill(self, hold_s: float) -> str:
         victim = self.replicas[1]
         assert victim.proc is not None
-        os.killpg(victim.proc.pid, signal.SIGKILL)
+        crash(victim.proc)  # every process of it but Python's resource tracker
         stop_process(victim.proc)
         victim.proc = None
         time.sleep(hold_s)

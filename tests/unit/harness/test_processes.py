@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -11,7 +13,16 @@ import pytest
 
 from kvmesh.errors import ProcessError
 from kvmesh.harness.ports import free_port
-from kvmesh.harness.processes import Service, get_json, log_tail, own_tmp, spawn, stop_process
+from kvmesh.harness.processes import (
+    Service,
+    crash,
+    get_json,
+    group_members,
+    log_tail,
+    own_tmp,
+    spawn,
+    stop_process,
+)
 
 
 class _HttpService(Service):
@@ -99,3 +110,59 @@ def test_own_tmp_keeps_a_socket_path_the_caller_chose(monkeypatch: pytest.Monkey
         assert env["VLLM_RPC_BASE_PATH"] == "/run/vllm" and env["TMPDIR"] == tmp
     finally:
         os.rmdir(tmp)
+
+
+_LEADER = """\
+import multiprocessing as mp, sys, time
+from multiprocessing import shared_memory
+def child(path):
+    shm = shared_memory.SharedMemory(create=True, size=1 << 20)
+    open(path, 'w').write(shm.name)
+    time.sleep(60)
+if __name__ == '__main__':
+    mp.get_context('spawn').Process(target=child, args=(sys.argv[1],)).start()
+    time.sleep(60)
+"""
+
+
+def _leader_with_shared_memory(tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """vLLM's shape, with real processes: a leader spawns (``multiprocessing``, spawn start
+    method) a child that creates shared memory, registered with the resource tracker the
+    leader started. Returns the leader and the segment's file."""
+    name_file, main = tmp_path / "name", tmp_path / "leader.py"
+    main.write_text(_LEADER)  # a file: the spawned child imports the leader's main module
+    proc = spawn([sys.executable, str(main), str(name_file)], dict(os.environ))
+    for _ in range(600):
+        if name_file.exists() and name_file.read_text():
+            break
+        time.sleep(0.05)
+    segment = Path("/dev/shm") / name_file.read_text().lstrip("/")
+    assert segment.exists()
+    return proc, segment
+
+
+def test_a_killed_leader_s_children_still_get_their_shared_memory_unlinked(tmp_path: Path) -> None:
+    """A test SIGKILLs the leader (a dead replica); stopping it later must let the tracker,
+    which ignores SIGTERM, outlive the child and unlink the segment — the group SIGKILLed at
+    once left /dev/shm/psm_* behind."""
+    proc, segment = _leader_with_shared_memory(tmp_path)
+    proc.kill()  # the leader only
+    proc.wait(5)
+    stop_process(proc, timeout=5)
+    assert not segment.exists(), f"{segment} left behind"
+
+
+def test_crash_kills_all_but_the_resource_tracker_which_then_unlinks_what_they_left(tmp_path: Path) -> None:
+    """Crashed as a test crashes a replica: every process gone at once but the tracker,
+    which unlinks the child's segment."""
+    proc, segment = _leader_with_shared_memory(tmp_path)
+    members = set(group_members(proc.pid))
+    assert len(members) == 3 and proc.pid in members  # leader, tracker, child
+    crash(proc)
+    assert proc.wait(5) == -signal.SIGKILL
+    for _ in range(200):  # the tracker: EOF from its clients, the unlink, then its exit
+        if not group_members(proc.pid):
+            break
+        time.sleep(0.05)
+    assert not group_members(proc.pid) and not segment.exists()
+    stop_process(proc, timeout=1)
