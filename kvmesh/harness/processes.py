@@ -27,7 +27,11 @@ _LIVE: list[subprocess.Popen[bytes]] = []
 # pid -> the temporary directory of a child started with one of its own (:func:`own_tmp`),
 # removed when stop_process ends the child
 _TMP: dict[int, str] = {}
-# How long stop_process lets what is left of a group exit on its own after SIGTERM
+# A unix socket's path: at most 107 bytes (sun_path); vLLM names its sockets by a uuid4 (36),
+# and mkdtemp adds a separator, 8 random characters and another separator
+_SUN_PATH = 107
+_SOCKET_NAME = 1 + 8 + 1 + 36
+# How long stop_process waits for a group's resource tracker to clean up after its clients
 DRAIN_S = 3.0
 
 
@@ -40,41 +44,33 @@ atexit.register(_stop_all)
 
 
 def _group_gone(pgid: int, timeout: float) -> bool:
-    """Whether process group ``pgid`` empties within ``timeout`` seconds."""
+    """Whether every process of group ``pgid`` has exited within ``timeout`` seconds (a
+    zombie has: it waits for init to reap it, which here took ~1.5 s)."""
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # a member that is not ours: nothing to wait for here
-            return False
+    while group_members(pgid):
         if time.monotonic() >= deadline:
             return False
-        time.sleep(0.02)
+        time.sleep(0.01)
+    return True
 
 
 def stop_process(proc: subprocess.Popen[Any], timeout: float = 15.0, drain_s: float | None = None) -> None:
     """SIGTERM the process group ``proc`` leads (started in a new session), then SIGKILL
     what is left of it — also the children of a leader that has already exited.
 
-    Between the two, up to ``drain_s`` (default :data:`DRAIN_S`) for the rest of the group
-    to exit on its own: Python's ``multiprocessing`` resource tracker ignores SIGTERM on
-    purpose and, once the processes it serves are gone, unlinks the shared memory and
-    semaphores they left behind (vLLM's message-queue buffers, /dev/shm/psm_*, up to 250 MB
-    each). Killed with them — the leader was killed first, so the group went straight to
-    SIGKILL — it left them in /dev/shm."""
+    Python's ``multiprocessing`` resource tracker, the one member spared
+    (:func:`crash`), then gets up to ``drain_s`` (default :data:`DRAIN_S`; milliseconds
+    once its clients are gone) to unlink the shared memory and semaphores they left behind
+    (vLLM's message-queue buffers, /dev/shm/psm_*, up to 250 MB each) and exit. It ignores
+    SIGTERM for that; SIGKILLed with the group, it left them in /dev/shm."""
     drain_s = DRAIN_S if drain_s is None else drain_s
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)  # a dead leader's children too
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(5)
-    else:
-        _group_gone(proc.pid, drain_s)
+    crash(proc)
+    proc.wait(5)
+    _group_gone(proc.pid, drain_s)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     if proc in _LIVE:
@@ -85,7 +81,7 @@ def stop_process(proc: subprocess.Popen[Any], timeout: float = 15.0, drain_s: fl
 
 
 def group_members(pgid: int) -> list[int]:
-    """The processes of group ``pgid`` (Linux: /proc)."""
+    """The live processes of group ``pgid``, zombies left out (Linux: /proc)."""
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -95,7 +91,7 @@ def group_members(pgid: int) -> list[int]:
         except OSError:  # gone meanwhile
             continue
         fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp ...
-        if len(fields) > 2 and int(fields[2]) == pgid:
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
             out.append(int(entry))
     return out
 
@@ -124,13 +120,22 @@ def own_tmp(env: dict[str, str], prefix: str = "kvmesh-proc-") -> tuple[dict[str
     For vLLM: its ZMQ sockets (``VLLM_RPC_BASE_PATH``, default the temporary directory) and
     its workers' rendezvous file (``vllm_dist_*``) are left behind whenever it is killed,
     not shut down — a few dozen a replica, thousands in /tmp after a day of tests. A
-    ``VLLM_RPC_BASE_PATH`` the caller set stays. torch's compile cache keeps its usual,
+    ``VLLM_RPC_BASE_PATH`` the caller set stays. Under a temporary directory too long for
+    a socket's path, it goes under /tmp. torch's compile cache keeps its usual,
     shared place (``TORCHINDUCTOR_CACHE_DIR``), so a start does not compile again."""
-    tmp = tempfile.mkdtemp(prefix=prefix)
+    base = tempfile.gettempdir()
+    if len(base) + len(prefix) + _SOCKET_NAME > _SUN_PATH:  # vLLM's sockets would not bind there
+        base = "/tmp"
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=base)
     out = dict(env)
     with contextlib.suppress(KeyError, OSError):  # no user name: torch's own default then
-        cache = f"torchinductor_{getpass.getuser()}"  # torch's default_cache_dir(), not imported
-        out.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), cache))
+        # torch's default_cache_dir() (not imported here): its compile cache, and the C++
+        # precompiled headers it keeps there whatever TORCHINDUCTOR_CACHE_DIR says (a new
+        # one costs a replica's first sampled request ~6 s of g++), stay shared: a link
+        name = f"torchinductor_{getpass.getuser()}"
+        cache = out.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), name))
+        os.makedirs(cache, exist_ok=True)
+        os.symlink(cache, os.path.join(tmp, name))
     out["TMPDIR"] = tmp
     out.setdefault("VLLM_RPC_BASE_PATH", tmp)
     return out, tmp

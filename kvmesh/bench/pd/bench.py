@@ -129,8 +129,9 @@ def targets(trials: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def transfer_config(setup: str, role: str, workdir: str) -> dict[str, Any] | None:
     """A replica's ``--kv-transfer-config`` in ``setup`` (``role``: kv_both/producer/consumer)."""
     if setup in ("colocated", "kvmesh-pd"):
-        # The CPU tier only (every prompt is new, nothing is shared); sockets of the run's own.
-        return pd_config(role, socket_dir=workdir)
+        # The CPU tier only (every prompt is new, nothing is shared); the scheduler-to-worker
+        # socket goes to the replica's own temporary directory (kvmesh.harness.processes.own_tmp)
+        return pd_config(role)
     if setup == "vllm-router-pd":
         return {
             "kv_connector": "ExampleConnector",

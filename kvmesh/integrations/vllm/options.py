@@ -25,7 +25,8 @@ CONNECTOR_KEYS = {
     "weights do, or to 'full' to hash every weight byte at start",
     "model_id": "deprecated alias of model_fingerprint (it used to name chunks by the model's name, "
     "which served a replaced checkpoint's old KV)",
-    "socket_dir": "directory of the scheduler->worker unix socket (default: the temp dir)",
+    "socket_dir": "directory of the scheduler->worker unix socket (default: the temp dir; the socket's "
+    "path, 36 characters more, must fit a unix socket's 107 bytes)",
     "rpc_timeout_s": "how long the scheduler waits for the worker's lookup answer (default 2)",
     "rpc_host": "address a worker's lookup RPC listens on over TCP, for a scheduler on another node "
     "(default: vLLM's host IP, VLLM_HOST_IP, when tensor_parallel_size > 1 and a fleet key is set; "

@@ -69,6 +69,8 @@ RPC_LIMITS = Limits(
     send_timeout_s=10.0,
 )
 REPORT_EVERY_S = 60.0
+# The longest path a unix socket binds to (Linux: sun_path is 108 bytes with its NUL)
+UNIX_PATH_MAX = 107
 
 
 def socket_path(engine_id: str, tp_rank: int = 0, dp_rank: int = 0, directory: str | None = None) -> str:
@@ -77,7 +79,15 @@ def socket_path(engine_id: str, tp_rank: int = 0, dp_rank: int = 0, directory: s
     The engine id is hashed: unix socket paths are limited to ~107 bytes, and an id is
     free-form text."""
     digest = hashlib.sha256(engine_id.encode()).hexdigest()[:16]
-    return os.path.join(directory or tempfile.gettempdir(), f"kvmesh-{digest}-dp{dp_rank}-tp{tp_rank}.sock")
+    path = os.path.join(directory or tempfile.gettempdir(), f"kvmesh-{digest}-dp{dp_rank}-tp{tp_rank}.sock")
+    size = len(os.fsencode(path))
+    if size > UNIX_PATH_MAX:  # bind would fail deep in a worker: "AF_UNIX path too long"
+        where = f"socket_dir {directory!r}" if directory else f"the temp directory {tempfile.gettempdir()!r}"
+        raise ConfigError(
+            f"{where}: the scheduler-to-worker socket {path!r} would be {size} bytes, "
+            f"more than a unix socket's path may be ({UNIX_PATH_MAX}); set socket_dir to a shorter directory"
+        )
+    return path
 
 
 def node_id() -> str:

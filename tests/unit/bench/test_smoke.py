@@ -12,7 +12,10 @@ command line is checked to reach it.
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -63,9 +66,16 @@ def test_every_bench_suite_has_a_smoke_run() -> None:
 
 
 @pytest.mark.parametrize("suite", [pytest.param(s, marks=marks) for s, (_, _, marks) in SMOKE.items()])
-def test_smallest_mode_runs_and_writes_json_with_provenance(suite: str, tmp_path: Path) -> None:
+def test_smallest_mode_runs_and_writes_json_with_provenance(
+    suite: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if SMOKE[suite][2] == VLLM:
         pytest.importorskip("vllm")
+    # The work directories a bench keeps for its user (its logs) go under the test's own
+    # directory, not /tmp; torch's compile cache stays where every other run finds it.
+    compile_cache = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", compile_cache))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     args, draws, _ = SMOKE[suite]
     out_json, out_png = tmp_path / f"{suite}.json", tmp_path / f"{suite}.png"
     argv = ["bench", suite, *args.format(tmp=tmp_path, model=TINY).split(), "--json", str(out_json),

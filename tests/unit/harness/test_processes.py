@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import getpass
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -83,8 +86,10 @@ def test_a_child_with_a_tmp_of_its_own_leaves_nothing_behind_when_killed(
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     env, tmp = own_tmp(dict(os.environ), prefix="kvmesh-test-")
-    assert env["TMPDIR"] == env["VLLM_RPC_BASE_PATH"] == tmp and os.listdir(tmp) == []
-    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(os.path.dirname(tmp))  # the shared compile cache
+    shared = env["TORCHINDUCTOR_CACHE_DIR"]  # torch's compile cache, shared: a link to it
+    link = os.path.join(tmp, f"torchinductor_{getpass.getuser()}")
+    assert env["TMPDIR"] == env["VLLM_RPC_BASE_PATH"] == tmp and os.listdir(tmp) == [os.path.basename(link)]
+    assert os.path.islink(link) and os.path.realpath(link) == os.path.realpath(shared)
     ready = tmp_path / "ready"
     script = (
         "import os, socket, tempfile, time\n"
@@ -98,18 +103,44 @@ def test_a_child_with_a_tmp_of_its_own_leaves_nothing_behind_when_killed(
         if ready.exists():
             break
         time.sleep(0.05)
-    assert sorted(os.listdir(tmp)) == ["engine", "vllm_dist_x"]
+    assert sorted(os.listdir(tmp)) == sorted(["engine", "vllm_dist_x", os.path.basename(link)])
     stop_process(proc, timeout=1)  # SIGTERM: the socket stays behind, as vLLM's do
     assert proc.poll() is not None and not os.path.exists(tmp)
+    assert os.path.isdir(shared)  # the link went, not what it points at
 
 
-def test_own_tmp_keeps_a_socket_path_the_caller_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torch_in_a_child_with_its_own_tmp_finds_the_shared_compile_cache() -> None:
+    """torch keeps its C++ precompiled headers under ``default_cache_dir()``, which follows
+    the temporary directory, not ``TORCHINDUCTOR_CACHE_DIR``; a fresh one cost every
+    replica's first sampled request ~6 s of g++. A real child importing torch resolves it
+    to the shared cache."""
+    pytest.importorskip("torch")
+    env, tmp = own_tmp(dict(os.environ))
+    try:
+        code = "import os; from torch._inductor.runtime.cache_dir_utils import default_cache_dir as d; "
+        code += "print(os.path.realpath(d()))"
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip() == os.path.realpath(env["TORCHINDUCTOR_CACHE_DIR"])
+    finally:
+        shutil.rmtree(tmp)
+
+
+def test_own_tmp_keeps_a_socket_path_and_a_compile_cache_the_caller_chose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/run/vllm")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     env, tmp = own_tmp(dict(os.environ))
     try:
         assert env["VLLM_RPC_BASE_PATH"] == "/run/vllm" and env["TMPDIR"] == tmp
+        assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+        link = os.path.join(tmp, f"torchinductor_{getpass.getuser()}")  # where torch's headers go
+        assert os.path.realpath(link) == str(tmp_path / "inductor")
     finally:
-        os.rmdir(tmp)
+        shutil.rmtree(tmp)
 
 
 _LEADER = """\
@@ -166,3 +197,26 @@ def test_crash_kills_all_but_the_resource_tracker_which_then_unlinks_what_they_l
         time.sleep(0.05)
     assert not group_members(proc.pid) and not segment.exists()
     stop_process(proc, timeout=1)
+
+
+def test_own_tmp_under_a_long_temporary_directory_stays_short_enough_for_a_socket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's socket paths (the directory and a uuid4) must fit a unix socket's 107 bytes;
+    under a deep temporary directory (pytest's own) the directory goes under /tmp."""
+    deep = tmp_path / ("d" * 60)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    env, tmp = own_tmp({}, prefix="kvmesh-vllm-")
+    try:
+        assert os.path.dirname(tmp) == "/tmp"
+        assert len(os.path.join(env["VLLM_RPC_BASE_PATH"], "fb4e5907-d57c-4d10-a2ba-7ab8563e1511")) <= 107
+    finally:
+        shutil.rmtree(tmp)
+    short = tempfile.mkdtemp(prefix="kt-", dir="/tmp")
+    monkeypatch.setattr(tempfile, "tempdir", short)  # short enough: it stays there
+    try:
+        _, tmp = own_tmp({}, prefix="kvmesh-vllm-")
+        assert os.path.dirname(tmp) == short
+    finally:
+        shutil.rmtree(short)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 import threading
 import time
@@ -118,7 +119,7 @@ def test_replica_pins_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
         # vLLM's sockets go to a directory of the replica's own, removed at stop_process
         assert tmp is not None and env["TMPDIR"] == env["VLLM_RPC_BASE_PATH"] == tmp
-        os.rmdir(tmp)
+        shutil.rmtree(tmp)
 
     monkeypatch.setattr("kvmesh.harness.replicas.spawn", fake_spawn)
     Replica("model", cpu=1).start()

@@ -120,3 +120,12 @@ def test_idle_connections_are_closed_and_the_client_reconnects(tmp_path: Path) -
             assert client.call("ping") == "pong" and client.failures == 0
     finally:
         server.close()
+
+
+def test_a_socket_dir_too_deep_for_a_unix_socket_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    """The worker's bind failed with "AF_UNIX path too long" inside vLLM's engine start-up;
+    the path is refused where it is made, with the key to change."""
+    deep = str(tmp_path / ("d" * 80))
+    with pytest.raises(ConfigError, match=r"socket_dir '.*d{80}'.* more than a unix socket's path may be"):
+        socket_path("engine", 0, 0, deep)
+    assert len(socket_path("engine", 0, 0, "/tmp")) <= 107
