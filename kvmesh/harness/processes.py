@@ -108,7 +108,7 @@ def crash(proc: subprocess.Popen[Any]) -> None:
             if b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 continue
             os.kill(pid, signal.SIGKILL)
-        except (OSError, ProcessLookupError):  # gone meanwhile
+        except OSError:  # gone meanwhile
             continue
 
 
@@ -121,8 +121,7 @@ def own_tmp(env: dict[str, str], prefix: str = "kvmesh-proc-") -> tuple[dict[str
     its workers' rendezvous file (``vllm_dist_*``) are left behind whenever it is killed,
     not shut down — a few dozen a replica, thousands in /tmp after a day of tests. A
     ``VLLM_RPC_BASE_PATH`` the caller set stays. Under a temporary directory too long for
-    a socket's path, it goes under /tmp. torch's compile cache keeps its usual,
-    shared place (``TORCHINDUCTOR_CACHE_DIR``), so a start does not compile again."""
+    a socket's path, it goes under /tmp. torch's compile cache stays shared."""
     base = tempfile.gettempdir()
     if len(base) + len(prefix) + _SOCKET_NAME > _SUN_PATH:  # vLLM's sockets would not bind there
         base = "/tmp"
