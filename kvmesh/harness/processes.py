@@ -17,6 +17,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -43,34 +44,30 @@ def _stop_all() -> None:
 atexit.register(_stop_all)
 
 
-def _group_gone(pgid: int, timeout: float) -> bool:
-    """Whether every process of group ``pgid`` has exited within ``timeout`` seconds (a
-    zombie has: it waits for init to reap it, which here took ~1.5 s)."""
+def _wait_group_gone(pgid: int, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for every process of group ``pgid`` to exit (a zombie
+    has: it waits for init to reap it, which here took ~1.5 s)."""
     deadline = time.monotonic() + timeout
-    while group_members(pgid):
-        if time.monotonic() >= deadline:
-            return False
+    while group_members(pgid) and time.monotonic() < deadline:
         time.sleep(0.01)
-    return True
 
 
-def stop_process(proc: subprocess.Popen[Any], timeout: float = 15.0, drain_s: float | None = None) -> None:
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 15.0) -> None:
     """SIGTERM the process group ``proc`` leads (started in a new session), then SIGKILL
     what is left of it — also the children of a leader that has already exited.
 
     Python's ``multiprocessing`` resource tracker, the one member spared
-    (:func:`crash`), then gets up to ``drain_s`` (default :data:`DRAIN_S`; milliseconds
-    once its clients are gone) to unlink the shared memory and semaphores they left behind
+    (:func:`crash`), then gets up to :data:`DRAIN_S` (milliseconds once its clients are
+    gone) to unlink the shared memory and semaphores they left behind
     (vLLM's message-queue buffers, /dev/shm/psm_*, up to 250 MB each) and exit. It ignores
     SIGTERM for that; SIGKILLed with the group, it left them in /dev/shm."""
-    drain_s = DRAIN_S if drain_s is None else drain_s
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)  # a dead leader's children too
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout)
     crash(proc)
     proc.wait(5)
-    _group_gone(proc.pid, drain_s)
+    _wait_group_gone(proc.pid, DRAIN_S)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     if proc in _LIVE:
@@ -113,7 +110,7 @@ def crash(proc: subprocess.Popen[Any]) -> None:
 
 
 def own_tmp(env: dict[str, str], prefix: str = "kvmesh-proc-") -> tuple[dict[str, str], str]:
-    """``env`` with a new, empty temporary directory of the child's own (``TMPDIR``), and
+    """``env`` with a new temporary directory of the child's own (``TMPDIR``), and
     that directory: pass both to :func:`spawn`, or :func:`track_tmp` for a child started
     otherwise, and :func:`stop_process` removes it with the child.
 
@@ -128,16 +125,34 @@ def own_tmp(env: dict[str, str], prefix: str = "kvmesh-proc-") -> tuple[dict[str
     tmp = tempfile.mkdtemp(prefix=prefix, dir=base)
     out = dict(env)
     with contextlib.suppress(KeyError, OSError):  # no user name: torch's own default then
-        # torch's default_cache_dir() (not imported here): its compile cache, and the C++
-        # precompiled headers it keeps there whatever TORCHINDUCTOR_CACHE_DIR says (a new
-        # one costs a replica's first sampled request ~6 s of g++), stay shared: a link
-        name = f"torchinductor_{getpass.getuser()}"
-        cache = out.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), name))
+        # torch's compile cache, and the C++ precompiled headers it keeps under the temporary
+        # directory whatever TORCHINDUCTOR_CACHE_DIR says (a new set costs a replica's first
+        # sampled request ~6 s of g++), stay shared: a link
+        default = torch_cache_dir()
+        cache = out.setdefault("TORCHINDUCTOR_CACHE_DIR", default)
         os.makedirs(cache, exist_ok=True)
-        os.symlink(cache, os.path.join(tmp, name))
+        os.symlink(cache, os.path.join(tmp, os.path.basename(default)))
     out["TMPDIR"] = tmp
     out.setdefault("VLLM_RPC_BASE_PATH", tmp)
     return out, tmp
+
+
+def torch_cache_dir() -> str:
+    """torch's default compile cache, ``default_cache_dir()`` (not imported here: the
+    harness does not load torch): ``torchinductor_<user>`` in the temporary directory.
+    KeyError or OSError where there is no user name."""
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+
+
+@contextlib.contextmanager
+def own_tmp_env(env: dict[str, str], prefix: str = "kvmesh-proc-") -> Iterator[dict[str, str]]:
+    """:func:`own_tmp` for a child that ends inside the block (``subprocess.run``): its
+    directory is removed when the block ends."""
+    out, tmp = own_tmp(env, prefix)
+    try:
+        yield out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def track_tmp(proc: subprocess.Popen[Any], tmp: str) -> None:

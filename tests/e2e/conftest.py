@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import queue
-import shutil
 import subprocess
 import sys
 import threading
@@ -30,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from kvmesh.harness.processes import own_tmp
+from kvmesh.harness.processes import own_tmp_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
@@ -80,33 +79,30 @@ class ScenarioPool:
     def _run(self, name: str) -> tuple[int | None, str, str]:
         script, preset = POOLED[name]
         core = self._cores.get()
-        tmp: str | None = None
+        # vLLM's sockets and rendezvous file go to a directory of the scenario's own, removed
+        # after it (a killed engine leaves them behind)
         try:
-            # vLLM's sockets and rendezvous file go to a directory of the scenario's own, removed
-            # after it (a killed engine leaves them behind)
-            env, tmp = own_tmp({**os.environ, "PYTHONPATH": str(ROOT)}, prefix="kvmesh-e2e-")
-            if self._bind:
-                env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
-            out = self.work / name
-            out.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, *script, "--model", str(self._models[preset]), "--work", str(out)]
-            with self._lock:
-                if self._closed:
-                    return None, "", "the session ended before this scenario started"
-                proc = subprocess.Popen(
-                    cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
-                )
-                self._procs.append(proc)
-            try:
-                stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                stdout, stderr = proc.communicate()
-                stderr += f"\n(killed after {RUN_TIMEOUT_S} s)"
-            return proc.returncode, stdout, stderr
+            with own_tmp_env({**os.environ, "PYTHONPATH": str(ROOT)}, prefix="kvmesh-e2e-") as env:
+                if self._bind:
+                    env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+                out = self.work / name
+                out.mkdir(parents=True, exist_ok=True)
+                cmd = [sys.executable, *script, "--model", str(self._models[preset]), "--work", str(out)]
+                with self._lock:
+                    if self._closed:
+                        return None, "", "the session ended before this scenario started"
+                    proc = subprocess.Popen(
+                        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
+                    )
+                    self._procs.append(proc)
+                try:
+                    stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    stdout, stderr = proc.communicate()
+                    stderr += f"\n(killed after {RUN_TIMEOUT_S} s)"
+                return proc.returncode, stdout, stderr
         finally:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
             self._cores.put(core)
 
     def result(self, name: str) -> dict[str, Any]:

@@ -21,7 +21,6 @@ import glob
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import threading
@@ -30,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvmesh.harness.processes import own_tmp
+from kvmesh.harness.processes import own_tmp_env
 from kvmesh.harness.replicas import TEST_KV_BLOCKS
 
 RESULT_MARK = "KVMESH_E2E_RESULT "
@@ -470,8 +469,7 @@ def run_alone(script: Path, work: Path, timeout: float) -> dict[str, Any]:
 
     root = Path(__file__).resolve().parents[2]
     model = make_tiny(out_dir=root / ".cache" / "models" / "tiny", **PRESETS["tiny"]).resolve()
-    env, tmp = own_tmp({**os.environ, "PYTHONPATH": str(root)}, prefix="kvmesh-e2e-")  # vLLM's sockets
-    try:
+    with own_tmp_env({**os.environ, "PYTHONPATH": str(root)}, prefix="kvmesh-e2e-") as env:  # vLLM's sockets
         proc = subprocess.run(
             [sys.executable, str(script), "--model", str(model), "--work", str(work)],
             capture_output=True,
@@ -480,8 +478,6 @@ def run_alone(script: Path, work: Path, timeout: float) -> dict[str, Any]:
             env=env,
             cwd=root,
         )
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return scenario_result(script.stem, proc.returncode, proc.stdout, proc.stderr)
 
 

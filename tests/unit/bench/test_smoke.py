@@ -12,7 +12,6 @@ command line is checked to reach it.
 from __future__ import annotations
 
 import argparse
-import getpass
 import json
 import os
 import tempfile
@@ -22,6 +21,7 @@ import pytest
 
 from kvmesh.bench import runner
 from kvmesh.cli import build_parser, main
+from kvmesh.harness.processes import torch_cache_dir
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = str(ROOT / ".cache" / "models" / "tiny")  # built if missing (tokenizer + random weights)
@@ -73,8 +73,9 @@ def test_smallest_mode_runs_and_writes_json_with_provenance(
         pytest.importorskip("vllm")
     # The work directories a bench keeps for its user (its logs) go under the test's own
     # directory, not /tmp; torch's compile cache stays where every other run finds it.
-    compile_cache = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", compile_cache))
+    monkeypatch.setenv(
+        "TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", torch_cache_dir())
+    )
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     args, draws, _ = SMOKE[suite]
     out_json, out_png = tmp_path / f"{suite}.json", tmp_path / f"{suite}.png"
