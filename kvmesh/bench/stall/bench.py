@@ -29,6 +29,7 @@ import os
 import shutil
 import signal
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any
@@ -140,6 +141,7 @@ def run(
     proxy = SlowProxy(redis.port, latency_s=RTT_S / 2, bandwidth_bps=0.0).start()
     workers: dict[str, Worker] = {}
     records: list[dict[str, Any]] = []
+    done = False
     try:
         for mode in run_modes:
             spec_path = os.path.join(work, f"{mode}.json")
@@ -160,14 +162,19 @@ def run(
                     records.append({"mode": mode, "source": source, "trial": k, **got})
                     print(f"[stall] trial {k} {source:<10} {mode:<5} {_line(got)}", flush=True)
                 step += 1
+        done = True
     finally:
         for w in workers.values():
             w.stop()
         _signal(proxy, signal.SIGCONT)
         proxy.stop()
         redis.stop()
-        for mode in run_modes:  # the disk tiers' chunks (~40 MB a run); the logs stay
-            shutil.rmtree(os.path.join(work, f"disk-{mode}"), ignore_errors=True)
+        if done:  # as the ttft bench: a run that finished leaves nothing behind
+            shutil.rmtree(work, ignore_errors=True)
+        else:  # the disk tiers' chunks (~40 MB a run) go; the workers' logs stay for a look
+            for mode in run_modes:
+                shutil.rmtree(os.path.join(work, f"disk-{mode}"), ignore_errors=True)
+            print(f"[stall] the workers' logs are kept in {work}", file=sys.stderr, flush=True)
     results = summarize(records, chosen, run_modes)
     out: dict[str, Any] = {"results": results, "trials": records, "tokens": tokens, "rtt_s": RTT_S}
     cols = ["source", "mode", "itl_ratio_median", "itl_met", "itl_vs_floor"]

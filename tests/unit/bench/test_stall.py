@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -77,3 +79,34 @@ def test_joined_modes_take_each_part_and_proc_is_paired_with_the_mode_without_it
 def test_unknown_mode_parts_are_refused() -> None:
     with pytest.raises(ValueError, match="joined by"):
         run(modes=["async", "tail+bogus"], sources=["disk"])
+
+
+def test_a_run_that_fails_keeps_its_logs_says_where_and_drops_the_chunks(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A worker that never gets ready (a fake: the real one is a vLLM, fault injection here)
+    fails the run; its work directory stays, named on stderr, without the disk tiers' chunks.
+    A run that finishes removes it (the smoke run, ``tests/unit/bench/test_smoke.py``)."""
+    from kvmesh.bench.stall import bench
+    from kvmesh.errors import ProcessError
+
+    class NeverReady:
+        def __init__(self, setup: str, spec_path: str, log_path: str, *_: Any) -> None:
+            self.setup, self.log_path = setup, log_path
+            os.makedirs(os.path.join(os.path.dirname(spec_path), f"disk-{setup}"))  # as a worker's tier
+            Path(log_path).write_text("engine core failed\n")
+
+        def answer(self, timeout: float) -> dict[str, Any]:
+            return {"ready": False}
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(bench, "REPO_ROOT", str(tmp_path))
+    monkeypatch.setattr(bench, "Worker", NeverReady)
+    (tmp_path / ".cache").mkdir()
+    with pytest.raises(ProcessError, match="did not start"):
+        run(quick=True, model_dir=str(tiny_model), sources=["disk"], modes=["async"], trials=1)
+    (work,) = (tmp_path / ".cache").iterdir()
+    assert sorted(p.name for p in work.iterdir()) == ["async.json", "async.log"]
+    assert f"the workers' logs are kept in {work}" in capsys.readouterr().err
