@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import logging
+import selectors
 import socket
 import threading
 import time
@@ -155,7 +156,44 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         self._lock = threading.Lock()
         self._waiting: dict[socket.socket, float] = {}  # connections still sending a request head
         self.refused = 0  # connections closed because every slot was busy serving
+        # shutdown() wakes the serving loop through this pair, so a stop takes no poll
+        # interval (socketserver's loop looks at its stop flag every 0.5 s)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._stopping = False
+        self._served = threading.Event()
+        self._served.set()  # not serving yet: a shutdown has nothing to wait for
         super().__init__(address, handler)
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        """socketserver's loop (handle what is ready, then ``service_actions``), also woken
+        by :meth:`shutdown`."""
+        self._served.clear()
+        try:
+            with selectors.DefaultSelector() as sel:
+                if self._stopping:
+                    return
+                sel.register(self, selectors.EVENT_READ)
+                sel.register(self._wake_r, selectors.EVENT_READ)
+                while not self._stopping:
+                    for key, _ in sel.select(poll_interval):
+                        if key.fileobj is self and not self._stopping:
+                            # socketserver's own step of its loop (not in its typeshed stub)
+                            self._handle_request_noblock()  # type: ignore[attr-defined]
+                    self.service_actions()
+        finally:
+            self._served.set()
+
+    def shutdown(self) -> None:
+        """Stop :meth:`serve_forever` and wait until it has returned (at once: no poll)."""
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+        self._served.wait()
+
+    def server_close(self) -> None:
+        super().server_close()
+        self._wake_r.close()
+        self._wake_w.close()
 
     def waiting(self, conn: socket.socket, on: bool) -> None:
         with self._lock:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvmesh import CacheConfig, CacheEngine, KVLayout
-from kvmesh.admin.httpd import Limits
+from kvmesh.admin.httpd import BoundedHandler, BoundedHTTPServer, Limits
 from kvmesh.admin.server import AdminServer
 from kvmesh.tiers.testing import reset_memory_stores
 
@@ -291,3 +291,37 @@ def test_held_pages_come_from_the_source_and_are_bounded(served: tuple[AdminServ
         assert data["events"] == [{"i": 2}, {"i": 3}] and calls == [(2, 2)]
         resp = httpx.post(other.url + PREFIX + "held", json={"limit": 10**6}, headers=auth)
         assert resp.status_code == 422 and resp.json()["error"]["field"] == "limit"
+
+
+class _Hello(BoundedHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"hi")
+
+
+def test_a_stop_wakes_the_serving_loop_at_once() -> None:
+    """shutdown() wakes the loop instead of waiting for its next look at the stop flag
+    (socketserver's loop looks every 0.5 s: each admin server's stop cost up to that). With
+    a 30 s poll interval, the server answers, and a stop still returns at once; a stop
+    before the loop started leaves it nothing to run."""
+    server = BoundedHTTPServer(("127.0.0.1", 0), _Hello, Limits())
+    loop = threading.Thread(target=server.serve_forever, args=(30.0,), daemon=True)
+    loop.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
+    assert httpx.get(url, timeout=5).text == "hi"
+    t0 = time.monotonic()
+    server.shutdown()
+    stopped_s = time.monotonic() - t0
+    server.server_close()
+    loop.join(5)
+    assert not loop.is_alive() and stopped_s < 5.0, stopped_s
+
+    early = BoundedHTTPServer(("127.0.0.1", 0), _Hello, Limits())
+    early.shutdown()  # returns: nothing is serving
+    done = threading.Thread(target=early.serve_forever, args=(30.0,), daemon=True)
+    done.start()
+    done.join(5)
+    early.server_close()
+    assert not done.is_alive()
