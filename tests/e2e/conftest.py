@@ -37,14 +37,15 @@ SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
 LORA = Path(__file__).with_name("lora_scenario.py")
 RUN_TIMEOUT_S = 600
 # scenario -> (script and its leading arguments, model preset, vLLM's engine in the script's
-# own process), longest first (about 75, 30, 20 and 20 s alone here): the longest starts
+# own process), longest first (about 80, 30, 20 and 20 s alone here): the longest starts
 # first so both cores stay busy.
 #
 # In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, vLLM's offline mode): the engine core
 # and its one worker run in the scenario's process, not in two spawned ones. Each spawn
-# imports vLLM again (~10 s of one core), and each new worker compiles its sampler on its
-# first request (~2 s): an engine start took 15-16 s, 1.6-2.8 s in-process, and the fs
-# scenario 58 s, 19 s (swa: 82 s, 20 s; measured 7 December 2026). What these scenarios
+# imports vLLM again (~10 s of one core), and each new worker process compiles vLLM's
+# sampler on its first sampled request (2-10 s; in-process, once per scenario): an engine
+# start took 15-16 s, 1.6-2.8 s in-process, and the fs scenario 58 s, 19 s (swa: 82 s,
+# 20 s; measured 7 December 2026). What these scenarios
 # check (equal tokens and logprobs, loaded counts, failures that are misses) is the same
 # code either way. ``redis`` keeps the server's layout (scheduler side in an engine-core
 # process, worker side in a worker process), so one scenario still crosses those process
