@@ -25,7 +25,7 @@ import pytest
 
 from kvmesh.bench import runner
 from kvmesh.cli import build_parser, main
-from kvmesh.harness.processes import stop_process, torch_cache_dir
+from kvmesh.harness.processes import spawn, stop_process, torch_cache_dir
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = str(ROOT / ".cache" / "models" / "tiny")  # built if missing (tokenizer + random weights)
@@ -65,6 +65,11 @@ SIDE_BY_SIDE = ("ttft", "stall")
 STALL_WORK = ROOT / ".cache"  # where the stall bench works (a real disk)
 
 
+def _compile_cache() -> str:
+    """torch's compile cache as every other run finds it (read before a bench moves TMPDIR)."""
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR", torch_cache_dir())
+
+
 def _argv(suite: str, tmp: Path) -> list[str]:
     args = SMOKE[suite][0]
     return ["bench", suite, *args.format(tmp=tmp, model=TINY).split(), "--json", str(tmp / f"{suite}.json"),
@@ -86,15 +91,11 @@ class SideBySide:
             for name in self.suites:
                 tmp = self.base / name
                 tmp.mkdir()
-                with open(tmp / "out.log", "wb") as log:
-                    self.procs[name] = subprocess.Popen(
-                        [sys.executable, "-m", "kvmesh.cli", *_argv(name, tmp)],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env={**self.env, "TMPDIR": str(tmp)},  # the bench's kept work (its logs)
-                        cwd=ROOT,
-                        start_new_session=True,
-                    )
+                self.procs[name] = spawn(  # the bench's kept work (its logs) under TMPDIR
+                    [sys.executable, "-m", "kvmesh.cli", *_argv(name, tmp)],
+                    {**self.env, "TMPDIR": str(tmp)},
+                    str(tmp / "out.log"),
+                )
         tmp = self.base / suite
         code = self.procs[suite].wait(timeout=900)
         return tmp, code, (tmp / "out.log").read_text(errors="replace")[-4000:]
@@ -112,9 +113,10 @@ def side_by_side(
     collected = {item.name for item in request.session.items}
     test = test_smallest_mode_runs_and_writes_json_with_provenance.__name__
     suites = [s for s in SIDE_BY_SIDE if f"{test}[{s}]" in collected]
-    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", torch_cache_dir())
     runs = SideBySide(
-        suites, tmp_path_factory.mktemp("side-by-side"), {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        suites,
+        tmp_path_factory.mktemp("side-by-side"),
+        {**os.environ, "TORCHINDUCTOR_CACHE_DIR": _compile_cache()},
     )
     try:
         yield runs
@@ -150,9 +152,7 @@ def test_smallest_mode_runs_and_writes_json_with_provenance(
     else:
         # The work directories a bench keeps for its user (its logs) go under the test's own
         # directory, not /tmp; torch's compile cache stays where every other run finds it.
-        monkeypatch.setenv(
-            "TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", torch_cache_dir())
-        )
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", _compile_cache())
         monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
         assert main(_argv(suite, tmp_path)) == 0
     draws = SMOKE[suite][1]
