@@ -88,6 +88,7 @@ class AdminServer:
         self.loopback = is_loopback(self.host)
         self._httpd: BoundedHTTPServer | None = None
         self._threads: list[threading.Thread] = []
+        self._heartbeat: threading.Thread | None = None
         self._stop = threading.Event()
         self.registered = threading.Event()  # set after the first heartbeat the controller took
 
@@ -106,6 +107,7 @@ class AdminServer:
             hb = threading.Thread(target=self._heartbeat_loop, name="kvmesh-admin-heartbeat", daemon=True)
             hb.start()
             self._threads.append(hb)
+            self._heartbeat = hb
         if not self.token:
             log.warning(
                 "kvmesh admin API on %s: no admin_token (or %s) set; mutating calls are refused",
@@ -120,6 +122,10 @@ class AdminServer:
             return
         self._stop.set()
         if self.controller_url:
+            # A register already on its way must land before the unregister: after it, it
+            # would show this stopped engine up again until its heartbeat ran out.
+            if self._heartbeat is not None:
+                self._heartbeat.join(timeout_s)
             self._post_controller("unregister", {"name": self.name}, timeout_s=1.0)
         self._httpd.shutdown()
         self._httpd.server_close()

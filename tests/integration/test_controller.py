@@ -5,6 +5,7 @@ listens (a dead replica)."""
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -376,6 +377,31 @@ def test_engines_register_heartbeat_and_go_down(cluster: Cluster) -> None:
     reps = cluster.ok("lookup", {"prompt": TEXT})["replicas"]
     assert "no heartbeat" in reps["c"]["error"]
     assert reps["a"]["ok"] and reps["b"]["ok"]
+
+
+def test_a_register_in_flight_at_stop_lands_before_the_unregister(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection (a slow network): the heartbeat's next register is held until stop() has
+    begun, then sent. It must reach the controller before stop()'s unregister, not after it:
+    after it, the stopped engine would show up again."""
+    post, held = AdminServer._post_controller, threading.Event()
+
+    def slow(self: AdminServer, op: str, body: dict[str, Any], timeout_s: float) -> str | None:
+        if op == "register" and self.registered.is_set() and threading.current_thread() is self._heartbeat:
+            held.set()
+            self._stop.wait(5.0)
+            time.sleep(0.2)
+        return post(self, op, body, timeout_s)
+
+    monkeypatch.setattr(AdminServer, "_post_controller", slow)
+    d = AdminServer(
+        cluster.engine("d"), token=TOKEN, controller_url=cluster.router.url, name="d", heartbeat_s=0.2
+    ).start()
+    assert d.registered.wait(10) and held.wait(10)
+    d.stop()
+    assert cluster.call("replicas", method="GET").json()["replicas"]["d"]["status"] == "down"
+    assert "stopped" in cluster.ok("health", {"replicas": ["d"]})["replicas"]["d"]["error"]
 
 
 @pytest.mark.parametrize("url", ["http://[", "//[::1", "http://a]:1", "ftp://x", "no-scheme"])
