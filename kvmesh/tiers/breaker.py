@@ -193,9 +193,9 @@ class RemoteGuard:
         with self._lock:
             if not self._up.is_set():
                 return
+            self.metrics.set("up", 0)  # the gauge moves first, as in _mark_up
             self._up.clear()
             failures = self._failures
-        self.metrics.set("up", 0)
         log.warning(
             "kvmesh tier %s: %s (%d consecutive failures); marking down, probing every %.1fs",
             self.name,
@@ -207,8 +207,8 @@ class RemoteGuard:
     def _mark_up(self) -> None:
         with self._lock:
             self._failures = 0
+            self.metrics.set("up", 1)  # before health() says up: whoever saw that reads 1 too
             self._up.set()
-        self.metrics.set("up", 1)
 
     def _safe_ping(self) -> bool:
         try:
