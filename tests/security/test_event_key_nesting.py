@@ -67,12 +67,15 @@ def test_a_hostile_replica_cannot_stop_the_hub() -> None:
             good = EventSubscriber(honest.endpoint, rec.on_batch, "good", None, rec.on_gap, hub=hub)
             n = warm_up(honest, rec)
             first = encode_batch(batch(1000))
-            deadline = time.monotonic() + 5  # resend seq 0 until the subscription has arrived
+            # Send until the subscription has arrived, each with the next number: a copy of one
+            # already seen would read as the publisher restarting (a gap).
+            seq, deadline = 0, time.monotonic() + 5
             while "bad" not in {r for r, _ in rec.batches} and time.monotonic() < deadline:
-                raw.send_multipart([b"", (0).to_bytes(8, "big"), first])
+                raw.send_multipart([b"", seq.to_bytes(8, "big"), first])
+                seq += 1
                 time.sleep(0.02)
-            raw.send_multipart([b"", (1).to_bytes(8, "big"), _payload(500, "map")])
-            raw.send_multipart([b"", (2).to_bytes(8, "big"), encode_batch(batch(1002))])
+            raw.send_multipart([b"", seq.to_bytes(8, "big"), _payload(500, "map")])
+            raw.send_multipart([b"", (seq + 1).to_bytes(8, "big"), encode_batch(batch(1002))])
             wait_for(lambda: rec.ts[-1] == 1002.0)  # the hostile replica's next batch, read
             assert bad.stats()["malformed"] == 1 and rec.gaps == []
             honest.publish(batch(n))

@@ -164,16 +164,19 @@ def test_malformed_frames_are_counted_and_dropped(rec: Recorder) -> None:
     try:
         with EventSubscriber(f"tcp://127.0.0.1:{port}", rec.on_batch, "r2", None, rec.on_gap) as sub:
             good = encode_batch(batch(0))
-            # Wait for the subscription to arrive: resend seq 0 until it is seen.
-            deadline = time.monotonic() + 5
+            # Wait for the subscription to arrive: send on until one is seen. Each with the next
+            # number: a copy of one already seen would read as the publisher restarting.
+            seq, deadline = 0, time.monotonic() + 5
             while not rec.batches and time.monotonic() < deadline:
-                raw.send_multipart([b"", (0).to_bytes(8, "big"), good])
+                raw.send_multipart([b"", seq.to_bytes(8, "big"), encode_batch(batch(seq))])
+                seq += 1
                 time.sleep(0.02)
-            raw.send_multipart([b"", (1).to_bytes(8, "big"), b"\xc1garbage"])
+            wait_for(lambda: rec.ts[-1] == float(seq - 1))
+            raw.send_multipart([b"", seq.to_bytes(8, "big"), b"\xc1garbage"])
             raw.send_multipart([b"", b"short", good])
             raw.send_multipart([b"only one frame"])
-            raw.send_multipart([b"", (2).to_bytes(8, "big"), encode_batch(batch(2))])
-            wait_for(lambda: rec.ts[-1] == 2.0)
+            raw.send_multipart([b"", (seq + 1).to_bytes(8, "big"), encode_batch(batch(seq + 1))])
+            wait_for(lambda: rec.ts[-1] == float(seq + 1))
             assert sub.stats()["malformed"] == 3
             assert rec.gaps == []  # a malformed batch is dropped, not a gap
             # The publisher restarts: its sequence numbers start again at 0.

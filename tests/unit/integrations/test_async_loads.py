@@ -420,6 +420,9 @@ def test_a_load_past_its_budget_is_recomputed_and_never_written_late(slow_remote
     time.sleep(2.5)  # the read ends late...
     assert w.finished_loading(set()) == set()
     assert all(torch.equal(t[DST], b) for t, b in zip(w.layers, before, strict=True))  # ...and writes nothing
+    deadline = time.monotonic() + 5  # its pins go when that read's thread is done with it
+    while w.engine.stats()["cpu"]["pinned"] and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert w.engine.stats()["cpu"]["pinned"] == 0
 
 
