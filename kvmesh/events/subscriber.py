@@ -293,6 +293,11 @@ class EventSubscriber:
             self._deliver(seq, frames[3])
 
     def _deliver(self, seq: int, payload: bytes) -> None:
+        if self._stop.is_set():
+            # Closed: nothing more reaches the callback, also while a hub that has not let go
+            # yet (its remove timed out) still reads the socket. A router that removes a
+            # replica forgets its entries next, and a batch after that would add them back.
+            return
         self._last_seq = seq
         try:
             batch = decode_batch(payload)

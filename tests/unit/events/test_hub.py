@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import threading
+import time
 
+import pytest
 import zmq
 
 from kvmesh.events import EventSubscriber
@@ -151,3 +153,26 @@ def test_a_fault_in_one_replica_s_stream_ends_no_other_s() -> None:
     finally:
         for p in pubs:
             p.close()
+
+
+def test_a_closed_subscriber_delivers_nothing_more_while_the_hub_still_holds_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fault injection: the hub's thread does not answer the remove in time (a loaded host), so
+    the close gives up waiting and the hub still reads the socket. The routing core forgets the
+    replica's entries right after the close; a batch delivered after that would add them back."""
+    rec = Recorder()
+    with LossyPublisher(LOOPBACK, topic="kv") as pub, EventHub() as hub:
+        sub = EventSubscriber(pub.endpoint, rec.on_batch, "r0", None, rec.on_gap, hub=hub)
+        n = warm_up(pub, rec)
+        monkeypatch.setattr(hub, "remove", lambda sub, timeout=2.0: False)
+        sub.close(timeout=0.1)
+        seen = len(rec.batches)
+        for i in range(n, n + 20):
+            pub.publish(batch(i))
+        pub.flush()
+        time.sleep(0.5)  # the hub would have delivered them by now, had they gone on
+        assert len(rec.batches) == seen and sub.stats()["batches"] == seen
+    sub._sub.disable_monitor()  # what the close would have done, once the hub let go
+    sub._monitor.close(linger=0)
+    sub._sub.close(linger=0)
