@@ -55,4 +55,5 @@ def test_state_counts_collections_per_generation() -> None:
     assert len(state["collections"]) == 3  # type: ignore[arg-type]
     before = state["collections"][2]  # type: ignore[index]
     gc.collect()
-    assert gc_state()["collections"][2] == before + 1  # type: ignore[index]
+    # At least this one: another thread's allocations can start one of their own meanwhile.
+    assert gc_state()["collections"][2] >= before + 1  # type: ignore[index]
