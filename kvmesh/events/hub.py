@@ -71,6 +71,9 @@ class EventHub:
         self._stop = threading.Event()
         self._lock = threading.Lock()  # _repairing, and a subscriber's stop against a new repair
         self._repairing: dict[EventSubscriber, Future[None]] = {}
+        # Subscribers whose close stopped waiting for the hub: it closes their sockets itself
+        # once neither its thread nor a repair uses them.
+        self._orphans: set[EventSubscriber] = set()
         self._repairs = ThreadPoolExecutor(repair_threads, thread_name_prefix=f"{name}-repair")
         # A pipe the poll watches: changes (a replica added, removed, back from a repair) are
         # seen at once, not at the poll's next timeout.
@@ -112,6 +115,29 @@ class EventHub:
         self._post("remove", sub, done)
         return done.wait(max(0.0, deadline - time.monotonic()))
 
+    def close_when_released(self, sub: EventSubscriber) -> None:
+        """``sub`` (stopped) stopped waiting for :meth:`remove`: close its sockets when the
+        hub's thread and any repair have let go of them, so that a remove that timed out
+        (a replay hanging on a dead replica) leaks none."""
+        with self._lock:
+            self._orphans.add(sub)
+        self._post("remove", sub)
+
+    def _release(self, sub: EventSubscriber, polled: bool = True) -> None:
+        """The hub's thread, after a remove or the end of a repair (or :meth:`close`, once
+        that thread has ended: ``polled`` False): close an orphan's sockets once no repair
+        uses them."""
+        with self._lock:
+            if sub not in self._orphans or sub in self._repairing:
+                return
+            self._orphans.discard(sub)
+        try:
+            if polled:
+                self._drop(sub)
+            sub._close_sockets()
+        except Exception:  # never the end of the hub's thread
+            log.exception("KV event hub: closing %s's sockets", sub.replica)
+
     def close(self, timeout: float = 2.0) -> None:
         """Stop the thread (subscribers still registered stop receiving). Idempotent."""
         if self._stop.is_set():
@@ -121,6 +147,8 @@ class EventHub:
         self._thread.join(timeout)
         self._repairs.shutdown(wait=False, cancel_futures=True)
         if not self._thread.is_alive():
+            for sub in list(self._orphans):  # what no repair holds any more
+                self._release(sub, polled=False)
             with self._wake_lock:  # a repair still running may post its resume: not to a reused fd
                 self._wake_closed = True
                 os.close(self._wake_r)
@@ -177,8 +205,10 @@ class EventHub:
                             self._serve(sub)
                     elif op == "resume":
                         self._serve(sub)
+                        self._release(sub)
                     else:
                         self._drop(sub)
+                        self._release(sub)
                     if done is not None:
                         done.set()
                 try:

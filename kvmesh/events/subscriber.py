@@ -147,13 +147,20 @@ class EventSubscriber:
         self._stop.set()
         if self._hub is not None:
             if not self._hub.remove(self, timeout):
-                log.warning("KV event hub did not let go of %s within %.1fs", self.replica, timeout)
+                log.warning("KV event hub did not let go of %s within %.1fs; it closes its sockets "
+                            "when it does", self.replica, timeout)  # fmt: skip
+                self._hub.close_when_released(self)
                 return
         else:
             self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("KV event subscriber for %s did not stop within %.1fs", self.replica, timeout)
             return
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        """Once nothing else uses them: this thread stopped, or the hub let go (its thread
+        calls this for a subscriber whose close stopped waiting)."""
         self._sub.disable_monitor()
         self._monitor.close(linger=0)
         self._sub.close(linger=0)

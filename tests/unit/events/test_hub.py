@@ -173,6 +173,31 @@ def test_a_closed_subscriber_delivers_nothing_more_while_the_hub_still_holds_it(
         pub.flush()
         time.sleep(0.5)  # the hub would have delivered them by now, had they gone on
         assert len(rec.batches) == seen and sub.stats()["batches"] == seen
-    sub._sub.disable_monitor()  # what the close would have done, once the hub let go
-    sub._monitor.close(linger=0)
-    sub._sub.close(linger=0)
+        wait_for(lambda: sub._sub.closed and sub._monitor.closed)  # the hub closed them itself
+
+
+def test_a_close_during_a_hanging_replay_leaks_no_socket() -> None:
+    """A replica whose replay hangs (its replay socket takes the request and never answers, as
+    a dead one's can) is removed: the close stops waiting at its timeout, and its sockets are
+    closed by the hub when the replay has timed out, not left open."""
+    ctx = zmq.Context.instance()
+    hung = ctx.socket(zmq.ROUTER)
+    hung_ep = f"tcp://127.0.0.1:{hung.bind_to_random_port('tcp://127.0.0.1')}"
+    rec = Recorder()
+    try:
+        with LossyPublisher(LOOPBACK, topic="kv") as pub, EventHub() as hub:
+            sub = EventSubscriber(pub.endpoint, rec.on_batch, "a", hung_ep, rec.on_gap,
+                                  replay_timeout_s=3.0, replay_on_start=False, hub=hub)  # fmt: skip
+            n = warm_up(pub, rec)
+            pub.drop = {n}
+            pub.publish(batch(n))
+            pub.publish(batch(n + 1))  # a gap: the replay asks the hung socket
+            wait_for(lambda: hung.poll(0) != 0)
+            t0 = time.monotonic()
+            sub.close(timeout=0.1)
+            assert time.monotonic() - t0 < 2.0  # the close did not wait the replay out
+            assert not sub._sub.closed  # the repair thread may still use the subscriber
+            wait_for(lambda: sub._sub.closed and sub._monitor.closed and sub._dealer is None, timeout=10)
+            assert rec.gaps == ["a"]  # the timed-out replay, reported
+    finally:
+        hung.close(linger=0)
