@@ -123,17 +123,16 @@ class EventHub:
             self._orphans.add(sub)
         self._post("remove", sub)
 
-    def _release(self, sub: EventSubscriber, polled: bool = True) -> None:
+    def _release(self, sub: EventSubscriber) -> None:
         """The hub's thread, after a remove or the end of a repair (or :meth:`close`, once
-        that thread has ended: ``polled`` False): close an orphan's sockets once no repair
-        uses them."""
+        that thread has ended): close an orphan's sockets once no repair uses them. A stopped
+        subscriber is out of the poll by then (dropped by its remove or before its repair,
+        never served again)."""
         with self._lock:
             if sub not in self._orphans or sub in self._repairing:
                 return
             self._orphans.discard(sub)
         try:
-            if polled:
-                self._drop(sub)
             sub._close_sockets()
         except Exception:  # never the end of the hub's thread
             log.exception("KV event hub: closing %s's sockets", sub.replica)
@@ -148,7 +147,7 @@ class EventHub:
         self._repairs.shutdown(wait=False, cancel_futures=True)
         if not self._thread.is_alive():
             for sub in list(self._orphans):  # what no repair holds any more
-                self._release(sub, polled=False)
+                self._release(sub)
             with self._wake_lock:  # a repair still running may post its resume: not to a reused fd
                 self._wake_closed = True
                 os.close(self._wake_r)
