@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from kvmesh.harness.ports import free_port
 from kvmesh.harness.processes import spawn, stop_process
 from kvmesh.harness.replicas import Replica, start_replicas
 from tests.e2e.conftest import assert_streamed
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -112,14 +113,6 @@ def _env() -> dict[str, str]:
     import os
 
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float, what: str, detail: Callable[[], str] = str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:.0f}s: {what}\n{detail()}")
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,7 @@ from kvmesh.routing.scorers import ReplicaState, RoutingRequest, prompt_key
 from kvmesh.routing.sessions import SessionTable
 from kvmesh.routing.tokenize import PromptTokenizer
 from tests.e2e.conftest import assert_streamed
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -130,14 +131,6 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 # -- helpers --------------------------------------------------------------------------------------
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
-        time.sleep(0.05)
 
 
 def text(seed: int, n_words: int = PREFIX_WORDS) -> str:

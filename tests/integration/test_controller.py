@@ -8,7 +8,7 @@ import argparse
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from kvmesh.router.config import ControllerConfig
 from kvmesh.router.controller import Controller
 from kvmesh.router.server import Router
 from kvmesh.tiers.testing import reset_memory_stores
+from tests.waiting import wait_for
 
 LAYOUT = KVLayout(2, 2, 8, torch.float32)
 CS = 16
@@ -41,14 +42,6 @@ def kv_for(tokens: list[int]) -> torch.Tensor:
     kv = prefix.view(1, 1, n, 1, 1).expand(LAYOUT.shape(n)).clone()
     kv += torch.arange(8).view(1, 1, 1, 1, 8) / 64
     return kv
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
 
 
 @dataclass
@@ -373,7 +366,7 @@ def test_engines_register_heartbeat_and_go_down(cluster: Cluster) -> None:
     assert c._httpd is not None
     c._httpd.shutdown()
     c._httpd.server_close()
-    wait_for(lambda: cluster.ok("health", {"replicas": ["c"]})["replicas"]["c"]["status"] == "down")
+    wait_for(lambda: cluster.ok("health", {"replicas": ["c"]})["replicas"]["c"]["status"] == "down", 10)
     reps = cluster.ok("lookup", {"prompt": TEXT})["replicas"]
     assert "no heartbeat" in reps["c"]["error"]
     assert reps["a"]["ok"] and reps["b"]["ok"]

@@ -21,6 +21,7 @@ from kvmesh.harness.services import RedisServer
 from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import ChunkData, TierOptions, open_tier
 from kvmesh.tiers.testing import random_chunks
+from tests.waiting import eventually, wait_for
 
 LAYOUT = KVLayout(2, 2, 16, "bfloat16")
 
@@ -178,15 +179,14 @@ def test_chunks_spread_over_shards_and_a_dead_primary_is_a_miss_for_its_keys_onl
         assert ok == [o != victim for o in owners]
 
         cluster.start_node(victim)  # back (empty: no persistence); its probe marks it up
-        deadline = time.monotonic() + 15
-        while tier.health() != "up" and time.monotonic() < deadline:
-            time.sleep(0.1)
+        eventually(lambda: tier.health() == "up", 15)
         assert tier.health() == "up"
         # the restarted node rejoins (CLUSTERDOWN until it has met the others again)
-        deadline = time.monotonic() + 15
-        while redis.Redis(port=victim).cluster("info").get("cluster_state") != "ok":
-            assert time.monotonic() < deadline, "restarted node did not rejoin"
-            time.sleep(0.1)
+        wait_for(
+            lambda: redis.Redis(port=victim).cluster("info").get("cluster_state") == "ok",
+            15,
+            "restarted node did not rejoin",
+        )
         assert tier.put(keys, chunks) == [True] * 30
         assert tier.clear() == 30
     finally:

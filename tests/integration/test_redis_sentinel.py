@@ -6,7 +6,6 @@ and new writes land on the promoted replica."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,19 +17,11 @@ from kvmesh.harness.services import RedisSentinel, RedisServer
 from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import TierOptions, open_tier
 from kvmesh.tiers.testing import random_chunks
+from tests.waiting import wait_for
 
 LAYOUT = KVLayout(2, 2, 16, "float32")
 SERVICE = "kvmaster"
 PASSWORD = "sentinel-test-pw"
-
-
-def _wait(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _master_port(sentinel: RedisSentinel) -> int:
@@ -62,7 +53,7 @@ def sentinel_set(
     sentinel = RedisSentinel(master, SERVICE, workdir=tmp_path / "sentinel")
     try:
         sentinel.start()
-        _wait(lambda: _replica_ready(sentinel), "the sentinel to see the replica")
+        wait_for(lambda: _replica_ready(sentinel), 30.0, "the sentinel to see the replica")
         yield master, replica, sentinel
     finally:
         sentinel.kill()
@@ -100,7 +91,7 @@ def test_lmcache_sentinel_url_follows_a_failover(
             sc.execute_command("SENTINEL", "FAILOVER", SERVICE)
         finally:
             sc.close()
-        _wait(lambda: _master_port(sentinel) == replica.port, "the sentinel to promote the replica")
+        wait_for(lambda: _master_port(sentinel) == replica.port, 30.0, "the sentinel to promote the replica")
 
         def role(server: RedisServer) -> str:
             client = server.client()
@@ -109,17 +100,17 @@ def test_lmcache_sentinel_url_follows_a_failover(
             finally:
                 client.close()
 
-        _wait(lambda: role(replica) == "master", "the replica to take the master role")
+        wait_for(lambda: role(replica) == "master", 30.0, "the replica to take the master role")
         # Until the sentinel demotes the old master, a write may still reach it (Redis
         # replication is asynchronous); after that its READONLY answer sends the tier on.
-        _wait(lambda: role(master) == "slave", "the old master to be demoted")
+        wait_for(lambda: role(master) == "slave", 30.0, "the old master to be demoted")
         got = tier.get(keys[:2])
         assert [bytes(g.data) for g in got if g is not None] == [bytes(c.data) for c in chunks[:2]]
 
         def stored_on_new_master() -> bool:
             return tier.put(keys[2:], chunks[2:]) == [True]
 
-        _wait(stored_on_new_master, "a write through the new master")
+        wait_for(stored_on_new_master, 30.0, "a write through the new master")
         rc = replica.client()
         try:
             assert len(rc.keys("kvm2-*")) == 3

@@ -16,6 +16,7 @@ from kvmesh.errors import ConfigError
 from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import ChunkData, TierOptions, open_tier, recode
 from kvmesh.tiers.redis import RedisTier
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.redis
 
@@ -50,15 +51,6 @@ def assert_same(got: ChunkData | None, want: ChunkData) -> None:
     assert bytes(got.data) == bytes(want.data)
     assert np.array_equal(got.tokens, want.tokens)
     assert got.layout == want.layout
-
-
-def wait_for(pred: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 @pytest.fixture
@@ -419,7 +411,7 @@ def test_unreachable_at_start_recovers_by_itself(redis_server_factory, open_redi
     assert snap["up"] == 0 and snap["skipped_stores"] == 2
 
     server.start()
-    assert wait_for(lambda: tier.health() == "up"), "tier did not come back after Redis started"
+    assert eventually(lambda: tier.health() == "up"), "tier did not come back after Redis started"
     assert tier.metrics.snapshot()["up"] == 1
     assert tier.put(keys, chunks) == [True, True]
     for g, c in zip(tier.get(keys), chunks, strict=True):
@@ -445,7 +437,7 @@ def test_killed_mid_run_degrades_then_recovers(redis_restartable, open_redis) ->
     assert snap["up"] == 0 and snap["errors"] >= 3 and snap["skipped_stores"] == 3
 
     server.start()  # same port, empty (no persistence)
-    assert wait_for(lambda: tier.health() == "up"), "tier did not come back after Redis restarted"
+    assert eventually(lambda: tier.health() == "up"), "tier did not come back after Redis restarted"
     assert tier.get(keys) == [None, None, None]
     assert tier.put(keys, chunks) == [True, True, True]
     for g, c in zip(tier.get(keys), chunks, strict=True):

@@ -28,6 +28,7 @@ from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import TierOptions, open_tier
 from kvmesh.tiers.redis import RedisTier
 from kvmesh.tiers.testing import FaultyTier, reset_memory_stores
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.redis
 
@@ -95,15 +96,6 @@ def timed(fn: Callable[[], object]) -> tuple[object, float]:
     t0 = time.monotonic()
     out = fn()
     return out, time.monotonic() - t0
-
-
-def wait_for(pred: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 def make_engine(remote_url: str, **cfg: object) -> CacheEngine:
@@ -187,7 +179,7 @@ def test_redis_replaced_by_a_black_hole_mid_run(redis_server_factory: Any) -> No
         hole.close()
         hole = None
         server.start()  # same port, empty
-        assert wait_for(lambda: remote.health() == "up"), "breaker did not close after Redis came back"
+        assert eventually(lambda: remote.health() == "up"), "breaker did not close after Redis came back"
         only_remote(engine, toks, kv)
         n, got = engine.retrieve(toks)
         assert n == 2 * CS and torch.equal(got, kv)
@@ -219,7 +211,7 @@ def test_tier_sigstopped_opens_breaker_on_first_timeout_and_recovers(redis_resta
             assert snap["timeouts"] == 1 and snap["up"] == 0  # no retry after the timeout
             got, took = timed(lambda: tier.get(keys))
             assert got == [None] * 3 and took < 0.05  # breaker open: no network at all
-        assert wait_for(lambda: tier.health() == "up"), "breaker did not close after SIGCONT"
+        assert eventually(lambda: tier.health() == "up"), "breaker did not close after SIGCONT"
         assert tier.contains(keys) == [False] * 3
     finally:
         tier.close()
@@ -242,7 +234,7 @@ def test_engine_with_sigstopped_redis_misses_within_the_deadline(redis_restartab
             stored, took = timed(lambda: engine.store(other, okv))
             assert stored == CS and took < SLACK
             assert engine.wait_for_writes(BUDGET + SLACK)  # the queued write gives up, not hangs
-        assert wait_for(lambda: remote.health() == "up")
+        assert eventually(lambda: remote.health() == "up")
         assert engine.lookup(toks) == 3 * CS
         n, got = engine.retrieve(toks)
         assert n == 3 * CS and torch.equal(got, kv)
@@ -253,7 +245,7 @@ def test_engine_with_sigstopped_redis_misses_within_the_deadline(redis_restartab
             (n, got), took = timed(lambda: engine.retrieve(toks))  # type: ignore[misc]
             assert took < BUDGET + SLACK, f"retrieve took {took:.2f}s"
             assert n == 0 and got.shape[2] == 0  # a miss, never wrong bytes: vLLM recomputes
-        assert wait_for(lambda: remote.health() == "up"), "breaker did not close after SIGCONT"
+        assert eventually(lambda: remote.health() == "up"), "breaker did not close after SIGCONT"
         n, got = engine.retrieve(toks)
         assert n == 3 * CS and torch.equal(got, kv)
     finally:

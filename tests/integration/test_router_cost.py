@@ -23,7 +23,8 @@ from kvmesh.router.server import Router
 from kvmesh.router.testing import _WORDS, FakeVLLM
 from kvmesh.routing.config import ReplicaConfig
 from kvmesh.tiers.testing import reset_memory_stores
-from tests.integration.test_router_http import fakes, make_router, wait_for
+from tests.integration.test_router_http import fakes, make_router
+from tests.waiting import wait_for
 
 MakeRouter = Callable[..., Router]
 __all__ = ["fakes", "make_router"]  # the router tests' fixtures, used here too

@@ -23,6 +23,7 @@ from kvmesh.router.server import Router
 from kvmesh.router.testing import _WORDS, FakeVLLM
 from kvmesh.routing.config import ReplicaConfig
 from kvmesh.routing.tokenize import PromptTokenizer
+from tests.waiting import wait_for
 
 MakeRouter = Callable[..., Router]
 
@@ -71,14 +72,6 @@ def client() -> Iterator[httpx.Client]:
 def words(seed: int, n: int) -> str:
     rng = np.random.default_rng(seed)
     return " ".join(_WORDS[i] for i in rng.integers(0, len(_WORDS), n))
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
 
 
 def complete(client: httpx.Client, router: Router, prompt: str, **kw: Any) -> httpx.Response:

@@ -22,7 +22,8 @@ from kvmesh.router.server import Router
 from kvmesh.router.testing import FakeVLLM
 from kvmesh.routing.config import ReplicaConfig
 from kvmesh.routing.tokenize import PromptTokenizer
-from tests.integration.test_router_http import served_by, wait_for, words
+from tests.integration.test_router_http import served_by, words
+from tests.waiting import wait_for
 
 BS = 16
 

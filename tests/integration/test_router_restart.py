@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from kvmesh.admin.server import AdminServer
 from kvmesh.events import BlockStored, EventPublisher
 from kvmesh.router.testing import FakeVLLM, corpus, write_test_tokenizer
 from kvmesh.routing.tokenize import PromptTokenizer
+from tests.waiting import wait_for
 
 TOKEN = "restart-token"
 BS = 16
@@ -38,15 +39,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s}s")
-        time.sleep(0.1)
-    return time.monotonic() - t0
 
 
 def stored(tokens: Any, first_hash: int, medium: str) -> BlockStored:

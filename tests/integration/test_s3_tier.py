@@ -18,6 +18,7 @@ from kvmesh.harness.stores import MotoServer
 from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import ChunkData, TierOptions, open_tier
 from kvmesh.tiers.testing import random_chunks
+from tests.waiting import eventually
 
 
 @pytest.fixture
@@ -148,9 +149,7 @@ def test_server_killed_mid_run_gives_misses_then_recovers(tmp_path: Path) -> Non
         assert tier.metrics.counters["errors"] >= 3
         server.start()
         server.client().create_bucket(Bucket="kv-kill")
-        deadline = time.monotonic() + 10
-        while tier.health() != "up" and time.monotonic() < deadline:
-            time.sleep(0.1)
+        eventually(lambda: tier.health() == "up", 10)
         assert tier.health() == "up"
         assert tier.put(keys[3:], chunks[3:]) == [True] * 3
         assert all(g is not None for g in tier.get(keys[3:]))

@@ -21,6 +21,7 @@ from kvmesh.epp.config import KubeConfig
 from kvmesh.epp.discovery import KubeDiscovery, PodTracker, pod_endpoints, pool_selector
 from kvmesh.errors import ConfigError
 from kvmesh.routing.config import ReplicaConfig
+from tests.waiting import wait_for
 
 KUBE = Path(__file__).parent / "kube"
 
@@ -174,7 +175,6 @@ def test_list_watch_resume_and_relist_over_http(tmp_path: Path) -> None:
 def test_discovered_pods_become_routable_endpoints_of_a_running_epp(tmp_path: Path) -> None:
     """PodTracker feeding a running EndpointPicker: a ready pod (a FakeVLLM on loopback) is
     health-checked and routed to; once its pod is deleted it is gone and readiness drops."""
-    import time
 
     from kvmesh.epp.config import EppConfig
     from kvmesh.epp.server import EppThread
@@ -193,10 +193,7 @@ def test_discovered_pods_become_routable_endpoints_of_a_running_epp(tmp_path: Pa
         picker = epp.picker
         tracker = PodTracker(picker, [port])
         epp.call(lambda: tracker.replace([pod]))
-        deadline = time.monotonic() + 10
-        while not epp.call(picker.ready):
-            assert time.monotonic() < deadline, "the discovered endpoint never became healthy"
-            time.sleep(0.05)
+        wait_for(lambda: epp.call(picker.ready), 10, "the discovered endpoint never became healthy")
         got = asyncio.run_coroutine_threadsafe(picker.decide(b'{"prompt": "hi"}'), epp._loop).result(5)  # type: ignore[arg-type]
         assert got.ranked == [f"127.0.0.1:{port}"]  # type: ignore[union-attr]
         epp.call(lambda: tracker.apply("DELETED", pod))

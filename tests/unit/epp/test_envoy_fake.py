@@ -22,6 +22,7 @@ from kvmesh.harness.envoy import SUBSET_TEST_HEADER, Envoy, envoy_binary, make_e
 from kvmesh.harness.ports import free_port
 from kvmesh.router.testing import FakeVLLM, write_test_tokenizer
 from kvmesh.routing.config import ReplicaConfig, RoutingConfig
+from tests.waiting import wait_for
 
 try:
     envoy_binary()
@@ -56,10 +57,9 @@ class Setup:
 
     def start_epp(self) -> None:
         self.epp = EppThread(self.cfg).start()
-        deadline = time.monotonic() + 10
-        while len(self.epp.picker.pool.healthy()) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for(
+            lambda: len(self.epp.picker.pool.healthy()) >= 2, 10, "both fake replicas healthy in the EPP"
+        )
 
     def stop_epp(self) -> None:
         if self.epp is not None:
@@ -188,10 +188,7 @@ def _stream_and_watch(setup: Setup, url: str) -> list[list[tuple[int, int]]]:
     finally:
         for f in setup.fakes:
             f.prefill_s, f.chunks, f.chunk_delay_s = 0.0, 3, 0.0
-    deadline = time.monotonic() + 5
-    while any(n for n, _ in _states(setup)):
-        assert time.monotonic() < deadline, "the request was never released"
-        time.sleep(0.05)
+    wait_for(lambda: not any(n for n, _ in _states(setup)), 5, "the request was never released")
     return seen
 
 

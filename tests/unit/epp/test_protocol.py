@@ -28,6 +28,7 @@ from kvmesh.epp.scoring import endpoint_name
 from kvmesh.epp.server import EXT_PROC_SERVICE, EppThread
 from kvmesh.router.testing import FakeVLLM, write_test_tokenizer
 from kvmesh.routing.config import ReplicaConfig, RoutingConfig
+from tests.waiting import wait_for
 
 FULL = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
@@ -58,10 +59,7 @@ def make_epp(fakes: list[FakeVLLM], tok_dir: Path, **kw: Any) -> EppThread:
     kw.setdefault("secure_serving", False)
     cfg = EppConfig(routing=routing, host="127.0.0.1", grpc_port=0, health_port=0, metrics_port=0, **kw)
     epp = EppThread(cfg).start()
-    deadline = time.monotonic() + 10
-    while len(epp.picker.pool.healthy()) < len(fakes):
-        assert time.monotonic() < deadline, "fake endpoints never became healthy"
-        time.sleep(0.05)
+    wait_for(lambda: len(epp.picker.pool.healthy()) >= len(fakes), 10, "fake endpoints never became healthy")
     return epp
 
 
@@ -343,14 +341,16 @@ def test_speculative_entries_expire_on_a_timer_without_another_request(
         s.close()
         index = e.picker.index
         # stats() expires nothing itself: only the timer can empty the table
-        deadline = time.monotonic() + 2
-        while e.call(lambda: index.stats()["speculative_blocks"]) == 0:
-            assert time.monotonic() < deadline, "no speculative entry was made"
-            time.sleep(0.02)
-        deadline = time.monotonic() + 3
-        while e.call(lambda: index.stats()["speculative_blocks"]) > 0:
-            assert time.monotonic() < deadline, "the speculative entries outlived their ttl"
-            time.sleep(0.02)
+        wait_for(
+            lambda: e.call(lambda: index.stats()["speculative_blocks"]) > 0,
+            2,
+            "no speculative entry was made",
+        )
+        wait_for(
+            lambda: e.call(lambda: index.stats()["speculative_blocks"]) == 0,
+            3,
+            "the speculative entries outlived their ttl",
+        )
     finally:
         e.stop()
 
@@ -370,10 +370,11 @@ def test_cost_policy_counts_each_request_and_learns_from_its_first_byte(
             s.send(*response_msgs(primary))
             s.recv(2)
             s.close()
-        deadline = time.monotonic() + 5
-        while sum(f["observations"] for f in costs.model.describe().values()) < 3:
-            assert time.monotonic() < deadline, "first bytes never reached the cost model"
-            time.sleep(0.02)
+        wait_for(
+            lambda: sum(f["observations"] for f in costs.model.describe().values()) >= 3,
+            5,
+            "first bytes never reached the cost model",
+        )
         ledgers = [f["ledger"] for f in costs.model.describe().values()]
         assert all(led["pending"] == 0 and led["in_flight"] == 0 for led in ledgers)
         assert len(costs.records) == 3

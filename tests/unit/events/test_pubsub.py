@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,6 +20,7 @@ from kvmesh.events import (
     encode_batch,
 )
 from kvmesh.harness.ports import free_port
+from tests.waiting import wait_for
 
 LOOPBACK = "tcp://127.0.0.1:0"
 
@@ -56,14 +57,6 @@ class Recorder:
             return [b.ts for _, b in self.batches]
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.005)
-
-
 def batch(i: int) -> EventBatch:
     return EventBatch(float(i), (BlockStored((i,), None, (i, i + 1), 2),))
 
@@ -74,8 +67,8 @@ def warm_up(pub: EventPublisher, rec: Recorder) -> int:
         pub.publish(batch(i))
         pub.flush()
         try:
-            wait_for(lambda: bool(rec.batches), timeout=0.05)
-            wait_for(lambda i=i: rec.ts[-1] == float(i), timeout=2.0)  # type: ignore[misc]
+            wait_for(lambda: bool(rec.batches), timeout_s=0.05)
+            wait_for(lambda i=i: rec.ts[-1] == float(i), timeout_s=2.0)  # type: ignore[misc]
             return i + 1
         except AssertionError:
             continue

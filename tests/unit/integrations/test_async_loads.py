@@ -25,6 +25,7 @@ from kvmesh.integrations.vllm.scheduler import SchedulerSide
 from kvmesh.integrations.vllm.worker import WorkerSide
 from kvmesh.tiers.testing import reset_memory_stores
 from tests.unit.integrations.test_connector import BS, FakeRank, paged, request, sched_out, settled
+from tests.waiting import eventually
 
 LAYOUT = KVLayout(3, 2, 16, torch.float32)
 TOKENS = list(range(3000, 3000 + 1025))
@@ -420,9 +421,9 @@ def test_a_load_past_its_budget_is_recomputed_and_never_written_late(slow_remote
     time.sleep(2.5)  # the read ends late...
     assert w.finished_loading(set()) == set()
     assert all(torch.equal(t[DST], b) for t, b in zip(w.layers, before, strict=True))  # ...and writes nothing
-    deadline = time.monotonic() + 5  # its pins go when that read's thread is done with it
-    while w.engine.stats()["cpu"]["pinned"] and time.monotonic() < deadline:
-        time.sleep(0.01)
+    eventually(
+        lambda: not w.engine.stats()["cpu"]["pinned"], 5
+    )  # its pins go when that read's thread is done with it
     assert w.engine.stats()["cpu"]["pinned"] == 0
 
 

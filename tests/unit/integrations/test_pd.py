@@ -23,6 +23,7 @@ from kvmesh.integrations.vllm.options import ConnectorOptions
 from kvmesh.integrations.vllm.pd import PdWorker, pd_mode, remote_prefill, response_params, wants_export
 from kvmesh.integrations.vllm.pd_params import verify_params
 from kvmesh.integrations.vllm.scheduler import SchedulerSide
+from tests.waiting import eventually
 
 LAYOUT = KVLayout(2, 2, 8, torch.float32)
 CS = 128
@@ -342,9 +343,7 @@ def test_worker_background_pull(pair: tuple[PdWorker, PdWorker]) -> None:
     prod.engine.store(toks, kv)
     params = handshake(prod, "p-5", toks)
     assert cons.pull_start("d-5", toks, params) and cons.pull_start("d-5", toks, params)  # once
-    deadline = time.monotonic() + 5
-    while not cons.pull_done("d-5") and time.monotonic() < deadline:
-        time.sleep(0.01)
+    eventually(lambda: cons.pull_done("d-5"), 5)
     assert cons.engine.lookup(toks) == 2 * CS and cons.stats()["pd_pulls"] == 1
     assert cons.pull_done("unknown")
 

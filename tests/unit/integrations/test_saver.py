@@ -9,6 +9,7 @@ import pytest
 
 from kvmesh.errors import ClosedError
 from kvmesh.integrations.vllm.saver import BackgroundSaver
+from tests.waiting import eventually
 
 
 def test_jobs_run_in_order_and_drain_waits_for_them() -> None:
@@ -92,9 +93,7 @@ def test_concurrent_savers_keep_each_requests_order_and_run_requests_side_by_sid
         saver.submit(lambda: (gate.wait(5), done.append("a0")), 10, keys[0])
         saver.submit(lambda: done.append("a1"), 10, keys[0])
         saver.submit(lambda: done.append("b0"), 10, keys[1])
-        deadline = time.monotonic() + 5
-        while "b0" not in done and time.monotonic() < deadline:
-            time.sleep(0.01)
+        eventually(lambda: "b0" in done, 5)
         assert done == ["b0"]  # ran while request a's first save was stuck
         gate.set()
         assert saver.drain(5)
@@ -126,9 +125,7 @@ def test_settle_waits_for_the_jobs_submitted_before_it_only() -> None:
         time.sleep(0.1)
         assert result == []  # "b" is still running
         later.set()
-        deadline = time.monotonic() + 5
-        while not result and time.monotonic() < deadline:
-            time.sleep(0.01)
+        eventually(lambda: result, 5)
         assert result == [True] and sorted(done) == ["a", "b"]
         gate = threading.Event()
         saver.submit(lambda: gate.wait(5), 10, keys[0])  # after the mark of the next call

@@ -5,7 +5,6 @@ Real loopback HTTP: a router in front of a :class:`~kvmesh.router.testing.FakeVL
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from kvmesh.router import RouterConfig
 from kvmesh.router.server import Router
 from kvmesh.router.testing import _WORDS, FakeVLLM
 from kvmesh.routing.config import ReplicaConfig
+from tests.waiting import eventually
 
 
 @pytest.fixture
@@ -37,15 +37,6 @@ def router(tok_dir: Path) -> Iterator[Router]:
         fake.stop()
 
 
-def _wait(pred: object, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():  # type: ignore[operator]
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def test_speculative_entries_expire_without_another_request(router: Router) -> None:
     prompt = " ".join(_WORDS[i % len(_WORDS)] for i in range(400))
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
@@ -53,9 +44,9 @@ def test_speculative_entries_expire_without_another_request(router: Router) -> N
     assert resp.status_code == 200
     index = router.service.index
     # stats() expires nothing itself: only the router's timer can empty the table.
-    assert _wait(lambda: index.stats()["speculative_blocks"] > 0, 2.0)
-    assert _wait(lambda: index.stats()["speculative_blocks"] == 0, 3.0)
+    assert eventually(lambda: index.stats()["speculative_blocks"] > 0, 2.0)
+    assert eventually(lambda: index.stats()["speculative_blocks"] == 0, 3.0)
     # and the next request still gets its own entry, with the same routing as before
     resp = httpx.post(router.url + "/v1/completions", json=body, timeout=10)
     assert resp.status_code == 200 and resp.headers["x-kvmesh-replica"] == "up"
-    assert _wait(lambda: index.stats()["speculative_blocks"] > 0, 2.0)
+    assert eventually(lambda: index.stats()["speculative_blocks"] > 0, 2.0)

@@ -27,6 +27,7 @@ from kvmesh.router.pd import decode_body, prefill_body
 from kvmesh.router.server import Router
 from kvmesh.router.testing import _WORDS, FakeVLLM, cut_answer, cut_head
 from kvmesh.routing.config import ReplicaConfig
+from tests.waiting import eventually
 
 PARAMS = {
     "do_remote_prefill": True,
@@ -169,9 +170,7 @@ def test_long_prompt_prefills_on_the_producer_then_streams_from_the_consumer(
     )
     state = router.service.pool.replicas
     # The router's thread lets go of the stream's ticket after the stream's last byte.
-    deadline = time.monotonic() + 5
-    while state["d"].state.in_flight and time.monotonic() < deadline:
-        time.sleep(0.01)
+    eventually(lambda: not state["d"].state.in_flight, 5)
     assert (state["p"].state.in_flight, state["d"].state.in_flight, state["d"].state.prefill_tokens) == (
         0,
         0,
@@ -286,9 +285,7 @@ def test_a_prefill_answer_broken_off_goes_to_the_next_producer(
 def test_no_decode_replica_is_a_503(make_router: MakeRouter, fakes: dict[str, PDFake]) -> None:
     router = make_router()
     fakes["d"].healthy = False
-    deadline = time.monotonic() + 5
-    while router.service.pool.replicas["d"].healthy and time.monotonic() < deadline:
-        time.sleep(0.05)
+    eventually(lambda: not router.service.pool.replicas["d"].healthy, 5)
     resp = httpx.post(router.url + "/v1/completions", json=long_body(stream=False), timeout=10)
     assert resp.status_code == 503 and "decode replica" in resp.json()["error"]["message"]
     assert bodies(fakes["p"]) == []

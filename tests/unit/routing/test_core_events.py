@@ -7,7 +7,8 @@ import threading
 from kvmesh.epp.metrics import EppMetrics
 from kvmesh.routing.config import ReplicaConfig, RoutingConfig
 from kvmesh.routing.core import RoutingCore
-from tests.unit.events.test_pubsub import LOOPBACK, LossyPublisher, batch, wait_for
+from tests.unit.events.test_pubsub import LOOPBACK, LossyPublisher, batch
+from tests.waiting import wait_for
 
 
 def test_a_replica_removed_while_its_events_flow_is_not_registered_again() -> None:

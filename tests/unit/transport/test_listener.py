@@ -18,6 +18,7 @@ from kvmesh.core import stallwatch
 from kvmesh.core.fleetkey import TRANSFER_AUTH, FleetKey
 from kvmesh.transport.listener import Limits, Listener
 from kvmesh.transport.wire import frame, recv_msg, send_msg
+from tests.waiting import eventually
 
 KEY = FleetKey([b"unit-test fleet key, 32 bytes or more"])
 
@@ -141,9 +142,7 @@ def test_with_stall_dumps_on_a_held_up_line_says_what_happened_meanwhile(
     try:
         lst.start()
         assert stalled.wait(5)
-        deadline = time.monotonic() + 5
-        while not lst.stats()["held_up"] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        eventually(lambda: lst.stats()["held_up"], 5)
     finally:
         lst.close()
         stallwatch.reset_for_tests()

@@ -35,6 +35,7 @@ from kvmesh.transport.client import (
     stall_budget,
 )
 from kvmesh.transport.wire import frame
+from tests.waiting import eventually
 
 LAYOUT = KVLayout(2, 2, 8, torch.float32)
 CS = 16
@@ -244,9 +245,7 @@ def test_corrupt_or_cut_stream_keeps_only_verified_chunks(producer, consumer, mo
     n, got = consumer.retrieve(toks)
     assert n == res.tokens and torch.equal(got, kv[:, :, :n])  # whatever entered is exact
     if mode == "flip":  # the producer is alive: the client confirmed on a new connection
-        deadline = time.monotonic() + 2
-        while pins.stats()["pd_pinned_requests"] and time.monotonic() < deadline:
-            time.sleep(0.02)
+        eventually(lambda: not pins.stats()["pd_pinned_requests"], 2)
         assert pins.stats()["pd_pinned_requests"] == 0
 
 
@@ -337,9 +336,7 @@ def test_pins_expire_after_the_timeout() -> None:
         def gone() -> bool:  # the ledger's thread lets go at its first tick past 0.3 s
             return (eng.cpu.pinned_count(), pins.stats()["pd_pins_expired"]) == (0, 1)
 
-        deadline = time.monotonic() + 5
-        while not gone() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        eventually(gone, 5)
         assert eng.cpu.pinned_count() == 0
         st = pins.stats()
         assert st["pd_pins_expired"] == 1 and st["pd_pinned_requests"] == 0
