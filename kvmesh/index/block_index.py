@@ -72,6 +72,7 @@ _COUNTERS = (
     "ignored_group",  # hybrid-model KV groups other than the full-attention one, see store
     "evictions",
     "clears",
+    "unregistered",  # batches from a replica not registered, applied with register=False: dropped
 )
 
 
@@ -189,14 +190,20 @@ class BlockIndex:
 
     # -- events ---------------------------------------------------------------------------
 
-    def apply(self, replica: str, batch: EventBatch) -> None:
+    def apply(self, replica: str, batch: EventBatch, *, register: bool = True) -> None:
         """Apply one event batch from ``replica``, in order.
 
         The batch's stores and removals go to the table as one program, in one call (see
         :class:`_Program`): a kernel call costs about what a 4-block store's own work does.
+
+        ``register``: a store from a replica the index does not know registers it. With
+        ``False`` the batch is dropped instead (counted ``unregistered``), checked under the
+        index's lock: a subscriber's batch already on its way when its replica was removed
+        (:meth:`remove_replica`) cannot register the replica again, with entries nothing
+        would ever remove.
         """
         tokens = batch_tokens(batch.events)
-        self._apply(replica, [self._prepare(ev, tokens.get(id(ev))) for ev in batch.events])
+        self._apply(replica, [self._prepare(ev, tokens.get(id(ev))) for ev in batch.events], register)
 
     def store(self, replica: str, ev: BlockStored, tokens: np.ndarray | None = None) -> None:
         """Record one ``BlockStored``; ``tokens``: its token ids already validated (see
@@ -223,9 +230,12 @@ class BlockIndex:
         medium = self.media.get(medium_name(ev.medium, ev.locality, ev.ownership))
         return ev, medium, event_keys(ev, tokens) if medium is not None else None
 
-    def _apply(self, replica: str, items: list[_Item]) -> None:
+    def _apply(self, replica: str, items: list[_Item], register: bool = True) -> None:
         with self._lock:
             rid = self._rids.get(replica)
+            if rid is None and not register:
+                self._counts["unregistered"] += 1
+                return
             prog = _Program()
             for i, item in enumerate(items):
                 ev = item[0]

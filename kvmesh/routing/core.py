@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -177,9 +178,11 @@ class RoutingCore:
         if cfg.events and cfg.key not in self.subscribers:
             if self._hub is None:
                 self._hub = EventHub(name="kvmesh-events")
+            # register=False: a batch that lands after remove_replica (its close timed out
+            # while the batch was being delivered) is dropped, not a replica registered again.
             self.subscribers[cfg.key] = EventSubscriber(
                 cfg.events,
-                self.index.apply,
+                functools.partial(self.index.apply, register=False),
                 cfg.key,
                 replay_endpoint=cfg.replay,
                 on_gap_unrepaired=self.index.clear_replica,

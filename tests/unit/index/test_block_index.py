@@ -110,6 +110,22 @@ def test_clear_and_remove_replica() -> None:
     assert len(idx) == 1
 
 
+def test_a_batch_from_an_unregistered_replica_is_dropped_when_registering_is_off() -> None:
+    """The router's subscribers apply with ``register=False``: a batch that lands after its
+    replica was removed is dropped and counted, where the default registers the sender."""
+    idx = BlockIndex()
+    idx.add_replica("a")
+    idx.apply("a", stored([1, 2], TOKENS[:32]), register=False)
+    assert ranges(idx) == {"a": ((0, 32, G),)}
+    idx.remove_replica("a")
+    idx.apply("a", stored([1, 2], TOKENS[:32]), register=False)
+    idx.apply("never", stored([5], TOKENS[:16], medium="CPU"), register=False)
+    assert idx.replicas() == [] and ranges(idx) == {} and len(idx) == 0
+    assert idx.stats()["unregistered"] == 2
+    idx.apply("a", stored([1], TOKENS[:16]))  # the default still registers
+    assert idx.replicas() == ["a"] and ranges(idx) == {"a": ((0, 16, G),)}
+
+
 def test_lora_cache_salt_and_multimodal_keys_separate_prefixes() -> None:
     idx = BlockIndex()
     # vLLM 0.32's extra_keys per block: the LoRA name on every block, the salt on the first,
