@@ -22,7 +22,8 @@ from kvmesh.errors import EventDecodeError
 from kvmesh.events import EventPublisher, EventSubscriber, decode_batch, encode_batch
 from kvmesh.events.codec import MAX_KEY_DEPTH
 from kvmesh.events.hub import EventHub
-from tests.unit.events.test_pubsub import LOOPBACK, Recorder, batch, wait_for, warm_up
+from tests.unit.events.test_pubsub import LOOPBACK, Recorder, batch, warm_up
+from tests.waiting import wait_for
 
 
 def _nested(depth: int) -> Any:

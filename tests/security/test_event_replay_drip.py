@@ -18,7 +18,8 @@ import zmq
 from kvmesh.events import EventSubscriber
 from kvmesh.events.hub import EventHub
 from kvmesh.events.subscriber import REPLAY_BUDGET
-from tests.unit.events.test_pubsub import LOOPBACK, LossyPublisher, Recorder, batch, wait_for, warm_up
+from tests.unit.events.test_pubsub import LOOPBACK, LossyPublisher, Recorder, batch, warm_up
+from tests.waiting import wait_for
 
 TIMEOUT_S = 0.2
 
@@ -50,7 +51,7 @@ def test_a_replay_that_drips_without_end_is_cut_off_and_reported() -> None:
             pub.drop = {n}
             pub.publish(batch(n))
             pub.publish(batch(n + 1))  # a gap: the replay asks the hostile socket
-            wait_for(lambda: rec.gaps == ["r0"], timeout=REPLAY_BUDGET * TIMEOUT_S + 3.0)
+            wait_for(lambda: rec.gaps == ["r0"], timeout_s=REPLAY_BUDGET * TIMEOUT_S + 3.0)
             wait_for(lambda: rec.ts[-1] == float(n + 1))  # the batch after the gap, delivered
             pub.publish(batch(n + 2))
             wait_for(lambda: rec.ts[-1] == float(n + 2))  # and the stream goes on

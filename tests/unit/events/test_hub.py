@@ -10,7 +10,8 @@ import zmq
 
 from kvmesh.events import EventSubscriber
 from kvmesh.events.hub import EventHub
-from tests.unit.events.test_pubsub import LOOPBACK, LossyPublisher, Recorder, batch, wait_for, warm_up
+from tests.unit.events.test_pubsub import LOOPBACK, LossyPublisher, Recorder, batch, warm_up
+from tests.waiting import wait_for
 
 
 def test_one_thread_serves_every_replica_in_order_and_repairs_gaps() -> None:
@@ -74,10 +75,10 @@ def test_a_replay_that_never_answers_holds_up_no_other_replica() -> None:
             wait_for(lambda: hung.poll(0) != 0)  # the replay request has reached the hung socket
             for k in range(3):
                 pub_b.publish(batch(nb + k))
-            wait_for(lambda: len(rec_b.batches) == b0 + 3, timeout=2.0)
+            wait_for(lambda: len(rec_b.batches) == b0 + 3, timeout_s=2.0)
             # b was served while a's replay was still pending: a's gap is not reported yet
             assert rec_a.gaps == [] and rec_a.ts == a0
-            wait_for(lambda: rec_a.gaps == ["a"], timeout=5.0)  # timed out: reported, and on
+            wait_for(lambda: rec_a.gaps == ["a"], timeout_s=5.0)  # timed out: reported, and on
             wait_for(lambda: rec_a.ts[-1] == float(na + 1))
             pub_a.publish(batch(na + 2))  # back in the hub's loop
             wait_for(lambda: rec_a.ts[-1] == float(na + 2))
@@ -197,7 +198,7 @@ def test_a_close_during_a_hanging_replay_leaks_no_socket() -> None:
             sub.close(timeout=0.1)
             assert time.monotonic() - t0 < 2.0  # the close did not wait the replay out
             assert not sub._sub.closed  # the repair thread may still use the subscriber
-            wait_for(lambda: sub._sub.closed and sub._monitor.closed and sub._dealer is None, timeout=10)
+            wait_for(lambda: sub._sub.closed and sub._monitor.closed and sub._dealer is None, timeout_s=10)
             assert rec.gaps == ["a"]  # the timed-out replay, reported
     finally:
         hung.close(linger=0)
