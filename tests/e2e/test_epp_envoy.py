@@ -14,6 +14,7 @@ The replicas start once for the module (most of its ~2 minutes); the EPP-kill te
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import subprocess
@@ -37,8 +38,11 @@ from kvmesh.harness.envoy import SUBSET_TEST_HEADER, Envoy, envoy_binary, make_e
 from kvmesh.harness.ports import free_port
 from kvmesh.harness.processes import spawn, stop_process
 from kvmesh.harness.replicas import Replica, start_replicas
+from tests import waiting
 from tests.e2e.conftest import assert_streamed
-from tests.waiting import wait_for
+
+# Each poll asks Envoy or the EPP over the network, beside real vLLM workers: every 0.1 s.
+wait_for = functools.partial(waiting.wait_for, interval_s=0.1)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -16,6 +16,7 @@ the test that SIGKILLs one of them comes last.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import re
@@ -42,8 +43,11 @@ from kvmesh.routing.picker import build_picker
 from kvmesh.routing.scorers import ReplicaState, RoutingRequest, prompt_key
 from kvmesh.routing.sessions import SessionTable
 from kvmesh.routing.tokenize import PromptTokenizer
+from tests import waiting
 from tests.e2e.conftest import assert_streamed
-from tests.waiting import wait_for
+
+# The polls run beside real vLLM workers on the same cores: every 0.05 s, not every 0.02 s.
+wait_for = functools.partial(waiting.wait_for, interval_s=0.05)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
