@@ -111,7 +111,7 @@ class RouterService:
             remote_tokens=self.prompts.remote if config.tokenizer == "remote" else None,
             on_register=self._engine_registered,
         )
-        self.rebuilder = Rebuilder(self.index.apply, self.controller.config)
+        self.rebuilder = Rebuilder(self.core.apply_events, self.controller.config)
         self.pd = PDRouter(self) if config.pd.enabled else None  # kvmesh.router.pd
 
     def make_app(self) -> web.Application:

@@ -111,6 +111,10 @@ class RoutingCore:
         )
         if self.costs is not None:
             self.dispatcher.track = self.costs.sent
+        # What the replicas' own feeds (their KV events, a rebuild's held pages) apply: a batch
+        # that lands after remove_replica (a subscription's close timed out while it was being
+        # delivered, a rebuild page on its way) is dropped, not a replica registered again.
+        self.apply_events = functools.partial(self.index.apply, register=False)
         self.subscribers: dict[str, EventSubscriber] = {}
         self._hub: EventHub | None = None  # started with the first subscriber
         self._started = False
@@ -178,11 +182,9 @@ class RoutingCore:
         if cfg.events and cfg.key not in self.subscribers:
             if self._hub is None:
                 self._hub = EventHub(name="kvmesh-events")
-            # register=False: a batch that lands after remove_replica (its close timed out
-            # while the batch was being delivered) is dropped, not a replica registered again.
             self.subscribers[cfg.key] = EventSubscriber(
                 cfg.events,
-                functools.partial(self.index.apply, register=False),
+                self.apply_events,
                 cfg.key,
                 replay_endpoint=cfg.replay,
                 on_gap_unrepaired=self.index.clear_replica,

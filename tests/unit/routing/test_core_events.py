@@ -6,6 +6,8 @@ import threading
 from typing import Any
 
 from kvmesh.epp.metrics import EppMetrics
+from kvmesh.router.app import RouterService
+from kvmesh.router.config import RouterConfig
 from kvmesh.routing.config import ReplicaConfig, RoutingConfig
 from kvmesh.routing.core import RoutingCore
 from tests.unit.events.test_pubsub import LOOPBACK, LossyPublisher, batch
@@ -90,3 +92,15 @@ def test_a_batch_still_being_delivered_when_the_replica_is_removed_is_dropped() 
         if core._hub is not None:
             core._hub.close()
         pub.close()
+
+
+def test_a_rebuild_page_that_lands_after_its_replica_was_removed_registers_nothing() -> None:
+    """A restarted router pages each replica's held chunks into the index through the same
+    feed as its events: a page still on its way when the replica is removed is dropped."""
+    replica = ReplicaConfig(url="http://127.0.0.1:1", name="r0")
+    svc = RouterService(RouterConfig.from_dict({"replicas": [replica]}))
+    svc.rebuilder._apply("r0", batch(1))
+    assert svc.index.replicas() == ["r0"] and svc.index.stats()["stored_blocks"] == 1
+    svc.core.remove_replica("r0")
+    svc.rebuilder._apply("r0", batch(2))
+    assert svc.index.replicas() == [] and svc.index.stats()["unregistered"] == 1
