@@ -30,6 +30,7 @@ from kvmesh.core.fleetkey import TRANSFER_PARAMS, FleetKey
 from kvmesh.harness.connector import consumer_config, fleet_key_file, producer_config, shipped_chunk_size
 from kvmesh.harness.ports import free_port
 from kvmesh.harness.replicas import TEST_KV_BLOCKS, Replica
+from kvmesh.routing.health import parse_vllm_gauges
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -63,6 +64,27 @@ def complete(url: str, prompt: list[int], **body: Any) -> dict[str, Any]:
     r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, **body}, timeout=120)
     r.raise_for_status()
     return dict(r.json())
+
+
+def abandon(url: str, prompt: list[int], after_s: float, **body: Any) -> str:
+    """Send a completion and hang up after ``after_s`` (a client that gives up): what
+    happened, ``gave up`` unless the answer came first."""
+    try:
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "tiny", "prompt": prompt, **GEN, **body},
+            timeout=httpx.Timeout(after_s, connect=10.0),
+        )
+    except httpx.ReadTimeout:
+        return "gave up"
+    return f"answered {r.status_code}"
+
+
+def kv_usage(url: str, prompt: list[int]) -> float:
+    """vLLM's KV usage gauge (0..1) right after a request of ``prompt`` completed alone."""
+    complete(url, prompt, max_tokens=2, temperature=0.0)
+    gauges = parse_vllm_gauges(httpx.get(f"{url}/metrics", timeout=10).text)
+    return gauges["kv_cache_usage_perc"]
 
 
 def admin_stats(port: int) -> dict[str, Any]:
@@ -136,6 +158,7 @@ def pd_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             }
         ),
         log_path=str(work / "consumer.log"),
+        log_stats=True,  # vLLM's KV usage gauge: the abandoned decode of 1d leaks no block
     )
     res: dict[str, Any] = {"logs": (work / "producer.log", work / "consumer.log")}
     try:
@@ -216,19 +239,37 @@ def pd_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             res["forged_connected"] = True
         except TimeoutError:
             res["forged_connected"] = False
-        p5b = tokens(15)
+        p5b, p5c = tokens(15), tokens(25)
         pre5b = complete(producer.url, p5b, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         signed = resign(pre5b["kv_transfer_params"], remote_port=hung_port, ports=[hung_port])
-        with ThreadPoolExecutor(2) as pool:
+        pre5c = complete(producer.url, p5c, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        signed_c = resign(pre5c["kv_transfer_params"], remote_port=hung_port, ports=[hung_port])
+        with ThreadPoolExecutor(3) as pool:
             t0 = time.monotonic()
             stuck = pool.submit(complete, consumer.url, p5b, **GEN, kv_transfer_params=signed)
+            # A client that gives up while its decode waits for the hung pull: vLLM aborts
+            # the request in WAITING_FOR_REMOTE_KVS, and holds its blocks until the worker
+            # names the pull finished (the usage gauge below shows none stays held).
+            gone = pool.submit(abandon, consumer.url, p5c, 1.0, kv_transfer_params=signed_c)
             time.sleep(0.3)  # the stuck pull has started
             plain = pool.submit(complete, consumer.url, tokens(6, 300), max_tokens=4, temperature=0.0)
             plain.result()
             res["plain_during_hang_s"] = time.monotonic() - t0
+            # the gauge as the plain request's last step left it: the two stuck decodes'
+            # blocks held (what the check after the hang must no longer see)
+            metrics = httpx.get(f"{consumer.url}/metrics", timeout=10).text
+            res["c_usage_during_hang"] = parse_vllm_gauges(metrics)["kv_cache_usage_perc"]
+            res["abandoned"] = gone.result()
             res["decode5"] = stuck.result()
             res["decode5_s"] = time.monotonic() - t0
         hung.close()
+        # After the abandoned pull's budget, requests of their own: the gauge their last step
+        # reported is the KV usage with nothing running, 0 unless a block leaked (asked again
+        # for a while: the abandoned pull may end a little after decode 5's).
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S + 10
+        while (usage := kv_usage(consumer.url, tokens(16, 300))) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        res["c_usage_after_hang"] = usage
         res["ref5"] = complete(producer.url, p5, **GEN)
         res["ref5b"] = complete(producer.url, p5b, **GEN)
         res["c_after_hang"] = admin_stats(c_admin)
@@ -367,6 +408,15 @@ def test_hung_producer_costs_the_handshake_budget_not_the_fetch_timeout(pd_run: 
     # the handshake's budget (5 s) and the recompute, under the fetch budget (15 s)
     assert CONNECT_TIMEOUT_S <= pd_run["decode5_s"] < FETCH_TIMEOUT_S, pd_run["decode5_s"]
     assert pd_run["plain_during_hang_s"] < FETCH_TIMEOUT_S + 30
+
+
+def test_a_decode_abandoned_while_its_pull_hangs_leaks_no_block(pd_run: dict[str, Any]) -> None:
+    """The client hung up while the pull waited on the hung producer: vLLM aborted the
+    request in WAITING_FOR_REMOTE_KVS and kept its blocks until the worker named the pull
+    finished; once it did, they went back (a leak would shrink the replica for good)."""
+    assert pd_run["abandoned"] == "gave up"
+    assert pd_run["c_usage_during_hang"] > 0  # the gauge sees held blocks
+    assert pd_run["c_usage_after_hang"] == 0.0, kvmesh_lines(pd_run)
 
 
 def test_consumer_confirm_releases_the_producers_pins(pd_run: dict[str, Any]) -> None:
