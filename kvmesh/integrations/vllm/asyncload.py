@@ -188,8 +188,8 @@ class LoadJob:
     done: threading.Event = field(default_factory=threading.Event)
     chunks: list[RetrievedChunk] = field(default_factory=list)
     stack: contextlib.ExitStack | None = None
-    aborted: bool = False  # vLLM finished the request while it waited: report, copy nothing
-    given_up: bool = False  # past its budget: reported already, drop what it reads
+    aborted: bool = False  # vLLM finished the request while it waited: report at once, copy nothing
+    given_up: bool = False  # past its budget, or aborted mid-read: reported already, drop what it reads
     copy_done: Event | None = None  # the host-device copy queued by the forward thread
     loaded: int = 0  # tokens copied (set by the forward thread)
     read_ended: bool = False  # set with the lock held, before ``done``

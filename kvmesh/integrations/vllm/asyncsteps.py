@@ -73,7 +73,12 @@ class AsyncLoadSteps:
                     out.add(self._finish_load(job, job.loaded))
                 continue
             if not job.done.is_set():
-                if now > job.deadline and self.loads.give_up(job):
+                if job.aborted and self.loads.give_up(job):
+                    # Nobody waits for it: named now, so vLLM frees its blocks at once rather
+                    # than when the read ends (a pull from a hung producer: its whole budget).
+                    # give_up waited for any chunk being copied, and none follows.
+                    out.add(self._finish_load(job, 0, count=False))
+                elif now > job.deadline and self.loads.give_up(job):
                     log.warning(
                         "kvmesh: request %s: its load overran its %.1f s budget; vLLM recomputes it",
                         job.spec.req_id,

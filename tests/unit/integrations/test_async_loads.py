@@ -311,8 +311,44 @@ def test_request_aborted_while_loading_is_named_and_nothing_is_copied(disk_worke
     settled(w, "b", 1, TOKENS[:1024])
     w.start_step(KVMeshConnectorMetadata(loads=[LoadSpec("b", 1, TOKENS[:1024], DST, 0, load_async=True)]))
     assert _poll(w, finished={"b"}) == {"b"}  # vLLM holds its blocks until it is named
+    assert "b" not in w.loads.jobs  # named, no longer tracked: its read, if still running, ends alone
+    assert eventually(lambda: _no_pins(w), 5)  # and unpins when it does
     assert all(torch.equal(t[DST], b) for t, b in zip(w.layers, before, strict=True))
-    assert _no_pins(w)
+
+
+def test_a_request_aborted_mid_read_is_named_at_once_and_its_read_copies_nothing(
+    disk_worker: WorkerSide,
+) -> None:
+    """vLLM holds an aborted request's blocks until the worker names it: named at the step
+    that brings the abort, not when its read ends (a pull from a hung producer: its whole
+    budget); the read, left to end alone, copies nothing into blocks vLLM has handed on.
+    The read is held (fault injection) so that the abort lands while it runs."""
+    w = disk_worker
+    _saved_to_disk(w)
+    before = [t[DST].clone() for t in w.layers]
+    settled(w, "b", 1, TOKENS[:1024])
+    entered, gate = threading.Event(), threading.Event()
+    real = w.engine.retrieve_chunks
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        gate.wait(10)
+        return real(*args, **kwargs)
+
+    w.engine.retrieve_chunks = held  # type: ignore[method-assign]
+    w.start_step(KVMeshConnectorMetadata(loads=[LoadSpec("b", 1, TOKENS[:1024], DST, 0, load_async=True)]))
+    (job,) = w.loads.snapshot()
+    assert entered.wait(5)
+    assert w.finished_loading(set()) == set()  # reading: not named
+    assert w.finished_loading({"b"}) == {"b"}  # aborted: named with its read still running
+    assert not job.done.is_set()
+    gate.set()
+    assert job.done.wait(10)
+    assert w.finished_loading(set()) == set()  # named once
+    assert job.copied is None
+    assert all(torch.equal(t[DST], b) for t, b in zip(w.layers, before, strict=True))
+    assert eventually(lambda: _no_pins(w), 5)
+    assert w.stats()["connector"].get("load_tokens", 0) == 0
 
 
 @pytest.fixture
