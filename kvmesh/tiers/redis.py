@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -64,6 +66,9 @@ KEY_PATTERN = "kvm[0-9]-*"
 _TXN_BYTES = 64 << 20
 _SCAN_BATCH = 1000
 PROBE_TIMEOUT_S = 1.0
+_REFUSAL_LOG_S = 300.0  # a refused store's reason is logged once, then at most this often
+# Redis's OOM error reply, as redis-py raises it (the types-redis stubs predate it).
+_OOM: type[Exception] = redis.exceptions.OutOfMemoryError  # type: ignore[attr-defined]
 
 
 class RedisTier:
@@ -98,6 +103,8 @@ class RedisTier:
             auth_errors=(redis.AuthenticationError,),
         )
         self.guard.start()
+        self._refusal_lock = threading.Lock()
+        self._refusal_logged: dict[str, tuple[float, int]] = {}  # reason -> (last logged, since)
 
     @property
     def probe_interval_s(self) -> float:
@@ -140,7 +147,7 @@ class RedisTier:
         if len(keys) != len(chunks):
             raise ValueError(f"put got {len(keys)} keys but {len(chunks)} chunks; pass one chunk per key")
         if not self.guard.up:
-            self.metrics.inc("skipped_stores", len(keys))  # before encoding: down costs nothing
+            self.metrics.skip("tier_down", len(keys))  # before encoding: down costs nothing
             return [False] * len(keys)
         # Encoded a transaction's worth at a time (raw sizes bound it): a compressed or sealed
         # payload is new memory, and a batch of them at once would all be alive together.
@@ -289,22 +296,66 @@ class RedisTier:
 
         replies = self._guard(op)
         if replies is None:
-            self.metrics.inc("skipped_stores", len(keys))
+            self.metrics.skip("tier_error", len(keys))
             return [False] * len(keys)
         out: list[bool] = []
+        refused: list[str] = []
         pos = 0
-        for (head, body), n in zip(encoded, counts, strict=True):
+        for k, (head, body), n in zip(keys, encoded, counts, strict=True):
             errs = [r for r in replies[pos : pos + n] if isinstance(r, Exception)]
             pos += n
             if errs:
-                self._note_error(errs[0])
-                self.metrics.inc("skipped_stores")
+                self._refused(errs[0])
+                refused.append(k.text)
                 out.append(False)
             else:
                 self.metrics.inc("stores")
                 self.metrics.inc("bytes_in", len(head) + memoryview(body).nbytes)
                 out.append(True)
+        if refused:
+            # What went in of a refused chunk goes: a full Redis refuses a 1 MiB part, then
+            # takes the small header after it, and that header would offer every lookup a
+            # chunk with holes (one UNLINK per key: a cluster refuses keys of two slots).
+            self._guard(lambda: _unlink_each(self._client, refused))
         return out
+
+    def _refused(self, exc: Exception) -> None:
+        """Count a chunk whose write Redis refused, with the reason, and say why in the log
+        (once per reason, then at most every ``_REFUSAL_LOG_S``: a full Redis refuses every
+        store, and nothing else tells its operator)."""
+        self._note_error(exc)
+        reason, advice = _refusal(exc)
+        self.metrics.skip(reason)
+        now = time.monotonic()
+        with self._refusal_lock:
+            last, since = self._refusal_logged.get(reason, (-_REFUSAL_LOG_S, 0))
+            if now - last < _REFUSAL_LOG_S:
+                self._refusal_logged[reason] = (last, since + 1)
+                return
+            self._refusal_logged[reason] = (now, 0)
+        more = f" ({since} more since the last warning)" if since else ""
+        log.warning("kvmesh tier %s: Redis refused a store%s: %s. %s", self.name, more, exc, advice)
+
+
+def _refusal(exc: Exception) -> tuple[str, str]:
+    """``(skip reason, what to do)`` for a write Redis answered with an error."""
+    if isinstance(exc, _OOM):
+        return "full", (
+            "Its memory is full (maxmemory) and its maxmemory-policy evicts nothing: let it evict "
+            "old chunks (maxmemory-policy allkeys-lru, or volatile-lru with a ttl) or give it more memory"
+        )
+    if isinstance(exc, redis.exceptions.ReadOnlyError):
+        return "read_only", "remote_url names a read-only replica: name the primary, or its Sentinels"
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return "no_permission", "the user remote_url logs in as may not write kvmesh's keys (ACL)"
+    return "tier_error", "Stores are skipped until it takes them again"
+
+
+def _unlink_each(client: Any, names: Sequence[str]) -> None:
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.unlink(name)
+    pipe.execute(raise_on_error=False)
 
 
 @register_tier("redis", "rediss", "unix", "valkey", "redis-sentinel")

@@ -448,3 +448,33 @@ def test_killed_mid_run_degrades_then_recovers(redis_restartable, open_redis) ->
 def test_malformed_url_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="invalid Redis URL"):
         open_tier("redis://localhost:notaport")
+
+
+def test_a_full_redis_refuses_stores_counted_said_and_leaves_no_header_behind(
+    redis_server_factory, open_redis, caplog
+) -> None:
+    """A Redis at its ``maxmemory`` with the default ``maxmemory-policy noeviction`` refuses
+    each 256 KiB part (OOM) and then takes the small header written after it. The refused
+    chunk's header must go: left, every lookup would offer a chunk with holes, and each read
+    would count it as corrupt. The refusals are counted with their reason and said once, with
+    what to do, while the tier stays up for reads."""
+    server = redis_server_factory(extra_args=("--maxmemory", "2mb", "--maxmemory-policy", "noeviction"))
+    server.start()
+    tier = open_redis(server.url, part_bytes=64 << 10)
+    small_keys, small = make_chunks(KB, 2)  # 1 KiB chunks: room for these
+    assert tier.put(small_keys, small) == [True, True]
+    keys, chunks = make_chunks(KB_BIG, 12)
+    with caplog.at_level("WARNING", logger="kvmesh.tiers.redis"):
+        stored = [tier.put([k], [c])[0] for k, c in zip(keys, chunks, strict=True)]
+    refused = [k for k, ok in zip(keys, stored, strict=True) if not ok]
+    assert refused, "the server took every chunk: maxmemory did not bite"
+    assert tier.contains(refused) == [False] * len(refused)  # no header left behind
+    assert tier.get(refused) == [None] * len(refused)
+    snap = tier.metrics.snapshot()
+    assert snap["corrupt"] == 0
+    assert snap["skipped_by_reason"] == {"full": len(refused)}
+    said = [r.getMessage() for r in caplog.records if "refused a store" in r.getMessage()]
+    assert len(said) == 1 and "maxmemory-policy allkeys-lru" in said[0], said
+    assert tier.health() == "up"
+    for want, got in zip(small, tier.get(small_keys), strict=True):
+        assert_same(got, want)  # reads go on
