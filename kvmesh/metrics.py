@@ -66,6 +66,8 @@ class TierMetrics:
             self.skip_reasons[reason] = self.skip_reasons.get(reason, 0) + n
 
     def inc(self, name: str, value: int = 1) -> None:
+        if name == "skipped_stores":  # every skipped store says why (issue #25)
+            raise ValueError("count a skipped store with skip(reason), not inc")
         with self._lock:
             self.counters[name] = self.counters.get(name, 0) + value
 

@@ -214,9 +214,10 @@ class FsTier:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             if exc.errno in _FULL_ERRNOS:
-                self.metrics.inc("skipped_stores")
+                self.metrics.skip("full")
             else:
                 self._note_error("write", exc)
+                self.metrics.skip("io_error")
             return False
         self.metrics.inc("stores")
         self.metrics.inc("bytes_in", len(head) + memoryview(body).nbytes)

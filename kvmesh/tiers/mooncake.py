@@ -130,14 +130,17 @@ class MooncakeTier:
         for k, c in zip(keys, chunks, strict=True):
             if not self._up.is_set() or self._closed.is_set():
                 results.append(False)
-                self.metrics.inc("skipped_stores")
+                self.metrics.skip("tier_down")
                 continue
             blob = self.chunk_format.encode_bytes(k, c.layout, c.tokens, c.data, self.codec)
             rc = self._call(partial(self._store.put, k.text, blob))
             ok = rc in (0, _OBJECT_EXISTS)
             if rc is not None and not ok:
                 self._failed(True)
-            self.metrics.inc("stores" if ok else "skipped_stores")
+            if ok:
+                self.metrics.inc("stores")
+            else:
+                self.metrics.skip("tier_error")
             if ok:
                 self.metrics.inc("bytes_in", len(blob))
             results.append(ok)

@@ -146,14 +146,17 @@ class S3Tier:
         if len(keys) != len(chunks):
             raise ValueError(f"put got {len(keys)} keys but {len(chunks)} chunks; pass one chunk per key")
         if not self.guard.up:
-            self.metrics.inc("skipped_stores", len(keys))
+            self.metrics.skip("tier_down", len(keys))
             return [False] * len(keys)
 
         def one(pair: tuple[ChunkKey, ChunkData]) -> bool:
             k, c = pair
             head, body = self.chunk_format.encode(k, c.layout, c.tokens, c.data, self.codec)
             ok = self._write(self._object(k), head, body)
-            self.metrics.inc("stores" if ok else "skipped_stores")
+            if ok:
+                self.metrics.inc("stores")
+            else:
+                self.metrics.skip("tier_error")
             if ok:
                 self.metrics.inc("bytes_in", len(head) + memoryview(body).nbytes)
             return ok

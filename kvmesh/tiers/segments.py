@@ -206,12 +206,12 @@ class SegmentTier(SegmentSpace):
             level = self.placement.stream(cls)
             length = REC_PREFIX + len(head) + memoryview(body).nbytes
             if pad(length) > self.ru - ALIGN:
-                self.metrics.inc("skipped_stores")  # a chunk larger than a segment never fits
+                self.metrics.skip("too_large")  # a chunk larger than a segment never fits
                 results.append(False)
                 continue
             slot = self._room(level, pad(length))
             if slot is None:
-                self.metrics.inc("skipped_stores")
+                self.metrics.skip("capacity")
                 results.append(False)
                 continue
             s = self._slots[slot]
@@ -223,7 +223,7 @@ class SegmentTier(SegmentSpace):
                 os.pwritev(self._fd, [rec, memoryview(body).cast("B"), filler], off)
             except OSError:
                 self.metrics.inc("errors")
-                self.metrics.inc("skipped_stores")
+                self.metrics.skip("io_error")
                 results.append(False)
                 continue
             start_writeback(self._fd, off, pad(length))

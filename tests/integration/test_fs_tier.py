@@ -175,6 +175,7 @@ def test_missing_directory_is_down_not_an_error(tmp_path: Path, open_fs) -> None
     assert tier.contains(keys) == [False]
     assert tier.get(keys) == [None]
     assert tier.put(keys, chunks) == [False]
+    assert tier.metrics.snapshot()["skipped_by_reason"] == {"io_error": 1}  # counted, with why
     assert list(tier.keys()) == [] and tier.clear() == 0
 
 

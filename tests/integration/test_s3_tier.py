@@ -147,6 +147,9 @@ def test_server_killed_mid_run_gives_misses_then_recovers(tmp_path: Path) -> Non
         assert tier.health() == "down"
         assert time.monotonic() - t0 < 20  # the breaker answers fast once open
         assert tier.metrics.counters["errors"] >= 3
+        why = tier.metrics.snapshot()["skipped_by_reason"]  # every refused store, with why
+        assert why["tier_down"] >= 15 and set(why) <= {"tier_down", "tier_error"}
+        assert sum(why.values()) == tier.metrics.counters["skipped_stores"]
         server.start()
         server.client().create_bucket(Bucket="kv-kill")
         eventually(lambda: tier.health() == "up", 10)
