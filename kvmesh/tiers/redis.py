@@ -334,7 +334,8 @@ class RedisTier:
                 return
             self._refusal_logged[reason] = (now, 0)
         more = f" ({since} more since the last warning)" if since else ""
-        log.warning("kvmesh tier %s: Redis refused a store%s: %s. %s", self.name, more, exc, advice)
+        said = str(exc).rstrip(". ")
+        log.warning("kvmesh tier %s: Redis refused a store%s: %s. %s", self.name, more, said, advice)
 
 
 def _refusal(exc: Exception) -> tuple[str, str]:

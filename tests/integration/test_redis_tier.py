@@ -478,3 +478,24 @@ def test_a_full_redis_refuses_stores_counted_said_and_leaves_no_header_behind(
     assert tier.health() == "up"
     for want, got in zip(small, tier.get(small_keys), strict=True):
         assert_same(got, want)  # reads go on
+
+
+def test_a_read_only_replica_refuses_stores_counted_and_said(
+    redis_server_factory, open_redis, caplog
+) -> None:
+    """``remote_url`` naming a replica (real redis-servers, one replicating the other): every
+    store is refused READONLY, counted as ``read_only`` and said once with what to do; the
+    tier stays up (a replica still answers reads)."""
+    primary = redis_server_factory()
+    primary.start()
+    replica = redis_server_factory(extra_args=("--replicaof", "127.0.0.1", str(primary.port)))
+    replica.start()
+    tier = open_redis(replica.url)
+    keys, chunks = make_chunks(KB, 3)
+    with caplog.at_level("WARNING", logger="kvmesh.tiers.redis"):
+        assert tier.put(keys, chunks) == [False] * 3
+        assert tier.put(keys, chunks) == [False] * 3
+    assert tier.metrics.snapshot()["skipped_by_reason"] == {"read_only": 6}
+    said = [r.getMessage() for r in caplog.records if "refused a store" in r.getMessage()]
+    assert len(said) == 1 and "read-only replica" in said[0] and ".." not in said[0], said
+    assert tier.health() == "up"
