@@ -18,6 +18,10 @@ rebuilt at start from the files' headers, in recency order by mtime. Every write
 hit stamps the file's mtime (strictly increasing within a process), so recency survives a
 restart. Recency itself is :mod:`kvmesh.core.policy` (``eviction_policy``); pinned chunks
 leave the policy until their last unpin.
+
+A filesystem that fills before the budget (other files on it, or ``max_local_disk_size``
+larger than the disk; checked and said at open) evicts the least recently used chunks worth
+the new one and writes it again: the tier goes on as an LRU cache of the room there is.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -66,6 +71,7 @@ __all__ = ["ALIGN", "CULL_LIMIT", "SUFFIX", "TMP_SUFFIX", "DiskTier", "open_disk
 # a put that still does not fit is skipped and the next one carries on evicting.
 CULL_LIMIT = 16
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_FULL_LOG_S = 300.0  # a full filesystem is said once, then at most this often
 
 
 @dataclass
@@ -102,6 +108,7 @@ class DiskTier:
         self._reserved = 0  # bytes of writes in flight, so concurrent puts respect the budget
         self._gen = itertools.count(1)
         self._degraded = False
+        self._full_said = -_FULL_LOG_S
         self._closed = False
         self._dirlock = lock or dirlock.DirLock(self.path)
         try:
@@ -110,6 +117,7 @@ class DiskTier:
             placement = Placement(mode, opts.ru_size, opts.placement_map)
             self.files = ChunkFiles(self.path, opts.o_direct, opts.io_trace, placement, opts.chunk_format)
             self._rebuild()
+            self._check_room()
         except BaseException:
             self._dirlock.release()
             raise
@@ -364,13 +372,14 @@ class DiskTier:
             self.metrics.skip("capacity")  # the budget is taken by pinned or reserved chunks
             return False
         try:
-            tmp, size = self.files.write_tmp(text, head, body, check_class(chunk.lifetime))
+            tmp, size = self._write_tmp(text, head, body, check_class(chunk.lifetime), want)
         except OSError as exc:
             with self._lock:
                 self._reserved -= want
             self._degraded = True
-            self.metrics.skip("io_error")
-            self.metrics.inc("errors", int(exc.errno not in _FULL_ERRNOS))
+            full = exc.errno in _FULL_ERRNOS
+            self.metrics.skip("full" if full else "io_error")
+            self.metrics.inc("errors", int(not full))
             return False
         if not self._commit(text, tmp, size, replace_gen=None, reserved=want):
             self.metrics.skip("io_error")
@@ -416,6 +425,71 @@ class DiskTier:
                 self._policy.insert(text)
             self._gauges()
         return True
+
+    def _check_room(self) -> None:
+        """Say at open when the budget is more than the filesystem can hold."""
+        if self.capacity is None:
+            return
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return
+        room = self._used + st.f_bavail * st.f_frsize
+        if self.capacity > room:
+            log.warning(
+                "kvmesh disk tier %s: max_local_disk_size is %.1f GB but the filesystem has room for "
+                "%.1f GB of chunks here; when it fills, the least recently used are evicted to make room",
+                self.path,
+                self.capacity / 1e9,
+                room / 1e9,
+            )
+
+    def _write_tmp(self, text: str, head: bytes, body: serde.Buffer, cls: str, want: int) -> tuple[str, int]:
+        """``files.write_tmp``; a filesystem full before the budget (other files on it, or a
+        budget larger than the disk) evicts the least recently used chunks worth this one
+        and tries once more: the tier goes on as an LRU cache of the room there is, rather than
+        refuse every new chunk and keep the old ones for ever."""
+        try:
+            return self.files.write_tmp(text, head, body, cls)
+        except OSError as exc:
+            if exc.errno not in _FULL_ERRNOS:
+                raise
+            with self._lock:
+                freed = self._evict_bytes(want)
+            self._say_full(freed)
+            if not freed:
+                raise
+            return self.files.write_tmp(text, head, body, cls)
+
+    def _evict_bytes(self, want: int) -> int:
+        """Evict unpinned chunks, least recently used first, until ``want`` bytes are freed
+        (or none is left); the bytes freed. Under ``self._lock``."""
+        freed = 0
+        while freed < want and len(self._policy):
+            victim = self._policy.candidates(1)[0]
+            size = self._entries[victim].size
+            if not self._remove(victim, force=False):
+                break
+            self.metrics.inc("evictions")
+            freed += size
+        return freed
+
+    def _say_full(self, freed: int) -> None:
+        now = time.monotonic()
+        if now - self._full_said < _FULL_LOG_S:
+            return
+        self._full_said = now
+        budget = f"{self.capacity / 1e9:.1f} GB" if self.capacity is not None else "no limit"
+        log.warning(
+            "kvmesh disk tier %s: the filesystem is full with %.2f GB of chunks here (budget %s): %s",
+            self.path,
+            self._used / 1e9,
+            budget,
+            "the least recently used are evicted to make room (free space there, or lower "
+            "max_local_disk_size)"
+            if freed
+            else "nothing here can be evicted (all pinned, or none stored): the store is skipped",
+        )
 
     def _reserve(self, size: int) -> bool:
         if self.capacity is not None:

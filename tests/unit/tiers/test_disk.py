@@ -403,29 +403,28 @@ def _enospc(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "write", full)
 
 
-def check_disk_full(tier: DiskTier, root: Path, stored: list[ChunkData], refused: ChunkData) -> None:
-    """After a write failed for lack of space: counted, cleaned up, reads go on."""
-    assert tier.metrics.counters["skipped_stores"] >= 1
-    assert tier.metrics.counters["errors"] == 0
-    assert tier.health() == "degraded"
-    assert tier.contains([refused.key]) == [False]
-    assert files(root, TMP_SUFFIX) == []
-    assert tier.size_bytes() == sum(p.stat().st_size for p in files(root))
-    for g, c in zip(tier.get([c.key for c in stored]), stored, strict=True):
-        assert_same(g, c)
-
-
 def test_disk_full_simulated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filesystem that stays full whatever is freed (someone else's files fill it): the
+    store evicts the least recently used chunk to make room, is refused again, and is skipped
+    as ``full``; nothing half written is left, and what is pinned stays."""
     tier = DiskTier(str(tmp_path), opts())
-    a, b = make_chunks(2)
-    put(tier, [a])
+    a, b, c = make_chunks(3)
+    put(tier, [a, b])
+    tier.pin([a.key])
     with monkeypatch.context() as m:
         _enospc(m)
-        assert put(tier, [b]) == [False]
-    check_disk_full(tier, tmp_path, [a], b)
-    assert put(tier, [b]) == [True]  # space is back: writes retry and health recovers
+        assert put(tier, [c]) == [False]
+    assert tier.metrics.snapshot()["skipped_by_reason"] == {"full": 1}
+    assert tier.metrics.counters["errors"] == 0
+    assert tier.metrics.counters["evictions"] == 1
+    assert tier.health() == "degraded"
+    assert tier.contains([a.key, b.key, c.key]) == [True, False, False]  # b went for room; a is pinned
+    assert files(tmp_path, TMP_SUFFIX) == []
+    assert tier.size_bytes() == sum(p.stat().st_size for p in files(tmp_path))
+    assert_same(tier.get([a.key])[0], a)
+    assert put(tier, [c]) == [True]  # space is back: writes go on and health recovers
     assert tier.health() == "up"
-    assert_same(tier.get([b.key])[0], b)
+    assert_same(tier.get([c.key])[0], c)
 
 
 @contextlib.contextmanager
@@ -441,30 +440,32 @@ def tiny_filesystem(path: Path) -> Iterator[bool]:
             subprocess.run(["umount", "-l", str(path)], check=True)
 
 
-def test_disk_full_real_filesystem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_disk_full_real_filesystem(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A real 2 MiB filesystem under a budget of 1 GB: said at open; once full, each new chunk
+    evicts the least recently used and lands, so the tier keeps the newest chunks (it used to
+    refuse every new one and keep the oldest for ever), said once."""
     big = KVLayout(4, 8, 32, "float32")  # 128 KiB chunks: about 15 fill 2 MiB
     chunks = make_chunks(40, layout=big)
-    # A real full filesystem where mounting is allowed; otherwise writes fail with ENOSPC
-    # after the first ten chunks.
     with tiny_filesystem(tmp_path / "small") as mounted:
-        tier = DiskTier(str(tmp_path / "small"), opts())
-        if mounted:
+        if not mounted:
+            pytest.skip("mounting a tmpfs needs root (test_disk_full_simulated runs everywhere)")
+        with caplog.at_level("WARNING", logger="kvmesh.tiers.disk"):
+            tier = DiskTier(str(tmp_path / "small"), opts(capacity_bytes=1 << 30))
             results = put(tier, chunks)
-        else:
-            results = put(tier, chunks[:10])
-            with monkeypatch.context() as m:
-                _enospc(m)
-                results += put(tier, chunks[10:])
-        assert any(results) and not all(results)
-        n_ok = results.index(False)
-        assert all(results[:n_ok])
-        stored = [c for c, ok in zip(chunks, results, strict=True) if ok]
-        check_disk_full(tier, tmp_path / "small", stored, chunks[n_ok])
-        assert tier.metrics.counters["skipped_stores"] == results.count(False)
-        tier.delete([c.key for c in stored[:4]])
-        assert put(tier, [chunks[n_ok]]) == [True]
+        assert results == [True] * 40
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 2 and "max_local_disk_size is 1.1 GB" in said[0], said
+        assert "evicted to make room" in said[1]
+        snap = tier.metrics.snapshot()
+        assert snap["skipped_stores"] == 0 and snap["errors"] == 0
+        assert 20 <= snap["evictions"] <= 35
+        kept = tier.contains([c.key for c in chunks])
+        assert kept == sorted(kept)  # the oldest went, the newest stayed
+        assert kept[-1] and not kept[0]
+        assert files(tmp_path / "small", TMP_SUFFIX) == []
+        assert tier.size_bytes() == sum(p.stat().st_size for p in files(tmp_path / "small"))
+        assert_same(tier.get([chunks[-1].key])[0], chunks[-1])
         assert tier.health() == "up"
-        assert_same(tier.get([chunks[n_ok].key])[0], chunks[n_ok])
         tier.close()
 
 
