@@ -60,7 +60,11 @@ class CacheConfig(BaseModel):
     chunk_size: int = Field(128, gt=0, description="tokens per chunk (the unit of storage and I/O)")
     local_cpu: bool = Field(True, description="keep hot chunks in the CPU DRAM pool")
     max_local_cpu_size: float = Field(
-        2.0, ge=0, description="CPU pool size in GB (allocated up front; 0 only with local_cpu: false)"
+        2.0,
+        ge=0,
+        description="CPU pool size in GB (allocated up front; refused at start when larger than the "
+        "memory the process may use, the machine's or its container's cgroup limit; 0 only with "
+        "local_cpu: false)",
     )
     local_disk: str | None = Field(None, description="disk tier: file:///path or a path; None = off")
     max_local_disk_size: float = Field(20.0, ge=0, description="disk tier byte budget in GB (0 = unbounded)")

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from kvmesh.config import CacheConfig
+from kvmesh.core.hostmem import check_pool
 from kvmesh.core.keys import ChunkKey, KeyBuilder, KVLayout, as_token_array
 from kvmesh.core.loadcost import LoadCosts
 from kvmesh.core.lower import LowerTiers, chunk_format_for
@@ -145,6 +146,7 @@ class CacheEngine:
         capacity = self.config.cpu_bytes
         if not self.config.local_cpu:
             capacity = max(4 * self.chunk_bytes, min(capacity, STAGING_BYTES))
+        check_pool(capacity)  # a pool the process may not fill is a kill for memory later
         try:
             pool = MemoryPool(capacity, self.chunk_bytes)
         except ValueError as exc:
