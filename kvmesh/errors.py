@@ -110,6 +110,11 @@ class UpstreamBrokenError(UpstreamError):
     """
 
 
+class ReplicaDownError(UpstreamBrokenError):
+    """The router's health checks took the replica out while it owed this answer: a hung
+    replica (a stopped process, a wedged GPU) breaks nothing, so its connection was cut."""
+
+
 class ProcessError(KVMeshError):
     """A child process kvmesh started (vLLM, redis-server, a peer) failed to start or exited."""
 

@@ -14,8 +14,10 @@ Errors use OpenAI's shape (see :mod:`kvmesh.router.proxy`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 
 import aiohttp
 import msgspec
@@ -23,7 +25,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvmesh.core.fleetkey import FleetKey
-from kvmesh.errors import BodyError, ClosedError, UpstreamBrokenError, UpstreamError
+from kvmesh.errors import BodyError, ClosedError, ReplicaDownError, UpstreamBrokenError, UpstreamError
 from kvmesh.index import BlockIndex
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.controller import Controller
@@ -31,11 +33,12 @@ from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.pd import PDRouter
 from kvmesh.router.proxy import RETRYABLE, end_to_end, error_response, opening, relay
 from kvmesh.router.rebuild import Rebuilder
-from kvmesh.router.upstream import Upstream
+from kvmesh.router.upstream import Hold, Upstream
 from kvmesh.routing.body import drop_transfer_params
 from kvmesh.routing.core import RoutingCore
 from kvmesh.routing.dispatcher import ERROR_TYPES, NO_REPLICA, Refusal, Ticket
 from kvmesh.routing.labels import LabelCache
+from kvmesh.routing.pool import Replica
 from kvmesh.routing.tokenize import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -89,6 +92,8 @@ class RouterService:
         # Loaded now so that a bad key file stops the start; the router signs nothing yet.
         self.fleet_key = FleetKey.from_config(config.fleet_key_file)
         self._labels = LabelCache()
+        self._owed: dict[str, set[Hold]] = {}  # replica -> holds on the answers it owes
+        self.core.on_down.append(self._cut_owed)
         self._timeout = aiohttp.ClientTimeout(
             total=None,
             connect=config.connect_timeout_s,
@@ -238,55 +243,90 @@ class RouterService:
                 self.metrics.retries.inc()
             ticket.sent(name)
             sent = time.perf_counter()
-            try:
-                resp = await self._upstream.post(replica.url, path, raw, headers)
-                headed = time.perf_counter()
+            with self._owing(name) as hold:
                 try:
-                    first = await opening(resp, ticket.stream)
-                except BaseException:
-                    resp.release()  # not read to its end: the connection is closed, not kept
+                    resp = await self._upstream.post(replica.url, path, raw, headers, hold)
+                    headed = time.perf_counter()
+                    try:
+                        first = await opening(resp, ticket.stream)
+                    except BaseException:
+                        resp.release()  # not read to its end: the connection is closed, not kept
+                        raise
+                except RETRYABLE as exc:
+                    ticket.failed()
+                    self.pool.mark_failed(name, f"POST {path} failed: {exc!r}")
+                    self.metrics.errors.labels("upstream_connect").inc()
+                    continue
+                except ReplicaDownError as exc:
+                    # Taken out while it owed the answer, none of which reached the client
+                    # (it hangs: see _cut_owed): another replica may answer.
+                    ticket.failed()
+                    self.metrics.errors.labels("upstream_down").inc()
+                    broke = f"replica {name} stopped answering: {exc}"
+                    continue
+                except UpstreamBrokenError as exc:
+                    # It died mid-answer (its connection closed, in the head or before the
+                    # opening) before anything of the answer reached the client: another
+                    # replica may answer, as after a connect failure.
+                    ticket.failed()
+                    self._broken()
+                    self.pool.mark_failed(name, f"POST {path}: the answer broke off: {exc}")
+                    broke = f"replica {name} broke off its answer: {exc}"
+                    continue
+                except UpstreamError as exc:  # malformed or too large: the replica is up
+                    ticket.finished()
+                    return self._refuse(path, 502, f"replica {name} failed: {exc}")
+                except TimeoutError:
+                    ticket.finished()
+                    return self._refuse(path, 504, f"replica {name} did not answer in time")
+                except BaseException:  # cancelled (the client left)
+                    ticket.finished()
                     raise
-            except RETRYABLE as exc:
-                ticket.failed()
-                self.pool.mark_failed(name, f"POST {path} failed: {exc!r}")
-                self.metrics.errors.labels("upstream_connect").inc()
-                continue
-            except UpstreamBrokenError as exc:
-                # It died mid-answer (its connection closed, in the head or before the
-                # opening) before anything of the answer reached the client: another replica
-                # may answer, as after a connect failure.
-                ticket.failed()
-                self._broken()
-                self.pool.mark_failed(name, f"POST {path}: the answer broke off: {exc}")
-                broke = f"replica {name} broke off its answer: {exc}"
-                continue
-            except UpstreamError as exc:  # malformed or too large: the replica is up
-                ticket.finished()
-                return self._refuse(path, 502, f"replica {name} failed: {exc}")
-            except TimeoutError:
-                ticket.finished()
-                return self._refuse(path, 504, f"replica {name} did not answer in time")
-            except BaseException:  # cancelled (the client left)
-                ticket.finished()
-                raise
-            try:
-                self._labels.get(self.metrics.upstream_latency, name).observe(headed - sent)
-                ticket.served(name, resp.status)
-                if not ticket.stream:
-                    ticket.first_byte()  # a whole answer: its headers come after its prefill
-                self._labels.get(self.metrics.requests, path, str(resp.status)).inc()
-                shown = name if self.config.replica_header else None
-                return await relay(request, resp, first, ticket.stream, name, self._broken, ticket.first_byte,
-                                   shown, self.config.write_timeout_s)  # fmt: skip
-            finally:
-                resp.release()
-                ticket.finished()
+                try:
+                    self._labels.get(self.metrics.upstream_latency, name).observe(headed - sent)
+                    ticket.served(name, resp.status)
+                    if not ticket.stream:
+                        ticket.first_byte()  # a whole answer: its headers come after its prefill
+                    self._labels.get(self.metrics.requests, path, str(resp.status)).inc()
+                    shown = name if self.config.replica_header else None
+                    return await relay(request, resp, first, ticket.stream, name, self._broken,
+                                       ticket.first_byte, shown, self.config.write_timeout_s)  # fmt: skip
+                finally:
+                    resp.release()
+                    ticket.finished()
         ticket.finished()
         if broke is not None:
             return self._refuse(path, 502, f"{broke} ({attempts} replica(s) tried)")
         if attempts:
             return self._unavailable(path, f"could not connect to {attempts} replica(s); retry later")
         return self._unavailable(path)
+
+    @contextlib.contextmanager
+    def _owing(self, name: str) -> Iterator[Hold]:
+        """A hold on the connection of an answer ``name`` owes, for :meth:`_cut_owed`."""
+        hold = Hold()
+        owed = self._owed.setdefault(name, set())
+        owed.add(hold)
+        try:
+            yield hold
+        finally:
+            owed.discard(hold)
+
+    def _cut_owed(self, replica: Replica) -> None:
+        """``replica`` was taken out: cut the answers it owes that have gone quiet. A replica
+        that hangs (a stopped process, a wedged GPU) keeps its connections open and breaks
+        nothing, and a whole answer's read timeout must cover the longest generation: without
+        this its answers would wait that long. One cut before its opening goes to the next
+        replica; a stream already relayed ends with an error event. Answers it sent a byte of
+        within ``health_timeout_s`` are left: a replica taken out by late checks may only be
+        busy (or this router may be)."""
+        holds = self._owed.get(replica.name)
+        if not holds:
+            return
+        why = f"replica {replica.name} was taken out ({replica.last_error or 'its health checks failed'})"
+        cut = sum(hold.cut(why, self.config.health_timeout_s) for hold in list(holds))
+        if cut:
+            log.warning("%s: cut the %d answer(s) it owed that had gone quiet", why, cut)
 
     def _broken(self) -> None:
         self.metrics.errors.labels("upstream_broken").inc()

@@ -304,9 +304,11 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=3, help="SSE chunks per streamed answer")
     p.add_argument("--chunk-delay-s", type=float, default=0.0, help="between a stream's chunks")
     p.add_argument("--prefill-s", type=float, default=0.0, help="a stream's headers to its first chunk")
+    p.add_argument("--delay-s", type=float, default=0.0, help="before answering at all")
     args = p.parse_args()
     fake = FakeVLLM(args.name, args.model, args.port)
     fake.chunks, fake.chunk_delay_s, fake.prefill_s = args.chunks, args.chunk_delay_s, args.prefill_s
+    fake.delay_s = args.delay_s
     web.run_app(fake.app(), host="127.0.0.1", port=args.port, access_log=None, print=None)
 
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from kvmesh.errors import UpstreamBrokenError, UpstreamConnectError, UpstreamError
+from kvmesh.errors import ReplicaDownError, UpstreamBrokenError, UpstreamConnectError, UpstreamError
 
 _HEAD_LIMIT = 64 << 10  # status line + headers; also the stream buffer's unit
 _READ_SIZE = 64 << 10
@@ -42,15 +42,43 @@ class _Target:
 
 
 class _Conn:
-    __slots__ = ("idle_since", "reader", "writer")
+    __slots__ = ("heard", "idle_since", "reader", "why", "writer")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
         self.idle_since = 0.0
+        self.heard = 0.0  # when the request went, or the last byte of its answer came
+        self.why: str | None = None  # why it was cut (Hold.cut)
 
     def close(self) -> None:
         self.writer.close()
+
+
+class Hold:
+    """One proxied request's hold on its connection, so that it can be cut from outside:
+    :meth:`cut` closes it, and whatever waits on it (the answer's head, a stream's next chunk)
+    raises :class:`ReplicaDownError` with the reason. For a replica that hangs with its
+    connections open (the router's health checks took it out)."""
+
+    __slots__ = ("conn", "why")
+
+    def __init__(self) -> None:
+        self.conn: _Conn | None = None
+        self.why: str | None = None
+
+    def cut(self, why: str, quiet_s: float) -> bool:
+        """Cut the connection unless its replica spoke within ``quiet_s`` (a stream still
+        flowing: a replica taken out by late health checks may only be busy, or the router
+        itself may be). Whether it was cut."""
+        conn = self.conn
+        if conn is not None and time.monotonic() - conn.heard < quiet_s:
+            return False
+        self.why = self.why or why
+        if conn is not None:
+            conn.why = self.why
+            conn.close()
+        return True
 
 
 class UpstreamResponse:
@@ -142,22 +170,29 @@ class UpstreamResponse:
                     self._done = True
                     return b""
                 data = await reader.readexactly(size + 2)
+                conn.heard = time.monotonic()
                 if data[-2:] != b"\r\n":
                     raise ValueError("a chunk does not end with CRLF")
                 return data[:-2]
             if self._left is None:
                 data = await reader.read(_READ_SIZE)
+                conn.heard = time.monotonic()
                 self._done = not data
                 return data
             data = await reader.read(min(self._left, _READ_SIZE))
+            conn.heard = time.monotonic()
         except (asyncio.IncompleteReadError, OSError) as exc:
             self._keep = False
+            if conn.why is not None:
+                raise ReplicaDownError(conn.why) from None
             raise UpstreamBrokenError(f"the answer broke off: {exc!r}") from exc
         except (asyncio.LimitOverrunError, ValueError) as exc:
             self._keep = False
             raise UpstreamError(f"the answer's framing is malformed: {exc!r}") from exc
         if not data:
             self._keep = False
+            if conn.why is not None:
+                raise ReplicaDownError(conn.why)
             raise UpstreamBrokenError(
                 f"the connection closed {self._left} bytes before the end of the answer"
             )
@@ -193,14 +228,20 @@ class Upstream:
         self._idle: dict[str, list[_Conn]] = {}
 
     async def post(
-        self, base_url: str, path: str, body: bytes, headers: Iterable[tuple[str, str]]
+        self,
+        base_url: str,
+        path: str,
+        body: bytes,
+        headers: Iterable[tuple[str, str]],
+        hold: Hold | None = None,
     ) -> UpstreamResponse:
         """POST ``body`` to ``base_url + path`` with ``headers`` (Host and Content-Length are added).
 
         Returns once the status and headers have arrived. Raises
         :class:`UpstreamConnectError` when the replica could not be reached (or closed the
         connection before answering), ``TimeoutError`` when it did not answer within the read
-        timeout, :class:`UpstreamError` for anything else.
+        timeout, :class:`ReplicaDownError` when ``hold`` was cut, :class:`UpstreamError` for
+        anything else.
         """
         target = self._targets.get(base_url) or self._target(base_url)
         lines = [f"POST {target.prefix}{path} HTTP/1.1\r\nHost: {target.host_header}\r\n"]
@@ -215,15 +256,28 @@ class Upstream:
             reused = conn is not None
             if conn is None:
                 conn = await self._connect(target)
+            if hold is not None:
+                if hold.why is not None:  # cut while it connected
+                    conn.close()
+                    raise ReplicaDownError(hold.why)
+                hold.conn = conn
             conn.writer.write(request)
+            conn.heard = time.monotonic()
             try:
                 return await self._response(base_url, conn)
             except _Unanswered as exc:
                 conn.close()
+                if conn.why is not None:
+                    raise ReplicaDownError(conn.why) from None
                 if reused:  # most likely closed by the replica while idle: once more, afresh
                     conn = None
                     continue
                 raise UpstreamConnectError(f"{base_url} closed the connection without answering") from exc
+            except UpstreamError:
+                conn.close()
+                if conn.why is not None:
+                    raise ReplicaDownError(conn.why) from None
+                raise
             except BaseException:
                 conn.close()
                 raise
@@ -300,6 +354,7 @@ class Upstream:
             except OSError as exc:
                 raise UpstreamBrokenError(f"the connection broke: {exc!r}") from exc
             first = False
+            conn.heard = time.monotonic()
             status, version, headers = _parse_head(head)
             if 100 <= status < 200 and status != 101:
                 continue  # an interim answer (100 Continue, 103 Early Hints): the real one follows

@@ -85,6 +85,10 @@ class RoutingCore:
         self.sessions = SessionTable(config.session_capacity)
         self.picker = build_picker(config.policy, self.index, self.sessions, config)
         self.pool = Pool(on_health_change=self._health_changed)
+        # Called with a replica taken out (its health checks, or a front end that found it
+        # dead): the router cuts the answers it still owes that have gone quiet (a hung
+        # replica breaks nothing).
+        self.on_down: list[Callable[[Replica], None]] = []
         # policy cost: the TTFT model's bookkeeping, inputs and outputs (kvmesh.routing.costhooks)
         self.costs = CostHooks.of(self.picker, config, metrics.registry, self.pool.candidates, admin_token)
         self.monitor = Monitor(
@@ -200,6 +204,8 @@ class RoutingCore:
             # replica's next events. Shared (REMOTE) blocks stay; the replica stays registered.
             self.index.clear_replica(replica.name)
             self.sessions.forget_replica(replica.name)
+            for hook in self.on_down:
+                hook(replica)
 
     def describe(self) -> dict[str, Any]:
         out = {
