@@ -70,7 +70,8 @@ def test_a_pool_over_the_limit_is_refused_and_one_near_it_said(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     root = fake_root(tmp_path, "0::/pod\n", {"pod/memory.max": f"{4 * GIB}\n"})
-    with pytest.raises(ConfigError, match=r"5\.0 GiB CPU pool .* more than 4\.0 GiB, the container's memory limit"):
+    refused = r"5\.0 GiB CPU pool .* more than 4\.0 GiB, the container's memory limit"
+    with pytest.raises(ConfigError, match=refused):
         check_pool(5 * GIB, root)
     with caplog.at_level(logging.WARNING, logger="kvmesh.core.hostmem"):
         check_pool(int(3.5 * GIB), root)
