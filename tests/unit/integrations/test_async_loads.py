@@ -247,13 +247,19 @@ def test_a_give_up_waits_for_the_chunk_being_copied_and_none_follows(disk_worker
     copies: list[int] = []
     verdict: list[bool] = []
     blocked: list[bool] = []
+    seen: list[int] = []  # chunks copied when give_up returned
 
     def slow(*args: Any) -> None:
         scatter(*args)
         copies.append(len(copies))
         if len(copies) == 1:  # give up from the forward thread while this chunk is copied
             (job,) = w.loads.snapshot()
-            g = threading.Thread(target=lambda: verdict.append(w.loads.give_up(job)))
+
+            def give_up() -> None:
+                verdict.append(w.loads.give_up(job))
+                seen.append(len(copies))
+
+            g = threading.Thread(target=give_up)
             g.start()
             g.join(0.2)
             blocked.append(g.is_alive())
@@ -269,7 +275,11 @@ def test_a_give_up_waits_for_the_chunk_being_copied_and_none_follows(disk_worker
     assert blocked == [True]  # it waited for the chunk in progress
     landed = 2 * len(copies)  # 256-token chunks: 2 blocks of 128 each
     if verdict == [True]:
-        assert job.copied is None and len(copies) < 4
+        assert len(copies) == seen[0]  # none followed the give-up
+        # Usually it stopped the copy; under load the reader can take the lock back for every
+        # chunk and the give-up land after the last one, before the read ended: all copied,
+        # reported as given up (vLLM recomputes blocks that hold the right KV already).
+        assert job.copied is None or (job.copied == 1024 and len(copies) == 4)
     else:
         assert verdict == [False] and job.copied == 1024 and len(copies) == 4
     for layer, b in zip(w.layers, before, strict=True):
