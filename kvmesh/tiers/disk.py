@@ -461,11 +461,12 @@ class DiskTier:
                 raise
             return self.files.write_tmp(text, head, body, cls)
 
-    def _evict_bytes(self, want: int) -> int:
+    def _evict_bytes(self, want: int, limit: int | None = None) -> int:
         """Evict unpinned chunks, least recently used first, until ``want`` bytes are freed
-        (or none is left); the bytes freed. Under ``self._lock``."""
-        freed = 0
-        while freed < want and len(self._policy):
+        (or none is left, or ``limit`` chunks went); the bytes freed. Under ``self._lock``."""
+        freed = culled = 0
+        while freed < want and len(self._policy) and (limit is None or culled < limit):
+            culled += 1
             victim = self._policy.candidates(1)[0]
             size = self._entries[victim].size
             if not self._remove(victim, force=False):
@@ -493,16 +494,7 @@ class DiskTier:
 
     def _reserve(self, size: int) -> bool:
         if self.capacity is not None:
-            culled = 0
-            while (
-                self._used + self._reserved + size > self.capacity
-                and len(self._policy)
-                and culled < CULL_LIMIT
-            ):
-                victim = self._policy.candidates(1)[0]
-                self._remove(victim, force=False)
-                self.metrics.inc("evictions")
-                culled += 1
+            self._evict_bytes(self._used + self._reserved + size - self.capacity, CULL_LIMIT)
             if self._used + self._reserved + size > self.capacity:
                 return False
         self._reserved += size
