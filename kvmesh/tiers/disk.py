@@ -32,7 +32,6 @@ import itertools
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -43,6 +42,7 @@ import numpy as np
 from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey
 from kvmesh.core.policy import PinCounts, make_policy
+from kvmesh.core.saylimit import SayLimit, gib, held_back
 from kvmesh.errors import CorruptChunkError, TierUnavailableError
 from kvmesh.tiers import dirlock
 from kvmesh.tiers.base import (
@@ -71,7 +71,6 @@ __all__ = ["ALIGN", "CULL_LIMIT", "SUFFIX", "TMP_SUFFIX", "DiskTier", "open_disk
 # a put that still does not fit is skipped and the next one carries on evicting.
 CULL_LIMIT = 16
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-_FULL_LOG_S = 300.0  # a full filesystem is said once, then at most this often
 
 
 @dataclass
@@ -108,7 +107,7 @@ class DiskTier:
         self._reserved = 0  # bytes of writes in flight, so concurrent puts respect the budget
         self._gen = itertools.count(1)
         self._degraded = False
-        self._full_said = -_FULL_LOG_S
+        self._say = SayLimit()  # a full filesystem: said once, then at most every 5 minutes
         self._closed = False
         self._dirlock = lock or dirlock.DirLock(self.path)
         try:
@@ -437,11 +436,11 @@ class DiskTier:
         room = self._used + st.f_bavail * st.f_frsize
         if self.capacity > room:
             log.warning(
-                "kvmesh disk tier %s: max_local_disk_size is %.1f GB but the filesystem has room for "
-                "%.1f GB of chunks here; when it fills, the least recently used are evicted to make room",
+                "kvmesh disk tier %s: max_local_disk_size is %s but the filesystem has room for "
+                "%s of chunks here; when it fills, the least recently used are evicted to make room",
                 self.path,
-                self.capacity / 1e9,
-                room / 1e9,
+                gib(self.capacity),
+                gib(room),
             )
 
     def _write_tmp(self, text: str, head: bytes, body: serde.Buffer, cls: str, want: int) -> tuple[str, int]:
@@ -476,16 +475,16 @@ class DiskTier:
         return freed
 
     def _say_full(self, freed: int) -> None:
-        now = time.monotonic()
-        if now - self._full_said < _FULL_LOG_S:
+        held = self._say.due("full" if freed else "full_pinned")
+        if held is None:
             return
-        self._full_said = now
-        budget = f"{self.capacity / 1e9:.1f} GB" if self.capacity is not None else "no limit"
+        budget = gib(self.capacity) if self.capacity is not None else "no limit"
         log.warning(
-            "kvmesh disk tier %s: the filesystem is full with %.2f GB of chunks here (budget %s): %s",
+            "kvmesh disk tier %s: the filesystem is full with %s of chunks here (budget %s)%s: %s",
             self.path,
-            self._used / 1e9,
+            gib(self._used),
             budget,
+            held_back(held),
             "the least recently used are evicted to make room (free space there, or lower "
             "max_local_disk_size)"
             if freed

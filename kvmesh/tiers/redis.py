@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -41,6 +39,7 @@ import redis
 from kvmesh.config_lmcache import redact_url
 from kvmesh.core import serde
 from kvmesh.core.keys import ChunkKey
+from kvmesh.core.saylimit import SayLimit, held_back
 from kvmesh.core.serde import Buffer
 from kvmesh.errors import CorruptChunkError
 from kvmesh.tiers.base import (
@@ -66,7 +65,6 @@ KEY_PATTERN = "kvm[0-9]-*"
 _TXN_BYTES = 64 << 20
 _SCAN_BATCH = 1000
 PROBE_TIMEOUT_S = 1.0
-_REFUSAL_LOG_S = 300.0  # a refused store's reason is logged once, then at most this often
 # Redis's OOM error reply, as redis-py raises it (the types-redis stubs predate it).
 _OOM: type[Exception] = redis.exceptions.OutOfMemoryError  # type: ignore[attr-defined]
 
@@ -103,8 +101,7 @@ class RedisTier:
             auth_errors=(redis.AuthenticationError,),
         )
         self.guard.start()
-        self._refusal_lock = threading.Lock()
-        self._refusal_logged: dict[str, tuple[float, int]] = {}  # reason -> (last logged, since)
+        self._say = SayLimit()  # a refused store's reason: said once, then at most every 5 minutes
 
     @property
     def probe_interval_s(self) -> float:
@@ -321,20 +318,15 @@ class RedisTier:
 
     def _refused(self, exc: Exception) -> None:
         """Count a chunk whose write Redis refused, with the reason, and say why in the log
-        (once per reason, then at most every ``_REFUSAL_LOG_S``: a full Redis refuses every
+        (once per reason, then at most every 5 minutes: a full Redis refuses every
         store, and nothing else tells its operator)."""
         self._note_error(exc)
         reason, advice = _refusal(exc)
         self.metrics.skip(reason)
-        now = time.monotonic()
-        with self._refusal_lock:
-            last, since = self._refusal_logged.get(reason, (-_REFUSAL_LOG_S, 0))
-            if now - last < _REFUSAL_LOG_S:
-                self._refusal_logged[reason] = (last, since + 1)
-                return
-            self._refusal_logged[reason] = (now, 0)
-        more = f" ({since} more since the last warning)" if since else ""
-        said = str(exc).rstrip(". ")
+        held = self._say.due(reason)
+        if held is None:
+            return
+        said, more = str(exc).rstrip(". "), held_back(held)
         log.warning("kvmesh tier %s: Redis refused a store%s: %s. %s", self.name, more, said, advice)
 
 

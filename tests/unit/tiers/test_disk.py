@@ -454,7 +454,7 @@ def test_disk_full_real_filesystem(tmp_path: Path, caplog: pytest.LogCaptureFixt
             results = put(tier, chunks)
         assert results == [True] * 40
         said = [r.getMessage() for r in caplog.records]
-        assert len(said) == 2 and "max_local_disk_size is 1.1 GB" in said[0], said
+        assert len(said) == 2 and "max_local_disk_size is 1.0 GiB" in said[0], said
         assert "evicted to make room" in said[1]
         snap = tier.metrics.snapshot()
         assert snap["skipped_stores"] == 0 and snap["errors"] == 0
