@@ -67,6 +67,7 @@ from kvmesh.core.codecs.base import (
     empty_buffer,
     get_codec,
     reused_buffer,
+    zstd_bound,
 )
 from kvmesh.core.fleetkey import CHUNK_AEAD, CHUNK_GMAC, CHUNK_MAC, FleetKey
 from kvmesh.core.keys import ChunkKey, KVLayout
@@ -158,6 +159,24 @@ class ChunkFormat:
 
     def with_layout(self, layout: KVLayout | None) -> ChunkFormat:
         return ChunkFormat(self.fleet_key, self.encrypt, layout)
+
+    def max_stored(self, chunk_size: int) -> int | None:
+        """An upper bound on one stored chunk of this format's layout (header and payload, of
+        any codec: a store is shared with replicas that may write another), for a reader to
+        bound what it takes from a store before verifying it; ``None`` without a layout.
+
+        Computed without making a codec (a zstd codec warms numba kernels, cachegen imports
+        numba: seconds of a replica's start): four bytes a value (or the dtype's size: no
+        codec stores a value in more) over the chunk padded by a cachegen group, plus 16 bytes
+        of side information a value of one token and 64 KiB; a unit test holds it above every
+        codec's own ``max_encoded``, the most a reader accepts."""
+        if self.layout is None:
+            return None
+        item = self.layout.itemsize
+        values = self.layout.bytes_per_token // item  # a token's values, K and V
+        payload = zstd_bound(max(4, item) * values * (chunk_size + 16)) + 16 * values + (64 << 10)
+        tags = 2 * fleetkey.TAG_BYTES + fleetkey.AEAD_OVERHEAD + HEADER_CHECKSUM_SIZE
+        return payload + PREFIX_SIZE + MAX_HEADER_LEN + tags
 
     # -- writing -------------------------------------------------------------------------------
     def encode(

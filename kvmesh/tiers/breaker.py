@@ -213,7 +213,8 @@ class RemoteGuard:
     def _safe_ping(self) -> bool:
         try:
             self._ping_error = None
-            return self._ping()
+            with deadline(self.timeout_s):  # a server that drips its answer: one budget at most
+                return self._ping()
         except Exception as exc:  # whatever the client raises, an unanswered ping means "down"
             self._ping_error = exc
             return False

@@ -53,7 +53,16 @@ from kvmesh.tiers.base import (
     register_tier,
 )
 from kvmesh.tiers.breaker import RemoteGuard
-from kvmesh.tiers.redis_wire import HEADER, NPARTS, decode, each_hash, fields, groups, make_client
+from kvmesh.tiers.redis_wire import (
+    DEFAULT_MAX_REPLY_BYTES,
+    HEADER,
+    NPARTS,
+    decode,
+    each_hash,
+    fields,
+    groups,
+    make_client,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +73,7 @@ KEY_PATTERN = "kvm[0-9]-*"
 # executes and its queued arguments sit in server memory until EXEC.
 _TXN_BYTES = 64 << 20
 _SCAN_BATCH = 1000
+PROBE_REPLY_BYTES = 1 << 16  # a PING's answer is +PONG
 PROBE_TIMEOUT_S = 1.0
 # Redis's OOM error reply, as redis-py raises it (the types-redis stubs predate it).
 _OOM: type[Exception] = redis.exceptions.OutOfMemoryError  # type: ignore[attr-defined]
@@ -74,6 +84,17 @@ class RedisTier:
 
     features = Feature.RECODE  # no pins: a shared tier's chunks belong to every replica
 
+    @staticmethod
+    def max_reply_bytes(options: TierOptions) -> int:
+        """The most one reply may take on the wire: the largest chunk of the layout in hash
+        fields (a chunk read is one ``HGETALL``), or :data:`DEFAULT_MAX_REPLY_BYTES` where the
+        layout is not known. A hostile server's endless reply is cut there."""
+        most = options.chunk_format.max_stored(options.chunk_size)
+        if most is None:
+            return DEFAULT_MAX_REPLY_BYTES
+        n_fields = most // max(1, options.part_bytes) + 3  # header, part count, parts
+        return most + 64 * n_fields  # RESP framing: a field's length lines, well under 64 bytes
+
     def __init__(self, url: str, options: TierOptions, failure_threshold: int = 3) -> None:
         self.name = options.name or "redis"
         self.metrics = options.metrics
@@ -82,10 +103,10 @@ class RedisTier:
         self.url = redact_url(url)  # logs and metrics never carry the password
         self.part_bytes = max(1, options.part_bytes)
         self.ttl_ms = int(options.ttl_s * 1000) if options.ttl_s else None
-        self._client = make_client(url, options.timeout_s)
+        self._client = make_client(url, options.timeout_s, self.max_reply_bytes(options))
         # Probes use their own short-timeout client so that a black-holed host delays
         # neither construction nor the probe loop by the full operation budget.
-        self._probe_client = make_client(url, min(options.timeout_s, PROBE_TIMEOUT_S))
+        self._probe_client = make_client(url, min(options.timeout_s, PROBE_TIMEOUT_S), PROBE_REPLY_BYTES)
         self.guard = RemoteGuard(
             self.name,
             self.url,

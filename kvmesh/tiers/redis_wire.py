@@ -1,9 +1,13 @@
 """The Redis tier's client and its hash layout (see :mod:`kvmesh.tiers.redis`).
 
 :func:`make_client` builds a redis-py client whose connections cap every socket wait
-(connect, send, each reply) at the current operation's time left
+(connect, send, each read of a reply) at the current operation's time left
 (:func:`kvmesh.tiers.deadline.time_left`): a black-holed server costs one budget, not a
-socket timeout per reply of a pipeline.
+socket timeout per reply of a pipeline, and a server that drips a reply a few bytes at a
+time costs one budget too (redis-py sets a reply's timeout once, and a drip never lets one
+read run into it). One reply is at most ``max_reply_bytes`` on the wire: a hostile server's
+endless string or array is cut there, not held in memory until the worker is killed.
+Replies are parsed by hiredis, as redis-py does; kvmesh only meters the socket under it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 import numpy as np
 import redis
+from redis._parsers import _HiredisParser
 from redis.backoff import NoBackoff
 from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.maint_notifications import MaintNotificationsConfig
@@ -33,14 +38,70 @@ T = TypeVar("T")
 HEADER = b"h"
 NPARTS = b"n"
 _FLOOR_S = 0.001  # socket timeouts must be positive; a spent budget still waits this long
+# One reply's bytes on the wire where the chunk layout is not known (a tier opened on its own;
+# the engine's tiers bound it by the largest chunk of their layout: RedisTier.max_reply_bytes).
+DEFAULT_MAX_REPLY_BYTES = 1 << 30
+
+
+class ReplyTooLargeError(redis.ConnectionError):
+    """A reply ran past ``max_reply_bytes``: the connection is dropped, its reads are misses."""
+
+
+class _MeteredSocket:
+    """The socket under a connection's reply parser: each read waits at most the operation's
+    time left, and the bytes read since :meth:`reply` are at most ``limit``. Everything else
+    is the socket's (``fileno`` for ``poll``, ``pending`` of a TLS socket, ``settimeout``)."""
+
+    def __init__(self, sock: socket.socket, limit: int) -> None:
+        self._sock, self.limit, self.got = sock, limit, 0
+
+    def reply(self) -> None:
+        self.got = 0
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        left = time_left()
+        if left is not None:
+            if left <= 0:
+                raise TimeoutError("the operation's budget ran out in the middle of a reply")
+            timeout = self._sock.gettimeout()
+            self._sock.settimeout(left if timeout is None else min(timeout, left))
+        n = self._sock.recv_into(buffer, nbytes, flags)
+        self.got += n
+        if self.got > self.limit:
+            raise ReplyTooLargeError(f"a reply ran past {self.limit} bytes (max_reply_bytes)")
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class BoundedParser(_HiredisParser):
+    """redis-py's hiredis parser reading through a :class:`_MeteredSocket`."""
+
+    def on_connect(self, connection: Any, **kwargs: Any) -> None:
+        super().on_connect(connection, **kwargs)  # type: ignore[no-untyped-call]
+        limit = getattr(connection, "max_reply_bytes", DEFAULT_MAX_REPLY_BYTES)
+        self._sock = _MeteredSocket(self._sock, limit)
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        sock = self._sock
+        if isinstance(sock, _MeteredSocket):
+            sock.reply()
+        return super().read_response(*args, **kwargs)
 
 
 class _DeadlineMixin:
-    """Caps the socket's timeout at the time left before every send and every reply."""
+    """Caps the socket's timeout at the time left before every send and every read of a
+    reply, and bounds a reply's size (:class:`BoundedParser`)."""
 
     socket_timeout: float | None
     socket_connect_timeout: float | None
     _sock: socket.socket | None
+
+    def __init__(self, *args: Any, max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES, **kwargs: Any) -> None:
+        self.max_reply_bytes = max_reply_bytes
+        kwargs["parser_class"] = BoundedParser
+        super().__init__(*args, **kwargs)
 
     def _capped(self, limit: float | None) -> float | None:
         left = time_left()
@@ -118,7 +179,9 @@ QUIET_HANDSHAKE: dict[str, Any] = {
 }
 
 
-def make_client(url: str, timeout_s: float) -> redis.Redis[bytes]:
+def make_client(
+    url: str, timeout_s: float, max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+) -> redis.Redis[bytes]:
     parts = urlsplit(url)
     if parts.scheme == "valkey":  # same protocol; redis-py knows only redis/rediss/unix
         url = urlunsplit(parts._replace(scheme="redis"))
@@ -143,7 +206,10 @@ def make_client(url: str, timeout_s: float) -> redis.Redis[bytes]:
         ) from None
     pool = client.connection_pool
     # The URL chose the transport (TCP, TLS, unix socket); keep it, add the deadline cap.
-    pool.connection_class = _DEADLINE_CLASSES.get(pool.connection_class, pool.connection_class)
+    if pool.connection_class not in _DEADLINE_CLASSES:
+        raise ConfigError(f"Redis URL {redact_url(url)!r}: no bounded connection for {pool.connection_class}")
+    pool.connection_class = _DEADLINE_CLASSES[pool.connection_class]
+    pool.connection_kwargs["max_reply_bytes"] = max_reply_bytes
     return client
 
 

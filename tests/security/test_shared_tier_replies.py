@@ -6,19 +6,22 @@ a map (an even-length array); anything else is what a hostile or broken server s
 injection: the server is the test's own (a socket thread answering RESP), since no real
 Redis sends these; the client's requests are parsed with hiredis, not by hand. Each
 malformed reply must be that key's miss, counted as an error, with nothing raised and the
-connection in step for the next batch."""
+connection in step for the next batch. A reply that never ends (dripped, or endless) is cut at
+the operation's budget or at the tier's reply bound, whichever comes first."""
 
 from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import hiredis
 import numpy as np
 import pytest
 
 from kvmesh.core.keys import KeyBuilder, KVLayout
+from kvmesh.core.serde import ChunkFormat
 from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import TierOptions, open_tier
 from kvmesh.tiers.redis import RedisTier
@@ -41,7 +44,7 @@ class _HostileRedis:
     """Answers HELLO as a RESP3 server (redis-py 8's default), PING with PONG, HGETALL with the next of
     ``answers`` (cycling), anything else with OK; counts the HGETALLs it answered."""
 
-    def __init__(self, answers: list[bytes]) -> None:
+    def __init__(self, answers: list[bytes | Callable[[socket.socket], None]]) -> None:
         self.answers = answers
         self.hgetalls = 0
         self._sock = socket.create_server(("127.0.0.1", 0))
@@ -68,8 +71,12 @@ class _HostileRedis:
                 while (cmd := reader.gets()) is not False:
                     name = bytes(cmd[0]).upper()
                     if name == b"HGETALL":
-                        conn.sendall(self.answers[self.hgetalls % len(self.answers)])
+                        answer = self.answers[self.hgetalls % len(self.answers)]
                         self.hgetalls += 1
+                        try:
+                            answer(conn) if callable(answer) else conn.sendall(answer)
+                        except OSError:  # the client hung up on it
+                            return
                     elif name == b"HELLO":  # redis-py's handshake: a RESP3 map naming the protocol
                         conn.sendall(b"%1\r\n$5\r\nproto\r\n:3\r\n")
                     else:
@@ -104,3 +111,93 @@ def test_replies_that_are_not_a_hash_are_misses_and_the_stream_stays_in_step(
     assert snap["errors"] == 2 * (len(MALFORMED) - 1)  # every shape but the empty hash
     assert snap["hits"] == 0 and snap["corrupt"] == 0
     assert tier.health() == "up"  # wrong answers are not an outage
+
+
+class _Endless:
+    """A reply that never ends: ``head``, then ``piece`` after ``piece`` (every ``gap_s``) until
+    the client hangs up; counts the bytes it got out."""
+
+    def __init__(self, head: bytes, piece: bytes, gap_s: float = 0.0) -> None:
+        self.head, self.piece, self.gap_s, self.sent = head, piece, gap_s, 0
+
+    def __call__(self, conn: socket.socket) -> None:
+        conn.sendall(self.head)
+        while True:
+            self.sent += conn.send(self.piece)
+            if self.gap_s:
+                time.sleep(self.gap_s)
+
+
+def _options(timeout_s: float) -> TierOptions:
+    fmt = ChunkFormat(layout=KB.layout)  # as the engine opens its tiers: the reply bound is the layout's
+    return TierOptions(name="remote", metrics=TierMetrics("remote"), timeout_s=timeout_s, retries=0,
+                       probe_interval_s=0.1, chunk_size=16, chunk_format=fmt)  # fmt: skip
+
+
+def _open(server: _HostileRedis, timeout_s: float) -> RedisTier:
+    tier = open_tier(f"redis://127.0.0.1:{server.port}/0", _options(timeout_s))
+    assert isinstance(tier, RedisTier)
+    return tier
+
+
+def _get_within(tier: RedisTier, keys: list, limit_s: float) -> tuple[list, float]:
+    """``tier.get(keys)`` in a thread, failing the test if it takes over ``limit_s`` (the old
+    code held such a read for ever)."""
+    out: list = []
+    t0 = time.monotonic()
+    reader = threading.Thread(target=lambda: out.append(tier.get(keys)), daemon=True)
+    reader.start()
+    reader.join(limit_s)
+    took = time.monotonic() - t0
+    assert not reader.is_alive(), f"the read still hangs after {took:.1f} s"
+    return out[0], took
+
+
+def test_a_dripped_reply_costs_one_budget_and_the_tier_recovers() -> None:
+    """A server that sends a chunk's reply a few bytes every 20 ms never lets one socket read
+    time out: redis-py capped only each read, and the load waited as long as the drip went on.
+    Every read now waits at most the operation's time left."""
+    drip = _Endless(b"%1\r\n$1\r\nh\r\n$1000000\r\n", b"x" * 8, gap_s=0.02)
+    server = _HostileRedis([drip, *MALFORMED[-1:]])
+    tier = _open(server, timeout_s=1.0)
+    try:
+        keys = KB.keys(np.arange(16, dtype=np.uint32))
+        got, took = _get_within(tier, keys, 10.0)
+        assert got == [None] and took < 1.0 + 0.5, took
+        assert tier.metrics.snapshot()["timeouts"] == 1
+        time.sleep(0.5)  # the probe's PING is answered at once: the breaker closes
+        assert tier.health() == "up"
+        got, took = _get_within(tier, keys, 5.0)  # the next reply is read on a new connection
+        assert got == [None] and took < 0.5 and server.hgetalls == 2
+    finally:
+        tier.close()
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "head, piece",
+    [
+        (b"%1\r\n$1\r\nh\r\n$400000000\r\n", b"\0" * 65536),  # one string of 400 MB
+        (b"*100000000\r\n", b":1\r\n" * 16384),  # an array of 100 million integers
+    ],
+    ids=["string", "array"],
+)
+def test_an_endless_reply_is_cut_at_the_largest_chunk_of_the_layout(head: bytes, piece: bytes) -> None:
+    """An endless reply (a string or array of hundreds of MB, sent as fast as the socket
+    takes it) is cut once it passes the largest chunk the layout allows: the old code read it
+    whole into memory, and a few such fields would have had the worker killed."""
+    endless = _Endless(head, piece)
+    server = _HostileRedis([endless])
+    tier = _open(server, timeout_s=5.0)
+    bound = RedisTier.max_reply_bytes(_options(5.0))
+    try:
+        got, took = _get_within(tier, KB.keys(np.arange(16, dtype=np.uint32)), 20.0)
+        assert got == [None] and took < 5.0
+        time.sleep(0.2)  # the server notices the hang-up
+        # What got out: the bound, plus what the two kernels' socket buffers held.
+        assert bound < 2 << 20 and endless.sent < bound + (16 << 20), (endless.sent, bound)
+        snap = tier.metrics.snapshot()
+        assert snap["errors"] == 1 and snap["hits"] == 0 and snap["corrupt"] == 0
+    finally:
+        tier.close()
+        server.close()

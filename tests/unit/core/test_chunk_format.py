@@ -14,7 +14,7 @@ import pytest
 import xxhash
 import zstandard
 
-from kvmesh.core import serde
+from kvmesh.core import fleetkey, serde
 from kvmesh.core.codecs.base import zstd_decompress
 from kvmesh.core.fleetkey import FleetKey
 from kvmesh.core.keys import ChunkKey, KeyBuilder, KVLayout
@@ -193,3 +193,34 @@ def test_recycled_buffers_come_back_only_when_no_view_is_left() -> None:
     del kept  # now nothing reaches a's memory: it goes back to the pool ...
     assert addr(pool.get(2 << 20)) == first  # ... and is handed out again
     assert addr(pool.get(1 << 10)) not in (first, addr(b), addr(c))  # small: plain memory
+
+
+@pytest.mark.parametrize("encrypt", [None, False, True], ids=["plain", "mac", "aead"])
+def test_max_stored_holds_a_chunk_of_every_codec_and_mode(encrypt: bool | None) -> None:
+    """``max_stored`` (what a reader takes from a store before it verifies anything: the Redis
+    tier's reply bound) holds a real chunk of every codec and mode."""
+    fmt = ChunkFormat(None, layout=LAYOUT) if encrypt is None else ChunkFormat(K1, encrypt, LAYOUT)
+    most = fmt.max_stored(N)
+    assert most is not None
+    key, tokens, raw = _chunk()
+    for codec in serde.CODECS:
+        head, body = fmt.encode(key, LAYOUT, tokens, raw, codec)
+        assert len(head) + memoryview(body).nbytes <= most, codec
+    assert ChunkFormat().max_stored(N) is None  # no layout: the reader's own default bound
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "bfloat16", "float32"])
+@pytest.mark.parametrize("chunk_size", [1, 7, 16, 100, 256, 1024])
+def test_max_stored_is_above_what_every_codec_may_store(dtype: str, chunk_size: int) -> None:
+    """It is computed without making a codec; every codec's own ``max_encoded`` (the most a
+    reader accepts of it, cachegen's ANS entropy coder too), a header as large as a header may
+    be and the largest tags stay under it, for any chunk size and dtype."""
+    from kvmesh.core.codecs.cachegen import CacheGenCodec
+
+    layout = KVLayout(3, 5, 12, dtype)
+    most = ChunkFormat(K1, True, layout).max_stored(chunk_size)
+    assert most is not None
+    codecs = [serde.get_codec(name) for name in serde.CODECS] + [CacheGenCodec(entropy="ans")]
+    for codec in codecs:
+        worst = codec.max_encoded(layout, chunk_size) + fleetkey.AEAD_OVERHEAD
+        assert worst + serde.PREFIX_SIZE + serde.MAX_HEADER_LEN + 2 * fleetkey.TAG_BYTES <= most, codec.name
