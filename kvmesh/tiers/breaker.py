@@ -167,6 +167,14 @@ class RemoteGuard:
                         self._failures = 0
                     return result
 
+    def timed_out(self, exc: BaseException, count: int = 1) -> None:
+        """``count`` operations its caller stopped waiting for at the deadline (they hang
+        past every socket timeout): counted as timeouts, and the breaker opens, as for one
+        that timed out inside :meth:`run`."""
+        self.metrics.inc("errors", count)
+        self.metrics.inc("timeouts", count)
+        self._trip(exc)
+
     def note_error(self, exc: BaseException) -> None:
         self.metrics.inc("errors")
         log.debug("kvmesh tier %s: %s", self.name, exc)

@@ -25,17 +25,20 @@ marks the tier down (misses and ``False`` at once, no network) until a backgroun
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from functools import partial
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError, ReadTimeoutError
+from urllib3.exceptions import HTTPError as URLLib3Error
+from urllib3.exceptions import ReadTimeoutError as URLLib3ReadTimeout
 
 from kvmesh.config_lmcache import redact_url
 from kvmesh.core import serde
@@ -54,6 +57,7 @@ from kvmesh.tiers.base import (
     register_tier,
 )
 from kvmesh.tiers.breaker import RemoteGuard
+from kvmesh.tiers.deadline import deadline, time_left
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,6 +68,8 @@ _VHOST = re.compile(
 _MISSING = {"404", "NoSuchKey", "NotFound"}
 _MIN_PART = 5 << 20  # S3's smallest multipart part (all but the last)
 _CHUNK_NAME = re.compile(r"kvm[0-9]-")
+_READ_PIECE = 1 << 20  # one socket read of a body, at most
+_LATE_S = 0.05  # how long past the budget a call waits for its requests before it leaves them
 
 
 class S3Tier:
@@ -139,7 +145,8 @@ class S3Tier:
         return self._map(one, keys, False)
 
     def get(self, keys: Sequence[ChunkKey], into: Into | None = None) -> list[ChunkData | None]:
-        items = self._map(lambda k: self._read(k, into), keys, None)
+        with deadline(self.guard.timeout_s):  # one budget for the whole read, every range in it
+            items = self._map(lambda k: self._read(k, into), keys, None)
         return [counted_read(self.metrics, k, item) for k, item in zip(keys, items, strict=True)]
 
     def put(self, keys: Sequence[ChunkKey], chunks: Sequence[ChunkData]) -> list[bool]:
@@ -196,9 +203,9 @@ class S3Tier:
             return []
         if not self.guard.up:
             return [down] * len(items)
-        return list(self._pool.map(fn, items))
+        return _within(self._pool, fn, items, down, self.guard)
 
-    def _get_range(self, name: str, start: int, end: int) -> tuple[bytes, int] | None:
+    def _get_range(self, name: str, start: int, end: int) -> tuple[bytearray, int] | None:
         """Bytes ``[start, end]`` of object ``name`` and its total size; None if absent."""
         reply = self._guard(
             lambda: self._client.get_object(Bucket=self.bucket, Key=name, Range=f"bytes={start}-{end}")
@@ -206,7 +213,9 @@ class S3Tier:
         if reply is None:
             return None
         total = int(str(reply.get("ContentRange", "")).rsplit("/", 1)[-1] or reply["ContentLength"])
-        data = self._guard(lambda: reply["Body"].read())
+        data: bytearray | None = self._guard(
+            partial(_read_body, reply["Body"], int(reply["ContentLength"]), end - start + 1)
+        )
         # a body cut off by a failing server is a miss, not a corrupt object to delete
         return None if data is None else (data, total)
 
@@ -252,9 +261,13 @@ class S3Tier:
             return True
 
         # Threads of their own, not the tier's pool: a pool worker waiting on work queued
-        # behind it in the same pool could deadlock a busy tier.
-        with ThreadPoolExecutor(min(8, len(ranges))) as ex:
-            return all(ex.map(fetch, ranges))
+        # behind it in the same pool could deadlock a busy tier. Not waited for past the
+        # budget: a range still coming then is left to end by itself.
+        ex = ThreadPoolExecutor(min(8, len(ranges)))
+        try:
+            return all(_within(ex, fetch, ranges, False, self.guard))
+        finally:
+            ex.shutdown(wait=False)
 
     def _write(self, name: str, head: bytes, body: Buffer) -> bool:
         size = len(head) + memoryview(body).nbytes
@@ -363,6 +376,56 @@ class _Answered(Exception):
 
 class _Retryable(Exception):
     """A 5xx or throttling answer: worth another try, and a failure towards the breaker."""
+
+
+def _within(
+    pool: Executor, fn: Callable[[Any], T], items: Sequence[Any], late: T, guard: RemoteGuard
+) -> list[T]:
+    """``fn`` over ``items`` in ``pool``, in the caller's context (its deadline goes along),
+    waiting at most the time left: an item still running then is ``late`` (a timeout: the
+    breaker opens) and left to end by itself. A server that drips its answer's headers
+    holds a request past any socket timeout; the caller is not held with it."""
+    futures = [pool.submit(contextvars.copy_context().run, fn, item) for item in items]
+    left = time_left()
+    done, _ = wait(futures, timeout=None if left is None else max(0.0, left) + _LATE_S)
+    out = [f.result() if f in done else late for f in futures]
+    if len(done) < len(futures):
+        guard.timed_out(TimeoutError("requests still unanswered at the deadline"), len(futures) - len(done))
+    return out
+
+
+def _read_body(body: Any, length: int, asked: int) -> bytearray:
+    """A ranged GET's body of ``length`` bytes (its Content-Length: no more than the ``asked``
+    range, or the server is not answering the request made). Read one socket read at a time,
+    each waiting at most the operation's time left: ``read()`` waited a fresh read timeout
+    per socket read, so a body dripped a few bytes at a time held the read for as long as
+    the drip went on, and a server that ignored the range had its whole object read."""
+    if not 0 <= length <= asked:
+        body.close()
+        raise _Answered(f"a ranged GET of {asked} bytes answered {length}")
+    raw = getattr(body, "_raw_stream", body)  # botocore's StreamingBody over urllib3's response
+    out = bytearray(length)
+    pos = 0
+    try:
+        while pos < length:
+            left = time_left()
+            if left is not None:
+                if left <= 0:
+                    raise TimeoutError("the operation's budget ran out in the middle of a body")
+                body.set_socket_timeout(left)
+            piece = raw.read1(min(_READ_PIECE, length - pos))
+            if not piece:
+                raise ConnectionError(f"the body ended after {pos} of {length} bytes")
+            out[pos : pos + len(piece)] = piece
+            pos += len(piece)
+    except URLLib3ReadTimeout as exc:
+        raise TimeoutError(str(exc)) from None
+    except URLLib3Error as exc:
+        raise ConnectionError(str(exc)) from None
+    except BaseException:
+        body.close()
+        raise
+    return out
 
 
 def _classified(op: Callable[[], T]) -> Callable[[], T]:
