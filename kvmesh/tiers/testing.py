@@ -110,10 +110,15 @@ class FaultyTier(MemoryTier):
         self.down = False
         self.corrupt_next = False
         self.latency_s = 0.0
+        # Set: every call waits until it is set, past any deadline (a tier that hangs: a stat
+        # on a hung network filesystem, a wedged client library).
+        self.hold: threading.Event | None = None
         self.calls = 0
 
     def _check(self) -> None:
         self.calls += 1
+        if self.hold is not None:
+            self.hold.wait()
         if self.latency_s:
             time.sleep(self.latency_s)
         if self.down:

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from kvmesh.core.engine import CacheEngine, RetrievedChunk
+from kvmesh.core.saylimit import SayLimit, held_back
 from kvmesh.integrations.vllm.cpus import background_thread
 from kvmesh.integrations.vllm.device import Event
 from kvmesh.integrations.vllm.metadata import LoadSpec
@@ -95,6 +96,7 @@ PullFn = Callable[[str, list[int], dict[str, Any]], Any]
 @dataclass
 class _Lookup:
     seq: int
+    started: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     result: dict[str, Any] | None = None
     released: bool = False  # the scheduler gave it up before it ended: unpin at once
@@ -102,16 +104,25 @@ class _Lookup:
 
 
 class LookupJobs:
-    """Lookups on a small thread pool; ``run`` answers at once or ``{"pending": True}``."""
+    """Lookups on a small thread pool; ``run`` answers at once or ``{"pending": True}``, and
+    a miss once a lookup has run ``budget_s`` (its request is computed, not held)."""
 
     def __init__(
         self,
         lookup: Callable[[np.ndarray, str | None], dict[str, Any]],
         unpin: Callable[[Any], Any],
         inline: bool = False,
+        budget_s: float | None = None,
     ):
         self._lookup = lookup
         self._unpin = unpin
+        # A remote tier's lookup ends within remote_timeout_s, but a tier with no deadline of
+        # its own can hang for ever (a stat on a hung NFS server, a wedged client library):
+        # its request would stay "not known yet", and once the pool's threads all hung, every
+        # new request too. Past this budget the lookup is a miss; its late result unpins.
+        self.budget_s = budget_s
+        self.given_up = 0
+        self._say = SayLimit()
         # Nothing the lookup asks can block (the cpu tier alone): it runs in the caller's
         # thread. The pool's hand-off (two thread wake-ups, each waiting for the GIL beside
         # vLLM's busy worker) cost a cpu-only lookup ~0.5 ms of the scheduler's step.
@@ -141,21 +152,43 @@ class LookupJobs:
         # runs on, and its step (every running request's next token) waited LOOKUP_WAIT_S
         # each time: +20 ms per step for as long as a far or hung Redis took to answer.
         if not job.done.wait(LOOKUP_WAIT_S if new else 0.0):
-            return {"pending": True}
+            if self.budget_s is None or time.monotonic() - job.started < self.budget_s:
+                return {"pending": True}
+            with self._lock:
+                hung = job.result is None  # else it ended meanwhile: its answer below
+                if hung:
+                    job.released = True  # its result unpins when (if ever) it comes
+                    first, job.answered = not job.answered, True
+                    self.given_up += first
+            if hung:
+                self._said_hung(req)
+                return {"tokens": 0, "lower": False, "first": first}
         # Kept until released: another poll with the same seq (a tensor-parallel peer was
         # still pending) gets the same answer, not a second set of pins.
         with self._lock:
             first, job.answered = not job.answered, True
         return dict(job.result or {"tokens": 0}, first=first)
 
+    def _said_hung(self, req: str) -> None:
+        held = self._say.due()
+        if held is not None:
+            log.warning(
+                "kvmesh: the lookup for %s has not ended in %.1f s; a miss, the request is computed "
+                "(a tier that hangs: a hung network filesystem, a wedged store client)%s",
+                req,
+                self.budget_s,
+                held_back(held),
+            )
+
     def _run(self, req: str, job: _Lookup, arr: np.ndarray, adapter: str | None) -> None:
         try:
             with GIL_SHARE:
-                job.result = self._lookup(arr, adapter)
+                result = self._lookup(arr, adapter)
         except Exception:  # a cache problem is a miss, never a dead lookup
             log.exception("kvmesh: lookup for %s failed; a miss", req)
-            job.result = {"tokens": 0}
-        with self._lock:
+            result = {"tokens": 0}
+        with self._lock:  # with the give-up in run(): one of the two unpins a late result
+            job.result = result
             gone = job.released
             if gone and self._jobs.get(req) is job:
                 del self._jobs[req]

