@@ -24,22 +24,50 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, TypeVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import redis
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from kvmesh.config_lmcache import redact_url
 from kvmesh.core.keys import ChunkKey
+from kvmesh.core.saylimit import SayLimit, held_back
 from kvmesh.core.serde import Buffer
 from kvmesh.errors import ConfigError
 from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import ChunkData, Feature, Into, StoredChunk, TierOptions, register_tier
+from kvmesh.tiers.deadline import deadline
 from kvmesh.tiers.redis import RedisTier
+from kvmesh.tiers.redis_wire import make_client
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Addr = tuple[str, int]
+SLOTS_TIMEOUT_S = 1.0  # one node's CLUSTER SLOTS answer, whole
+SLOTS_REPLY_BYTES = 4 << 20  # ~100 bytes a slot range: thousands of shards with their replicas
+
+
+def _slot_map(reply: Any, host: str) -> list[Addr | None] | None:
+    """``CLUSTER SLOTS`` (``[[start, end, [host, port, ...], replicas...], ...]``) as each
+    slot's primary, or ``None`` for anything else (a hostile or broken node). An empty host
+    is the answering node's (Redis's convention)."""
+    if not isinstance(reply, list):
+        return None
+    slots: list[Addr | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
+    for entry in reply:
+        if not isinstance(entry, list) or len(entry) < 3:
+            return None
+        start, end, primary = entry[0], entry[1], entry[2]
+        if type(start) is not int or type(end) is not int or not 0 <= start <= end < REDIS_CLUSTER_HASH_SLOTS:
+            return None
+        if not isinstance(primary, list) or len(primary) < 2 or type(primary[1]) is not int:
+            return None
+        name, port = primary[0], primary[1]
+        if not isinstance(name, bytes | str) or not 0 < port < 65536:
+            return None
+        text = name.decode(errors="replace") if isinstance(name, bytes) else name
+        slots[start : end + 1] = [(text or host, port)] * (end - start + 1)
+    return slots
 
 
 class _ShardMetrics(TierMetrics):
@@ -72,6 +100,7 @@ class RedisClusterTier:
         self._closed = threading.Event()
         self._stale = threading.Event()
         self._pool = ThreadPoolExecutor(8, thread_name_prefix=f"kvmesh-{self.name}")
+        self._say = SayLimit()
         if not self._refresh():
             log.warning(
                 "kvmesh tier %s: no node of %s answers CLUSTER SLOTS; starting down", self.name, self.url
@@ -83,34 +112,41 @@ class RedisClusterTier:
 
     # ---- the slot map -------------------------------------------------------------------
     def _refresh(self) -> bool:
-        """Reload the slot map from the first node that answers; open tiers for new primaries."""
+        """Reload the slot map from the first node that answers with a valid one; open tiers
+        for new primaries. A node is hostile until shown otherwise: its answer is bounded
+        (one second, :data:`SLOTS_REPLY_BYTES`) and checked before a slot is assigned (a
+        range past the slot count once made a list of 10^9 entries)."""
         with self._lock:
             known = list(self._shards)
         for host, port in dict.fromkeys([*known, *self.seeds]):
-            client = redis.Redis(
-                host=host,
-                port=port,
-                socket_timeout=1.0,
-                socket_connect_timeout=1.0,
-                username=self._auth.get("username"),
-                password=self._auth.get("password"),
-            )
+            client = make_client(self._node_url((host, port)), SLOTS_TIMEOUT_S, SLOTS_REPLY_BYTES)
             try:
-                reply: list[Any] = client.execute_command("CLUSTER", "SLOTS")
+                with deadline(SLOTS_TIMEOUT_S):
+                    reply: Any = client.execute_command("CLUSTER", "SLOTS")
             except (redis.RedisError, OSError):
                 continue
             finally:
                 with contextlib.suppress(redis.RedisError, OSError):
                     client.close()
-            slots: list[Addr | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
-            # each entry: [start, end, [primary host, port, id, ...], replicas...]
-            for start, end, primary, *_replicas in reply:
-                h = primary[0].decode() if isinstance(primary[0], bytes) else str(primary[0])
-                addr = (h or host, int(primary[1]))
-                slots[int(start) : int(end) + 1] = [addr] * (int(end) - int(start) + 1)
+            slots = _slot_map(reply, host)
+            if slots is None:
+                self._said_malformed(host, port)
+                continue
             self._install(slots)
             return True
         return False
+
+    def _said_malformed(self, host: str, port: int) -> None:
+        held = self._say.due(f"{host}:{port}")
+        if held is not None:
+            log.warning(
+                "kvmesh tier %s: %s:%d answered CLUSTER SLOTS with something that is not a slot map; "
+                "asking the next node%s",
+                self.name,
+                host,
+                port,
+                held_back(held),
+            )
 
     def _install(self, slots: list[Addr | None]) -> None:
         wanted = {a for a in slots if a is not None}
@@ -123,13 +159,18 @@ class RedisClusterTier:
             self.metrics.set("shards", len(wanted))
         self._stale.clear()
 
-    def _open_shard(self, addr: Addr) -> RedisTier:
+    def _node_url(self, addr: Addr) -> str:
+        """``redis://`` for one node, with the cluster's credentials (quoted: a password may
+        hold ``@``, ``:`` or ``/``)."""
         user, password = self._auth.get("username"), self._auth.get("password")
-        auth = f"{user or ''}:{password}@" if password else ""
+        auth = f"{quote(user or '', safe='')}:{quote(password, safe='')}@" if password else ""
+        return f"redis://{auth}{addr[0]}:{addr[1]}/0"
+
+    def _open_shard(self, addr: Addr) -> RedisTier:
         opts = replace(
             self.options, name=f"{self.name}@{addr[0]}:{addr[1]}", metrics=_ShardMetrics(self.metrics, addr)
         )
-        return RedisTier(f"redis://{auth}{addr[0]}:{addr[1]}/0", opts)
+        return RedisTier(self._node_url(addr), opts)
 
     def _refresh_loop(self) -> None:
         interval = max(0.2, 10 * self.options.probe_interval_s)
@@ -137,8 +178,11 @@ class RedisClusterTier:
             self._stale.wait(interval)
             if self._closed.is_set():
                 return
-            self._refresh()
-            self._update_up()
+            try:
+                self._refresh()
+                self._update_up()
+            except Exception:  # the loop outlives any one refresh: failovers must still arrive
+                log.exception("kvmesh tier %s: the slot map refresh failed", self.name)
 
     def _update_up(self) -> None:
         self.metrics.set("up", 1 if self.health() != "down" else 0)

@@ -44,8 +44,13 @@ class _HostileRedis:
     """Answers HELLO as a RESP3 server (redis-py 8's default), PING with PONG, HGETALL with the next of
     ``answers`` (cycling), anything else with OK; counts the HGETALLs it answered."""
 
-    def __init__(self, answers: list[bytes | Callable[[socket.socket], None]]) -> None:
+    def __init__(
+        self,
+        answers: list[bytes | Callable[[socket.socket], None]],
+        replies: dict[bytes, bytes] | None = None,
+    ) -> None:
         self.answers = answers
+        self.replies = replies or {}  # other commands' answers (CLUSTER)
         self.hgetalls = 0
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
@@ -77,6 +82,8 @@ class _HostileRedis:
                             answer(conn) if callable(answer) else conn.sendall(answer)
                         except OSError:  # the client hung up on it
                             return
+                    elif name in self.replies:
+                        conn.sendall(self.replies[name])
                     elif name == b"HELLO":  # redis-py's handshake: a RESP3 map naming the protocol
                         conn.sendall(b"%1\r\n$5\r\nproto\r\n:3\r\n")
                     else:
@@ -201,3 +208,49 @@ def test_an_endless_reply_is_cut_at_the_largest_chunk_of_the_layout(head: bytes,
     finally:
         tier.close()
         server.close()
+
+
+SLOT_MAPS = {
+    "not-a-list": b":5\r\n",
+    "past-the-slots": b"*1\r\n*3\r\n:0\r\n:1000000000\r\n*2\r\n$9\r\n127.0.0.1\r\n:7000\r\n",
+    "reversed": b"*1\r\n*3\r\n:9\r\n:3\r\n*2\r\n$9\r\n127.0.0.1\r\n:7000\r\n",
+    "no-port": b"*1\r\n*3\r\n:0\r\n:5\r\n*1\r\n$9\r\n127.0.0.1\r\n",
+    "bad-port": b"*1\r\n*3\r\n:0\r\n:5\r\n*2\r\n$9\r\n127.0.0.1\r\n:70000\r\n",
+    "string-slots": b"*1\r\n*3\r\n$1\r\n0\r\n$1\r\n5\r\n*2\r\n$9\r\n127.0.0.1\r\n:7000\r\n",
+}
+
+
+@pytest.mark.parametrize("reply", SLOT_MAPS.values(), ids=SLOT_MAPS.keys())
+def test_a_node_whose_slot_map_is_malformed_is_passed_over(
+    reply: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``redis-cluster://`` asks a seed for ``CLUSTER SLOTS``. An answer of the wrong shape
+    raised out of the tier's constructor (the replica failed to start), and a range past the
+    slot count built a list of 10^9 entries (15 GB in 40 s, then the OOM killer). Now such a
+    node is said and passed over for the next seed, whose valid map is installed."""
+    hostile = _HostileRedis([], {b"CLUSTER": reply})
+    good_port = _free_port()
+    good = _HostileRedis([], {b"CLUSTER": _one_shard_map(good_port)})
+    opts = TierOptions(name="remote", metrics=TierMetrics("remote"), timeout_s=1.0, probe_interval_s=0.1)
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="kvmesh.tiers.redis_cluster"):
+        tier = open_tier(f"redis-cluster://127.0.0.1:{hostile.port},127.0.0.1:{good.port}", opts)
+    try:
+        assert time.monotonic() - t0 < 2.0
+        assert any("not a slot map" in r.getMessage() for r in caplog.records), caplog.text
+        assert set(tier._slots) == {("127.0.0.1", good_port)}  # type: ignore[attr-defined]
+    finally:
+        tier.close()
+        hostile.close()
+        good.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _one_shard_map(port: int) -> bytes:
+    """Every slot on 127.0.0.1:``port`` (nothing need listen there: the test reads the map)."""
+    return b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n" % port

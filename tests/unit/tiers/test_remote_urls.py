@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
 import pytest
 
 from kvmesh.errors import ConfigError
@@ -37,3 +39,17 @@ def test_redis_cluster_url_forms() -> None:
 def test_new_schemes_are_served() -> None:
     for scheme in ("s3", "redis-cluster", "mooncakestore", "valkey"):
         assert scheme in served_schemes()
+
+
+def test_redis_cluster_node_urls_keep_any_password() -> None:
+    """Each shard's ``redis://`` URL carries the cluster's credentials quoted: a password
+    with ``/``, ``%``, ``?``, ``#`` or ``@`` reached redis-py cut or decoded into another."""
+    from redis.connection import parse_url
+
+    password, user = "p/a%41?b#c@d:e", "us er"
+    auth, _ = redis_cluster._parse(f"redis-cluster://{quote(user)}:{quote(password, safe='')}@h1:7000")
+    assert auth == {"username": user, "password": password}
+    tier = redis_cluster.RedisClusterTier.__new__(redis_cluster.RedisClusterTier)
+    tier._auth = auth
+    got = parse_url(tier._node_url(("10.0.0.5", 7001)))
+    assert (got["username"], got["password"], got["host"], got["port"]) == (user, password, "10.0.0.5", 7001)
