@@ -39,6 +39,7 @@ from kvmesh.routing.core import RoutingCore
 from kvmesh.routing.dispatcher import ERROR_TYPES, NO_REPLICA, Refusal, Ticket
 from kvmesh.routing.labels import LabelCache
 from kvmesh.routing.pool import Replica
+from kvmesh.routing.replies import MODELS_BYTES, ReplyError, read_capped
 from kvmesh.routing.tokenize import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -351,9 +352,11 @@ class RouterService:
             try:
                 url, timeout = replica.url + "/v1/models", self._short_timeout
                 async with client.get(url, headers=_auth(request), timeout=timeout) as resp:
-                    body = await resp.read()
+                    body = await read_capped(resp, MODELS_BYTES)
                     ctype = resp.headers.get("Content-Type", "application/json")
                     return web.Response(status=resp.status, body=body, headers={"Content-Type": ctype})
+            except ReplyError as exc:  # too large: the next replica may answer; it is up
+                log.warning("replica %s: GET /v1/models: %s", replica.name, exc)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 self.pool.mark_failed(replica.name, f"GET /v1/models failed: {exc!r}")
         return self._unavailable("/v1/models")

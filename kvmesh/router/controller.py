@@ -51,6 +51,7 @@ from kvmesh.admin.schema import (
 )
 from kvmesh.errors import BodyError, TokenizeError
 from kvmesh.router.config import URLS_ENV, ControllerConfig, parse_admin
+from kvmesh.routing.replies import json_capped
 from kvmesh.routing.tokenize import PromptTokenizer, TokenArray
 
 __all__ = ["URLS_ENV", "Controller", "ControllerConfig", "Endpoint", "parse_admin"]
@@ -274,7 +275,7 @@ class Controller:
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as resp:
-                data = await resp.json(content_type=None)
+                data = await json_capped(resp)
                 status = resp.status
         except TimeoutError:
             return {**base, "ok": False, "status": "down", "error": f"no answer within {timeout_s:.1f}s"}

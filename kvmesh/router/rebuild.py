@@ -28,6 +28,7 @@ import aiohttp
 from kvmesh.admin.schema import ENGINE_PREFIX, MAX_HELD_PAGE
 from kvmesh.events.codec import BlockHash, BlockStored, EventBatch
 from kvmesh.router.config import ControllerConfig
+from kvmesh.routing.replies import json_capped
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ async def rebuild_from_admin(
                 if resp.status != 200:
                     log.warning("index rebuild: %s answered %d to held; skipped", replica, resp.status)
                     break
-                page = await resp.json(content_type=None)
+                page = await json_capped(resp)
             events = events_of(page)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.warning("index rebuild from %s (%s) stopped: %r", replica, admin_url, exc)

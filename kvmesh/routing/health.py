@@ -33,6 +33,15 @@ import aiohttp
 
 from kvmesh.errors import ClosedError
 from kvmesh.routing.pool import Pool, Replica
+from kvmesh.routing.replies import (
+    HEALTH_BYTES,
+    METRICS_BYTES,
+    MODELS_BYTES,
+    ReplyError,
+    json_capped,
+    read_capped,
+    text_capped,
+)
 
 log = logging.getLogger(__name__)
 
@@ -144,12 +153,12 @@ class Monitor:
         error, late = None, False
         try:
             async with self._client().get(replica.url + "/health", timeout=self._timeout) as resp:
-                await resp.read()
+                await read_capped(resp, HEALTH_BYTES)
                 if resp.status != 200:
                     error = f"GET /health answered {resp.status}"
         except TimeoutError as exc:
             error, late = f"GET /health failed: {exc!r}", True
-        except (aiohttp.ClientError, OSError) as exc:
+        except (aiohttp.ClientError, OSError, ReplyError) as exc:
             error = f"GET /health failed: {exc!r}"
         if late and replica.state.healthy:
             replica.late_checks += 1
@@ -169,7 +178,7 @@ class Monitor:
             async with self._client().get(replica.url + "/v1/models", timeout=self._timeout) as resp:
                 if resp.status != 200:
                     return
-                data = await resp.json(content_type=None)
+                data = await json_capped(resp, MODELS_BYTES)
             cards = [m for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
             replica.models = tuple(str(m["id"]) for m in cards)
             replica.adapters = tuple(
@@ -186,8 +195,8 @@ class Monitor:
             async with self._client().get(replica.url + "/metrics", timeout=self._timeout) as resp:
                 if resp.status != 200:
                     return
-                text = await resp.text()
-        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError) as exc:
+                text = await text_capped(resp, METRICS_BYTES)
+        except (aiohttp.ClientError, TimeoutError, OSError, ReplyError) as exc:
             log.debug("GET %s/metrics failed: %r", replica.url, exc)
             return
         gauges = parse_vllm_gauges(text)

@@ -19,6 +19,7 @@ import numpy as np
 from kvmesh.errors import TokenizeError
 from kvmesh.routing.config import RoutingConfig
 from kvmesh.routing.pool import Pool
+from kvmesh.routing.replies import json_capped
 from kvmesh.routing.tokenize import PromptTokenizer, TokenArray, tokens_of
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class Prompts:
             )
         try:
             async with client.post(replica.url + "/tokenize", json=payload, timeout=self._timeout) as resp:
-                data = await resp.json(content_type=None) if resp.status == 200 else {}
+                data = await json_capped(resp) if resp.status == 200 else {}
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise TokenizeError(f"{replica.name}/tokenize failed: {exc!r}") from exc
         ids = data.get("tokens") if isinstance(data, dict) else None

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import re
@@ -30,6 +29,7 @@ import aiohttp
 
 from kvmesh.admin.schema import ENGINE_PREFIX
 from kvmesh.routing.fit import TIER_MEDIUM, Report
+from kvmesh.routing.replies import ReplyError, json_capped
 
 log = logging.getLogger(__name__)
 
@@ -185,11 +185,10 @@ class ReportPoller:
                 if resp.status != 200:
                     log.debug("cost report from %s: HTTP %d", name, resp.status)
                     return
-                raw = await resp.content.read(MAX_BODY + 1)
-            if len(raw) > MAX_BODY:
-                self._on_report(name, None, [f"stats: body over {MAX_BODY} bytes"])
-                return
-            body = json.loads(raw)
+                body = await json_capped(resp, MAX_BODY)
+        except ReplyError as exc:
+            self._on_report(name, None, [f"stats: {exc}"])
+            return
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
             log.debug("cost report from %s failed: %r", name, exc)
             return

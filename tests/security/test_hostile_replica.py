@@ -89,3 +89,61 @@ def test_an_endless_answer_is_a_502_within_the_bound(mode: str, start_router: St
         assert httpx.get(router.url + "/health", timeout=5).status_code == 200
     finally:
         hostile.stop()
+
+
+class EndlessSide(FakeVLLM):
+    """Answers ``/metrics`` or ``/v1/models`` (``side``) without end, as fast as the router
+    reads; its completions are FakeVLLM's. ``most``: the largest answer it got out."""
+
+    side = "/metrics"
+    most = 0
+
+    async def _endless(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await resp.prepare(request)
+        sent, unit = 0, b"# " + b"x" * (MIB - 3) + b"\n"
+        try:
+            while True:
+                await resp.write(unit)
+                sent += len(unit)
+                self.most = max(self.most, sent)
+        except (ConnectionError, RuntimeError):  # the router hung up
+            return resp
+
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        return await (self._endless(request) if self.side == "/metrics" else super()._metrics(request))
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        return await (self._endless(request) if self.side == "/v1/models" else super()._models(request))
+
+
+@pytest.mark.parametrize("side", ["/metrics", "/v1/models"])
+def test_an_endless_metrics_or_models_answer_is_cut_at_its_bound(
+    side: str, start_router: StartRouter
+) -> None:
+    """The router scrapes ``/metrics`` and reads ``/v1/models`` of every replica by itself, and
+    read each whole within the health timeout: one replica answering without end grew the
+    router by 500-600 MB per scrape (7 December 2026). Each is read up to its bound
+    (:mod:`kvmesh.routing.replies`), and the router serves on."""
+    from kvmesh.routing.replies import METRICS_BYTES, MODELS_BYTES
+
+    hostile = EndlessSide("hostile")
+    hostile.side = side
+    hostile.start()
+    bound = METRICS_BYTES if side == "/metrics" else MODELS_BYTES
+    try:
+        router = start_router(replicas=[{"url": hostile.url, "name": "hostile"}], health_timeout_s=3.0)
+        proc = psutil.Process(router.proc.pid)
+        before, peak = proc.memory_info().rss, 0
+        end = time.monotonic() + 3
+        while time.monotonic() < end:  # several scrapes (and a models read, at the first check)
+            peak = max(peak, proc.memory_info().rss)
+            time.sleep(0.02)
+        if side == "/v1/models":  # the router's own /v1/models asks the replica too
+            assert httpx.get(router.url + "/v1/models", timeout=10).status_code == 503
+        assert 0 < hostile.most < bound + 32 * MIB, hostile.most  # the bound, and what the sockets took
+        assert peak - before < 4 * bound + 64 * MIB, f"the router grew {(peak - before) / MIB:.0f} MiB"
+        resp = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "hi"}, timeout=10)
+        assert resp.status_code == 200, resp.text
+    finally:
+        hostile.stop()
