@@ -187,7 +187,7 @@ class AdminServer:
         req = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-                resp.read()
+                resp.read(1 << 16)  # the controller's short answer; never an endless one
             return None
         except urllib.error.HTTPError as exc:
             return f"HTTP {exc.code}"
