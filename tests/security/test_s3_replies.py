@@ -133,7 +133,7 @@ def _get(tier: S3Tier) -> tuple[list[object], float]:
 def test_a_dripped_answer_costs_one_budget_and_opens_the_breaker(hostile: tuple[_Server, S3Tier]) -> None:
     server, tier = hostile
     got, took = _get(tier)
-    assert got == [None] and took < BUDGET_S + 0.5, took
+    assert got == [None] and took < BUDGET_S + 1.0, took  # slack for a loaded machine; the old code: for ever
     snap = tier.metrics.snapshot()
     assert snap["timeouts"] == 1 and snap["hits"] == 0 and snap["up"] == 0.0
     assert server.gets == 1
@@ -143,7 +143,7 @@ def test_a_dripped_answer_costs_one_budget_and_opens_the_breaker(hostile: tuple[
 def test_an_answer_longer_than_the_range_asked_is_not_read(hostile: tuple[_Server, S3Tier]) -> None:
     server, tier = hostile
     got, took = _get(tier)
-    assert got == [None] and took < BUDGET_S, took
+    assert got == [None] and took < 2 * BUDGET_S, took
     time.sleep(0.2)  # the server notices the hang-up
     assert server.sent < 16 << 20, server.sent  # what the sockets' buffers took, not 400 MB
     snap = tier.metrics.snapshot()

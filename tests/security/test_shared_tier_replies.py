@@ -170,12 +170,12 @@ def test_a_dripped_reply_costs_one_budget_and_the_tier_recovers() -> None:
     try:
         keys = KB.keys(np.arange(16, dtype=np.uint32))
         got, took = _get_within(tier, keys, 10.0)
-        assert got == [None] and took < 1.0 + 0.5, took
+        assert got == [None] and took < 1.0 + 1.0, took  # slack for a loaded machine; the old code: for ever
         assert tier.metrics.snapshot()["timeouts"] == 1
         time.sleep(0.5)  # the probe's PING is answered at once: the breaker closes
         assert tier.health() == "up"
         got, took = _get_within(tier, keys, 5.0)  # the next reply is read on a new connection
-        assert got == [None] and took < 0.5 and server.hgetalls == 2
+        assert got == [None] and took < 1.0 and server.hgetalls == 2
     finally:
         tier.close()
         server.close()
