@@ -404,6 +404,10 @@ def _read_body(body: Any, length: int, asked: int) -> bytearray:
         body.close()
         raise _Answered(f"a ranged GET of {asked} bytes answered {length}")
     raw = getattr(body, "_raw_stream", body)  # botocore's StreamingBody over urllib3's response
+    # urllib3's response names its connection, http.client's connection its socket (botocore's
+    # own set_socket_timeout reaches further in, and raises where that moves). Without it a
+    # read waits read_timeout_s at most each, and the caller leaves at its deadline (_within).
+    sock = getattr(getattr(raw, "connection", None), "sock", None)
     out = bytearray(length)
     pos = 0
     try:
@@ -412,7 +416,8 @@ def _read_body(body: Any, length: int, asked: int) -> bytearray:
             if left is not None:
                 if left <= 0:
                     raise TimeoutError("the operation's budget ran out in the middle of a body")
-                body.set_socket_timeout(left)
+                if sock is not None:
+                    sock.settimeout(left)
             piece = raw.read1(min(_READ_PIECE, length - pos))
             if not piece:
                 raise ConnectionError(f"the body ended after {pos} of {length} bytes")
