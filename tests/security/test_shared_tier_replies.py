@@ -22,6 +22,7 @@ import pytest
 
 from kvmesh.core.keys import KeyBuilder, KVLayout
 from kvmesh.core.serde import ChunkFormat
+from kvmesh.harness.ports import free_port
 from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import TierOptions, open_tier
 from kvmesh.tiers.redis import RedisTier
@@ -229,7 +230,7 @@ def test_a_node_whose_slot_map_is_malformed_is_passed_over(
     slot count built a list of 10^9 entries (15 GB in 40 s, then the OOM killer). Now such a
     node is said and passed over for the next seed, whose valid map is installed."""
     hostile = _HostileRedis([], {b"CLUSTER": reply})
-    good_port = _free_port()
+    good_port = free_port()
     good = _HostileRedis([], {b"CLUSTER": _one_shard_map(good_port)})
     opts = TierOptions(name="remote", metrics=TierMetrics("remote"), timeout_s=1.0, probe_interval_s=0.1)
     t0 = time.monotonic()
@@ -243,12 +244,6 @@ def test_a_node_whose_slot_map_is_malformed_is_passed_over(
         tier.close()
         hostile.close()
         good.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _one_shard_map(port: int) -> bytes:
