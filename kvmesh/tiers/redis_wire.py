@@ -171,6 +171,40 @@ _DEADLINE_CLASSES: dict[type[Any], type[Any]] = {
 SENTINEL_SERVICE_ENV = "REDIS_SERVICE_NAME"
 SENTINEL_DEFAULT_SERVICE = "redismaster"
 SENTINEL_TIMEOUT_S = 1.0  # per sentinel query (LMCache's REDIS_TIMEOUT default)
+# One sentinel answer (SENTINEL MASTERS: ~40 fields per master) on the wire.
+SENTINEL_REPLY_BYTES = 1 << 20
+_MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError)
+
+
+class _SentinelNode(redis.Redis):  # type: ignore[type-arg]
+    """One sentinel's client: an answer redis-py's parsers cannot take (a hostile or broken
+    sentinel's) is that sentinel's :class:`redis.ResponseError`, which master discovery passes
+    over for the next sentinel, not a KeyError or TypeError out of a chunk read."""
+
+    def parse_response(self, connection: Any, command_name: Any, **options: Any) -> Any:
+        try:
+            return super().parse_response(connection, command_name, **options)
+        except _MALFORMED as exc:
+            raise redis.ResponseError(f"malformed {command_name} answer ({exc!r})") from None
+
+
+class _BoundedSentinel(Sentinel):
+    """redis-py's :class:`~redis.sentinel.Sentinel` whose sentinel clients are bounded as the
+    master's are (each read waits at most the operation's time left, an answer is at most
+    :data:`SENTINEL_REPLY_BYTES`), and which takes a master's state only with an address it
+    can connect to."""
+
+    def __init__(self, nodes: list[tuple[str, int]], sentinel_kwargs: dict[str, Any]) -> None:
+        super().__init__([], sentinel_kwargs=sentinel_kwargs)  # its clients are built here
+        self.sentinels = [_SentinelNode(host, port, **self.sentinel_kwargs) for host, port in nodes]
+        for node in self.sentinels:
+            bound_pool(node.connection_pool, SENTINEL_REPLY_BYTES, f"sentinel {node}")
+
+    def check_master_state(self, state: Any, service_name: str) -> bool:
+        ip, port = state.get("ip"), state.get("port")
+        if not isinstance(ip, str) or not ip or not isinstance(port, int) or not 0 < port < 65536:
+            return False
+        return bool(super().check_master_state(state, service_name))
 
 
 # What redis-py 8 sends on each new connection after HELLO/AUTH, each command read before the
@@ -209,14 +243,18 @@ def make_client(
             "rediss://..., valkey://host:port/db, unix:///path/to.sock or "
             "redis-sentinel://[user:pass@]host:port,host:port[/db]?service_name=NAME"
         ) from None
-    pool = client.connection_pool
-    # The URL chose the transport (TCP, TLS, unix socket); keep it, add the deadline cap.
+    bound_pool(client.connection_pool, max_reply_bytes, f"Redis URL {redact_url(url)!r}")
+    return client
+
+
+def bound_pool(pool: Any, max_reply_bytes: int, what: str) -> None:
+    """Keeps the transport ``pool``'s URL chose (TCP, TLS, unix socket) and adds the deadline
+    cap and the reply bound."""
     if pool.connection_class not in _DEADLINE_CLASSES:
-        raise ConfigError(f"Redis URL {redact_url(url)!r}: no bounded connection for {pool.connection_class}")
+        raise ConfigError(f"{what}: no bounded connection for {pool.connection_class}")
     pool.connection_class = _DEADLINE_CLASSES[pool.connection_class]
     pool.connection_kwargs["max_reply_bytes"] = max_reply_bytes
     pool.connection_kwargs["socket_read_size"] = min(READ_BYTES, max_reply_bytes)
-    return client
 
 
 def sentinel_client(url: str, timeout_s: float) -> redis.Redis[bytes]:
@@ -253,7 +291,7 @@ def sentinel_client(url: str, timeout_s: float) -> redis.Redis[bytes]:
     sentinel_kwargs: dict[str, Any] = {"socket_timeout": probe_s, "socket_connect_timeout": probe_s}
     if sentinel_password:
         sentinel_kwargs["password"] = sentinel_password
-    sentinel = Sentinel(nodes, sentinel_kwargs=sentinel_kwargs)
+    sentinel = _BoundedSentinel(nodes, sentinel_kwargs)
     return sentinel.master_for(
         service,
         socket_timeout=timeout_s,

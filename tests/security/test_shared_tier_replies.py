@@ -7,7 +7,9 @@ injection: the server is the test's own (a socket thread answering RESP), since 
 Redis sends these; the client's requests are parsed with hiredis, not by hand. Each
 malformed reply must be that key's miss, counted as an error, with nothing raised and the
 connection in step for the next batch. A reply that never ends (dripped, or endless) is cut at
-the operation's budget or at the tier's reply bound, whichever comes first."""
+the operation's budget or at the tier's reply bound, whichever comes first. The same holds for
+the answers of a ``redis-sentinel://`` URL's sentinels and a ``redis-cluster://`` seed's
+slot map."""
 
 from __future__ import annotations
 
@@ -48,10 +50,10 @@ class _HostileRedis:
     def __init__(
         self,
         answers: list[bytes | Callable[[socket.socket], None]],
-        replies: dict[bytes, bytes] | None = None,
+        replies: dict[bytes, bytes | Callable[[socket.socket], None]] | None = None,
     ) -> None:
         self.answers = answers
-        self.replies = replies or {}  # other commands' answers (CLUSTER)
+        self.replies = replies or {}  # other commands' answers (CLUSTER, SENTINEL)
         self.hgetalls = 0
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
@@ -84,7 +86,11 @@ class _HostileRedis:
                         except OSError:  # the client hung up on it
                             return
                     elif name in self.replies:
-                        conn.sendall(self.replies[name])
+                        reply = self.replies[name]
+                        try:
+                            reply(conn) if callable(reply) else conn.sendall(reply)
+                        except OSError:
+                            return
                     elif name == b"HELLO":  # redis-py's handshake: a RESP3 map naming the protocol
                         conn.sendall(b"%1\r\n$5\r\nproto\r\n:3\r\n")
                     else:
@@ -152,12 +158,21 @@ def _get_within(tier: RedisTier, keys: list, limit_s: float) -> tuple[list, floa
     """``tier.get(keys)`` in a thread, failing the test if it takes over ``limit_s`` (the old
     code held such a read for ever)."""
     out: list = []
+    raised: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            out.append(tier.get(keys))
+        except BaseException as exc:  # the load would get it
+            raised.append(exc)
+
     t0 = time.monotonic()
-    reader = threading.Thread(target=lambda: out.append(tier.get(keys)), daemon=True)
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     reader.join(limit_s)
     took = time.monotonic() - t0
     assert not reader.is_alive(), f"the read still hangs after {took:.1f} s"
+    assert not raised, f"the read raised {raised[0]!r}"
     return out[0], took
 
 
@@ -249,3 +264,72 @@ def test_a_node_whose_slot_map_is_malformed_is_passed_over(
 def _one_shard_map(port: int) -> bytes:
     """Every slot on 127.0.0.1:``port`` (nothing need listen there: the test reads the map)."""
     return b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n" % port
+
+
+def _resp_map(fields: dict[str, str]) -> bytes:
+    out = b"%%%d\r\n" % len(fields)
+    for k, v in fields.items():
+        for s in (k.encode(), v.encode()):
+            out += b"$%d\r\n%s\r\n" % (len(s), s)
+    return out
+
+
+def _masters(port: int | str, **extra: str) -> bytes:
+    """A Sentinel's ``SENTINEL MASTERS`` answer naming one master, ``kvmaster``, at 127.0.0.1:``port``."""
+    fields = {"name": "kvmaster", "ip": "127.0.0.1", "port": str(port), "flags": "master",
+              "num-other-sentinels": "0", **extra}  # fmt: skip
+    return b"*1\r\n" + _resp_map({k: v for k, v in fields.items() if v != "-"})
+
+
+def _sentinel_tier(sentinel: _HostileRedis, timeout_s: float) -> RedisTier:
+    url = f"redis-sentinel://127.0.0.1:{sentinel.port}?service_name=kvmaster"
+    tier = open_tier(url, _options(timeout_s))
+    assert isinstance(tier, RedisTier)
+    return tier
+
+
+SENTINEL_ANSWERS: dict[str, bytes | Callable[[socket.socket], None]] = {
+    "dripped": _Endless(b"*1\r\n%5\r\n$4\r\nname\r\n$100000\r\n", b"x" * 8, gap_s=0.02),
+    "endless": _Endless(b"*1\r\n%5\r\n$4\r\nname\r\n$400000000\r\n", b"\0" * 65536),
+    "integer": b":5\r\n",
+    "array-of-integers": b"*1\r\n:5\r\n",
+    "no-flags": _masters(6379, flags="-"),
+    "no-port": _masters("-"),
+    "port-not-a-number": _masters("http"),
+    "port-past-65535": _masters(70000),
+}
+
+
+@pytest.mark.parametrize("answer", SENTINEL_ANSWERS.values(), ids=SENTINEL_ANSWERS.keys())
+def test_a_hostile_sentinel_costs_one_budget_and_is_a_miss(
+    answer: bytes | Callable[[socket.socket], None],
+) -> None:
+    """``redis-sentinel://`` asks a sentinel for the master on every new connection, with
+    plain redis-py clients: a dripped answer held the load for as long as the drip went on, an
+    endless one was read whole into memory, and an answer of the wrong shape raised KeyError,
+    TypeError or OverflowError out of the tier's read into the load. Now every sentinel query
+    waits at most the operation's time left, its reply is bounded, and a malformed answer is
+    that sentinel's failure: the read is a miss, counted as an error.
+
+    The sentinel answers well until the tier is up and connected, then turns; the pooled
+    connections are dropped, as redis-py drops them when a sentinel names a new master."""
+    master = _HostileRedis(MALFORMED[-1:])
+    sentinel = _HostileRedis([], {b"SENTINEL": _masters(master.port)})
+    tier = _sentinel_tier(sentinel, timeout_s=1.0)
+    keys = KB.keys(np.arange(16, dtype=np.uint32))
+    try:
+        assert _get_within(tier, keys, 10.0)[0] == [None] and master.hgetalls == 1
+        sentinel.replies[b"SENTINEL"] = answer
+        tier._client.connection_pool.disconnect()  # type: ignore[attr-defined]
+        got, took = _get_within(tier, keys, 10.0)
+        assert got == [None] and took < 1.0 + 1.0, took  # slack for a loaded machine
+        assert master.hgetalls == 1
+        snap = tier.metrics.snapshot()
+        assert snap.get("errors", 0) + snap.get("timeouts", 0) == 1 and snap["hits"] == 0, snap
+        if isinstance(answer, _Endless) and not answer.gap_s:
+            time.sleep(0.2)  # the server notices the hang-up
+            assert answer.sent < (1 << 20) + (16 << 20), answer.sent  # the bound and the socket buffers
+    finally:
+        tier.close()
+        sentinel.close()
+        master.close()
