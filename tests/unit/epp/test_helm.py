@@ -72,6 +72,21 @@ def test_the_default_chart_is_the_kustomize_base() -> None:
     assert all(o["metadata"]["labels"].keys() >= HELM_LABELS for o in render_chart(*CHART_AS_BASE))
 
 
+@pytest.mark.parametrize("mode", ["hpa", "keda"])
+def test_autoscaling_is_the_kustomize_overlay(mode: str) -> None:
+    """``autoscaling.mode`` renders what deploy/kustomize/autoscale-<mode> does (the EPP on
+    policy cost, the autoscaler on the fleet gauges), except that the workers' Deployment
+    leaves its replica count to the autoscaler: an upgrade must not reset what it scaled."""
+    overlay = _keyed(render(f"autoscale-{mode}"))
+    chart = _keyed(render_chart(*CHART_AS_BASE, f"--set=autoscaling.mode={mode}"))
+    assert sorted(overlay) == sorted(chart)
+    workers = ("Deployment", "kvmesh-vllm")
+    assert "replicas" not in chart[workers]["spec"]
+    overlay[workers]["spec"].pop("replicas")
+    for key, obj in overlay.items():
+        assert chart[key] == obj, key
+
+
 PROD = (
     "prod",
     "--namespace=inference",
@@ -182,6 +197,8 @@ def test_monitors_follow_the_prometheus_operator(args: tuple[str, ...], monitors
         ("secrets.fleetKey=Fleet_Key", "secrets.fleetKey"),
         ("monitoring.enabled=sometimes", "monitoring.enabled"),
         ("httpRoute.pathPrefix=v1", "httpRoute.pathPrefix"),
+        ("autoscaling.mode=vpa", "autoscaling.mode"),
+        ("autoscaling.kvUsage=85", "autoscaling.kvUsage"),
     ],
 )
 def test_values_it_cannot_take_are_refused_naming_the_key(setting: str, message: str) -> None:
@@ -192,6 +209,15 @@ def test_values_it_cannot_take_are_refused_naming_the_key(setting: str, message:
         timeout=60,
     )
     assert out.returncode != 0 and message in out.stderr, out.stderr
+
+
+def test_autoscaling_refuses_a_policy_that_publishes_no_signal() -> None:
+    out = subprocess.run(
+        [helm_binary(), "template", "kvmesh", str(CHART), "--set=autoscaling.mode=keda",
+         "--set=epp.config.routing.policy=kvmesh"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode != 0 and "needs epp.config.routing.policy cost" in out.stderr, out.stderr
 
 
 def test_the_schema_knows_the_policies_kvmesh_knows() -> None:
