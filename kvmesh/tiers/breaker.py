@@ -96,7 +96,15 @@ class RemoteGuard:
             )
             self.metrics.set("up", 0)
         else:
-            log.warning("kvmesh tier %s: %s unreachable at start; starting down", self.name, self.url)
+            # The cause names a TLS or DNS misconfiguration, which no retry mends.
+            cause = (
+                f"{type(self._ping_error).__name__}: {self._ping_error}"[:300]
+                if self._ping_error
+                else "no answer"
+            )
+            log.warning(
+                "kvmesh tier %s: %s unreachable at start (%s); starting down", self.name, self.url, cause
+            )
             self.metrics.set("up", 0)
         self._probe = threading.Thread(target=self._probe_loop, name=f"kvmesh-probe-{self.name}", daemon=True)
         self._probe.start()
