@@ -181,10 +181,14 @@ def finish_url(url: str, extras: RemoteExtras, lmcache_url: bool) -> tuple[str, 
 
 
 def _redis_url(url: str, scheme: str, extras: RemoteExtras, notes: list[str]) -> str:
+    r = extras.redis
+    tls = bool(r.get("tls")) or scheme == "rediss"
     if extras.cluster and scheme in ("valkey", "redis", "rediss"):
         url = "redis-cluster://" + url.split("://", 1)[1]
         scheme = "redis-cluster"
-    r = extras.redis
+        if tls:  # kept: the cluster URL once lost it, and with it the encryption asked for
+            url = with_query(url, {"ssl": "true"})
+            notes.append("TLS to every cluster node: ?ssl=true")
     parts = urlsplit(url)
     if r.get("tls") and scheme in ("redis", "valkey"):
         parts = parts._replace(scheme="rediss")

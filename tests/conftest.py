@@ -12,10 +12,11 @@
 * ``redis_restartable`` — the session server for a test that kills/restarts it (``kill()``,
   ``start()``, ``restart()``); it is running again and empty afterwards.
 * ``moto`` (module) — a running :class:`~kvmesh.harness.stores.MotoServer` (S3 on loopback).
-* ``redis_server_factory`` — ``factory(unix_socket=False, password=None, extra_args=())``
+* ``redis_server_factory`` — ``factory(unix_socket=False, password=None, extra_args=(), tls=None)``
   returns a *not yet started* server on a fresh port (for "Redis not there yet" tests; with
   ``unix_socket=True`` it also listens on ``server.unix_socket``; ``password`` is its
-  ``requirepass``; ``extra_args`` more server options); every one it made is killed at teardown.
+  ``requirepass``; ``extra_args`` more server options; ``tls`` serves TLS only, with those
+  :class:`~kvmesh.harness.services.TlsFiles`); every one it made is killed at teardown.
 
 A missing ``redis-server`` binary fails the Redis tests loudly; it never skips them.
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.harness import ports
-from kvmesh.harness.services import RedisServer
+from kvmesh.harness.services import RedisServer, TlsFiles
 from kvmesh.harness.stores import MotoServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,13 +111,17 @@ def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]
     made: list[RedisServer] = []
 
     def factory(
-        unix_socket: bool = False, password: str | None = None, extra_args: tuple[str, ...] = ()
+        unix_socket: bool = False,
+        password: str | None = None,
+        extra_args: tuple[str, ...] = (),
+        tls: TlsFiles | None = None,
     ) -> RedisServer:
         server = RedisServer(
             unix_socket=unix_socket,
             workdir=tmp_path / f"redis-{len(made)}",
             password=password,
             extra_args=extra_args,
+            tls=tls,
         )
         made.append(server)
         return server

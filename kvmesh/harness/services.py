@@ -11,14 +11,49 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+from urllib.parse import quote
 
 from kvmesh.errors import ProcessError
 from kvmesh.harness.ports import free_port
 
 _REDIS_CANDIDATES = ("/usr/bin/redis-server", "/usr/local/bin/redis-server")
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for a TLS server on loopback: its certificate and key, and the CA that
+    signed them (which clients must be given: it is in no system store)."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+    @classmethod
+    def make(
+        cls, directory: str | os.PathLike[str], names: Sequence[str] = ("127.0.0.1", "localhost")
+    ) -> TlsFiles:
+        from kvmesh.epp.tls import make_certificate
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        ca = make_certificate(["kvmesh-test-ca"], ca=True)
+        cert, key = make_certificate(list(names), issuer=ca)
+        files = cls(cert=d / "server.pem", key=d / "server.key", ca=d / "ca.pem")
+        files.ca.write_bytes(ca[0])
+        files.cert.write_bytes(cert)
+        files.key.write_bytes(key)
+        files.key.chmod(0o600)
+        return files
+
+    def server_args(self, port: int) -> list[str]:
+        """``redis-server`` options serving TLS only, on ``port`` (clients need no certificate)."""
+        return ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(self.cert),
+                "--tls-key-file", str(self.key), "--tls-ca-cert-file", str(self.ca),
+                "--tls-auth-clients", "no"]  # fmt: skip
 
 
 def drop_page_cache() -> bool:
@@ -50,10 +85,13 @@ class RedisServer:
         executable: str | None = None,
         password: str | None = None,
         extra_args: Sequence[str] = (),
+        tls: TlsFiles | None = None,
     ) -> None:
         """``executable``: another server binary speaking Redis (a ``valkey-server``);
         ``password``: ``requirepass`` (the default user's password; :meth:`client` uses it);
-        ``extra_args``: more ``--option value`` arguments (``--replicaof h p``)."""
+        ``extra_args``: more ``--option value`` arguments (``--replicaof h p``); ``tls``: serve
+        TLS only, with these files (:attr:`url` is then ``rediss://`` naming the CA)."""
+        self.tls = tls
         self.executable = executable
         self.password = password
         self.extra_args = list(extra_args)
@@ -81,25 +119,30 @@ class RedisServer:
 
     @property
     def url(self) -> str:
+        if self.tls is not None:
+            return f"rediss://{self.host}:{self.port}/0?ssl_ca_certs={quote(str(self.tls.ca))}"
         return f"redis://{self.host}:{self.port}/0"
 
     def client(self, timeout: float = 5.0) -> Any:
         """A ``redis.Redis`` client of this server (the caller closes it)."""
         import redis
 
+        tls: dict[str, Any] = {} if self.tls is None else {"ssl": True, "ssl_ca_certs": str(self.tls.ca)}
         return redis.Redis(
             host=self.host,
             port=self.port,
             password=self.password,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
+            **tls,
         )
 
     def is_running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def command(self, binary: str) -> list[str]:
-        args = [binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
+        listen = ["--port", str(self.port)] if self.tls is None else self.tls.server_args(self.port)
+        args = [binary, *listen, "--bind", self.host, "--save", "", "--appendonly", "no",
                 "--dir", str(self.workdir), "--protected-mode", "yes"]  # fmt: skip
         if self.unix_socket is not None:
             args += ["--unixsocket", str(self.unix_socket), "--unixsocketperm", "700"]

@@ -1,5 +1,9 @@
-"""Redis Cluster tier: ``redis-cluster://[user:pass@]host:port,host:port,...`` (LMCache's
-scheme; ``valkey://`` with LMCache's ``extra_config.valkey_mode: cluster`` maps onto it).
+"""Redis Cluster tier: ``redis-cluster://[user:pass@]host:port,host:port,...[?ssl=true]``
+(LMCache's scheme; ``valkey://`` with LMCache's ``extra_config.valkey_mode: cluster`` maps
+onto it). ``ssl=true`` speaks TLS to every node (a cluster started with ``tls-cluster yes``,
+or a managed one with encryption in transit); redis-py's ``ssl_*`` options
+(``ssl_ca_certs=/path/ca.pem``, ``ssl_cert_reqs``, ``ssl_certfile``, ``ssl_keyfile``) go to
+every node as they go to a ``rediss://`` URL.
 
 Chunks spread over the cluster's shards by key: every chunk is one Redis hash (see
 :mod:`kvmesh.tiers.redis`), so its header and all its parts live in one slot, on one
@@ -24,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, TypeVar
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 import redis
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
@@ -93,7 +97,7 @@ class RedisClusterTier:
         self.url = redact_url(url)
         self.options = options
         self.chunk_format = options.chunk_format  # every shard's RedisTier gets it too
-        self._auth, self.seeds = _parse(url)
+        self._auth, self.seeds, self._tls = _parse(url)
         self._lock = threading.Lock()
         self._shards: dict[Addr, RedisTier] = {}
         self._slots: list[Addr | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
@@ -160,11 +164,14 @@ class RedisClusterTier:
         self._stale.clear()
 
     def _node_url(self, addr: Addr) -> str:
-        """``redis://`` for one node, with the cluster's credentials (quoted: a password may
-        hold ``@``, ``:`` or ``/``)."""
+        """``redis://`` (``rediss://`` with ``ssl=true``, and its ``ssl_*`` options) for one
+        node, with the cluster's credentials (quoted: a password may hold ``@``, ``:`` or ``/``)."""
         user, password = self._auth.get("username"), self._auth.get("password")
         auth = f"{quote(user or '', safe='')}:{quote(password, safe='')}@" if password else ""
-        return f"redis://{auth}{addr[0]}:{addr[1]}/0"
+        if self._tls is None:
+            return f"redis://{auth}{addr[0]}:{addr[1]}/0"
+        query = f"?{urlencode(self._tls)}" if self._tls else ""
+        return f"rediss://{auth}{addr[0]}:{addr[1]}/0{query}"
 
     def _open_shard(self, addr: Addr) -> RedisTier:
         opts = replace(
@@ -292,8 +299,42 @@ def _delete_by_slot(tier: RedisTier, keys: Sequence[ChunkKey]) -> list[int]:
     return [total] + [0] * (len(keys) - 1) if keys else []
 
 
-def _parse(url: str) -> tuple[dict[str, str], list[Addr]]:
-    """Auth and seed nodes of ``redis-cluster://[user:pass@]h:p,h:p``."""
+TLS_OPTIONS = (
+    "ssl_ca_certs",
+    "ssl_ca_path",
+    "ssl_cert_reqs",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_check_hostname",
+)
+
+
+def _tls(url: str) -> dict[str, str] | None:
+    """The query of ``redis-cluster://...?ssl=true&ssl_ca_certs=...``: None for plain TCP,
+    else the ``ssl_*`` options every node's ``rediss://`` URL carries. Anything else is
+    refused (a query once vanished here, and with it the TLS the user asked for)."""
+    query = dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
+    ssl = query.pop("ssl", "false").lower()
+    if ssl not in ("true", "false", "1", "0", "yes", "no"):
+        raise ConfigError(f"redis-cluster URL {redact_url(url)!r}: ssl={ssl!r}; write ssl=true or ssl=false")
+    unknown = sorted(set(query) - set(TLS_OPTIONS))
+    if unknown:
+        raise ConfigError(
+            f"redis-cluster URL {redact_url(url)!r}: unknown parameter(s) {', '.join(unknown)}; "
+            f"it takes ssl=true and {', '.join(TLS_OPTIONS)}"
+        )
+    if ssl in ("false", "0", "no"):
+        if query:
+            raise ConfigError(
+                f"redis-cluster URL {redact_url(url)!r}: {', '.join(sorted(query))} needs ssl=true"
+            )
+        return None
+    return query
+
+
+def _parse(url: str) -> tuple[dict[str, str], list[Addr], dict[str, str] | None]:
+    """Auth, seed nodes and TLS options (:func:`_tls`) of ``redis-cluster://[user:pass@]h:p,h:p[?ssl=true]``."""
+    tls = _tls(url)
     rest = url.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0]
     auth: dict[str, str] = {}
     if "@" in rest:
@@ -314,7 +355,7 @@ def _parse(url: str) -> tuple[dict[str, str], list[Addr]]:
                 "write redis-cluster://host:port,host:port,..."
             )
         seeds.append((p.hostname, p.port))
-    return auth, seeds
+    return auth, seeds, tls
 
 
 @register_tier("redis-cluster")

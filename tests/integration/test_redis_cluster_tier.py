@@ -11,13 +11,15 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote
 
 import pytest
 import redis
 
 from kvmesh.core.keys import ChunkKey, KVLayout
 from kvmesh.harness.ports import free_port
-from kvmesh.harness.services import RedisServer
+from kvmesh.harness.services import RedisServer, TlsFiles
 from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import ChunkData, TierOptions, open_tier
 from kvmesh.tiers.testing import random_chunks
@@ -48,7 +50,10 @@ def _cluster_port() -> int:
 
 
 class Cluster:
-    def __init__(self, workdir: Path, n: int = 3) -> None:
+    """``n`` primaries on loopback; with ``tls`` they serve TLS only, the cluster bus too."""
+
+    def __init__(self, workdir: Path, n: int = 3, tls: TlsFiles | None = None) -> None:
+        self.tls = tls
         binary = RedisServer.binary()
         if binary is None:
             pytest.fail("redis-server is not installed (apt-get install -y redis-server)", pytrace=False)
@@ -59,12 +64,22 @@ class Cluster:
 
     @property
     def url(self) -> str:
-        return "redis-cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        url = "redis-cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        return url if self.tls is None else f"{url}?ssl=true&ssl_ca_certs={quote(str(self.tls.ca))}"
+
+    def client(self, port: int, timeout: float | None = None) -> redis.Redis:
+        tls: dict[str, Any] = {} if self.tls is None else {"ssl": True, "ssl_ca_certs": str(self.tls.ca)}
+        return redis.Redis(port=port, socket_timeout=timeout, **tls)
 
     def start_node(self, port: int) -> None:
         d = self.workdir / str(port)
         d.mkdir(exist_ok=True)
-        cmd = [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+        listen = (
+            ["--port", str(port)]
+            if self.tls is None
+            else [*self.tls.server_args(port), "--tls-cluster", "yes"]
+        )
+        cmd = [self.binary, *listen, "--bind", "127.0.0.1", "--cluster-enabled", "yes",
                "--cluster-config-file", str(d / "nodes.conf"), "--cluster-node-timeout", "1000",
                "--cluster-require-full-coverage", "no", "--save", "", "--appendonly", "no",
                "--dir", str(d)]  # fmt: skip
@@ -73,7 +88,7 @@ class Cluster:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
-                if redis.Redis(port=port, socket_timeout=1).ping():
+                if self.client(port, timeout=1).ping():
                     return
             except (redis.RedisError, OSError):
                 time.sleep(0.05)
@@ -84,11 +99,12 @@ class Cluster:
             self.start_node(p)
         cli = shutil.which("redis-cli") or "/usr/bin/redis-cli"
         nodes = [f"127.0.0.1:{p}" for p in self.ports]
-        subprocess.run([cli, "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
+        tls = [] if self.tls is None else ["--tls", "--cacert", str(self.tls.ca)]
+        subprocess.run([cli, *tls, "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
                        check=True, capture_output=True, timeout=60)  # fmt: skip
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            states = {redis.Redis(port=p).cluster("info").get("cluster_state") for p in self.ports}
+            states = {self.client(p).cluster("info").get("cluster_state") for p in self.ports}
             if states == {"ok"}:  # every node, not just one: the others answer CLUSTERDOWN until then
                 return
             time.sleep(0.1)
@@ -107,7 +123,7 @@ class Cluster:
         from redis.crc import key_slot
 
         slot = key_slot(key.encode())
-        for start, end, *nodes in redis.Redis(port=self.ports[0]).execute_command("CLUSTER", "SLOTS"):
+        for start, end, *nodes in self.client(self.ports[0]).execute_command("CLUSTER", "SLOTS"):
             if start <= slot <= end:
                 return int(nodes[0][1])
         raise AssertionError("slot not covered")
@@ -191,6 +207,35 @@ def test_chunks_spread_over_shards_and_a_dead_primary_is_a_miss_for_its_keys_onl
         assert tier.clear() == 30
     finally:
         tier.close()
+
+
+@pytest.mark.redis
+def test_a_tls_cluster_round_trips_with_every_node_over_tls(tmp_path: Path) -> None:
+    """``tls-cluster yes``: the nodes serve TLS only and CLUSTER SLOTS names their TLS ports.
+    ``?ssl=true`` speaks TLS to each (the slot map's nodes too); the same URL without it
+    reaches none of them: the tier starts down and every read is a miss."""
+    cluster = Cluster(tmp_path, tls=TlsFiles.make(tmp_path / "tls"))
+    try:
+        cluster.start()
+        tier = _tier(cluster.url)
+        try:
+            assert tier.health() == "up"
+            keys, chunks = _chunks(12)
+            assert tier.put(keys, chunks) == [True] * 12, tier.metrics.counters
+            assert len({cluster.owner(k.text) for k in keys}) == 3  # every shard, each over TLS
+            got = tier.get(keys)
+            assert all(
+                g is not None and bytes(g.data) == bytes(c.data) for g, c in zip(got, chunks, strict=True)
+            )
+        finally:
+            tier.close()
+        plain = _tier(cluster.url.split("?", 1)[0])
+        try:
+            assert plain.get(keys) == [None] * 12 and plain.health() == "down"
+        finally:
+            plain.close()
+    finally:
+        cluster.stop()
 
 
 @pytest.mark.redis

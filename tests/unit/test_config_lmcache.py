@@ -295,6 +295,11 @@ def test_redis_and_valkey_credentials_database_tls_ttl_go_into_the_url() -> None
     assert url("valkey://h:1", {"valkey_mode": "cluster", "valkey_password": "pw", "valkey_database": 3}) == (
         "redis-cluster://:pw@h:1"
     )
+    # TLS asked for (tls_enable, or a rediss:// URL) stays on in cluster mode: every node over TLS
+    assert url("valkey://h:1,h:2", {"valkey_mode": "cluster", "tls_enable": True}) == (
+        "redis-cluster://h:1,h:2?ssl=true"
+    )
+    assert url("rediss://h:1", {"valkey_mode": "cluster"}) == "redis-cluster://h:1?ssl=true"
     assert url("unix:///tmp/r.sock", {"password": "pw", "redis_database": 1}) == "unix://:pw@/tmp/r.sock?db=1"
     ttl = CacheConfig.from_dict({"remote_url": "valkey://h:1", "extra_config": {"valkey_enable_ttl": True}})
     assert ttl.remote_ttl_s == 86400

@@ -27,13 +27,23 @@ def test_s3_url_forms() -> None:
 
 
 def test_redis_cluster_url_forms() -> None:
-    auth, seeds = redis_cluster._parse("redis-cluster://h1:7000,h2:7001")
-    assert auth == {} and seeds == [("h1", 7000), ("h2", 7001)]
-    auth, seeds = redis_cluster._parse("redis-cluster://u:pw@h1:7000,h2:7001/0")
+    auth, seeds, tls = redis_cluster._parse("redis-cluster://h1:7000,h2:7001")
+    assert auth == {} and seeds == [("h1", 7000), ("h2", 7001)] and tls is None
+    auth, seeds, tls = redis_cluster._parse("redis-cluster://u:pw@h1:7000,h2:7001/0")
     assert auth == {"username": "u", "password": "pw"} and seeds == [("h1", 7000), ("h2", 7001)]
     assert redis_cluster._parse("redis-cluster://secret@h:1")[0] == {"password": "secret"}
     with pytest.raises(ConfigError, match="host:port"):
         redis_cluster._parse("redis-cluster://h1,h2:7000")
+    auth, seeds, tls = redis_cluster._parse(
+        "redis-cluster://h1:7000,h2:7001?ssl=true&ssl_ca_certs=/etc/ca.pem"
+    )
+    assert seeds == [("h1", 7000), ("h2", 7001)] and tls == {"ssl_ca_certs": "/etc/ca.pem"}
+    assert redis_cluster._parse("redis-cluster://h1:7000?ssl=false")[2] is None
+    # A query the tier cannot honour is refused, never dropped (it once took TLS with it).
+    for bad, message in [("?tls=true", "unknown parameter"), ("?ssl=maybe", "ssl='maybe'"),
+                         ("?ssl_ca_certs=/ca.pem", "needs ssl=true")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            redis_cluster._parse(f"redis-cluster://h1:7000{bad}")
 
 
 def test_new_schemes_are_served() -> None:
@@ -47,9 +57,14 @@ def test_redis_cluster_node_urls_keep_any_password() -> None:
     from redis.connection import parse_url
 
     password, user = "p/a%41?b#c@d:e", "us er"
-    auth, _ = redis_cluster._parse(f"redis-cluster://{quote(user)}:{quote(password, safe='')}@h1:7000")
+    auth, _, _ = redis_cluster._parse(f"redis-cluster://{quote(user)}:{quote(password, safe='')}@h1:7000")
     assert auth == {"username": user, "password": password}
     tier = redis_cluster.RedisClusterTier.__new__(redis_cluster.RedisClusterTier)
-    tier._auth = auth
+    tier._auth, tier._tls = auth, None
     got = parse_url(tier._node_url(("10.0.0.5", 7001)))
     assert (got["username"], got["password"], got["host"], got["port"]) == (user, password, "10.0.0.5", 7001)
+    # With ssl=true each node is rediss://, with the cluster URL's ssl_* options.
+    tier._tls = {"ssl_ca_certs": "/etc/kvmesh/ca dir/ca.pem"}
+    got = parse_url(tier._node_url(("10.0.0.5", 7001)))
+    assert got["connection_class"].__name__ == "SSLConnection" and got["password"] == password
+    assert got["ssl_ca_certs"] == "/etc/kvmesh/ca dir/ca.pem"
