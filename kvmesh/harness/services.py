@@ -249,16 +249,24 @@ class RedisSentinel(RedisServer):
         service: str,
         down_after_ms: int = 1000,
         workdir: str | os.PathLike[str] | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
-        super().__init__(workdir=workdir)
+        """``tls``: the sentinel serves TLS only, and speaks TLS to the servers it watches."""
+        super().__init__(workdir=workdir, tls=tls)
         self.master = master
         self.service = service
         self.down_after_ms = down_after_ms
 
     def command(self, binary: str) -> list[str]:
         conf = self.workdir / f"sentinel-{self.port}.conf"
+        if self.tls is None:
+            listen = [f"port {self.port}"]
+        else:
+            listen = ["port 0", f"tls-port {self.port}", f"tls-cert-file {self.tls.cert}",
+                      f"tls-key-file {self.tls.key}", f"tls-ca-cert-file {self.tls.ca}",
+                      "tls-auth-clients no", "tls-replication yes"]  # fmt: skip
         lines = [
-            f"port {self.port}",
+            *listen,
             f"bind {self.host}",
             f"dir {self.workdir}",
             f"sentinel monitor {self.service} {self.master.host} {self.master.port} 1",
@@ -273,8 +281,9 @@ class RedisSentinel(RedisServer):
     def client(self, timeout: float = 5.0) -> Any:
         import redis
 
+        tls: dict[str, Any] = {} if self.tls is None else {"ssl": True, "ssl_ca_certs": str(self.tls.ca)}
         return redis.Redis(
-            host=self.host, port=self.port, socket_timeout=timeout, socket_connect_timeout=timeout
+            host=self.host, port=self.port, socket_timeout=timeout, socket_connect_timeout=timeout, **tls
         )
 
     def flushall(self) -> None:

@@ -42,7 +42,7 @@ from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import ChunkData, Feature, Into, StoredChunk, TierOptions, register_tier
 from kvmesh.tiers.deadline import deadline
 from kvmesh.tiers.redis import RedisTier
-from kvmesh.tiers.redis_wire import make_client
+from kvmesh.tiers.redis_wire import TLS_OPTIONS, make_client
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -297,16 +297,6 @@ def _delete_by_slot(tier: RedisTier, keys: Sequence[ChunkKey]) -> list[int]:
         by_slot.setdefault(key_slot(k.text.encode()), []).append(k)
     total = sum(tier.delete(group) for group in by_slot.values())
     return [total] + [0] * (len(keys) - 1) if keys else []
-
-
-TLS_OPTIONS = (
-    "ssl_ca_certs",
-    "ssl_ca_path",
-    "ssl_cert_reqs",
-    "ssl_certfile",
-    "ssl_keyfile",
-    "ssl_check_hostname",
-)
 
 
 def _tls(url: str) -> dict[str, str] | None:

@@ -167,6 +167,16 @@ _DEADLINE_CLASSES: dict[type[Any], type[Any]] = {
     SentinelManagedConnection: DeadlineSentinelConnection,
     SentinelManagedSSLConnection: DeadlineSentinelSSLConnection,
 }
+# redis-py's TLS options a redis-sentinel:// or redis-cluster:// URL passes on to its
+# connections (a rediss:// URL's query hands them to redis-py itself).
+TLS_OPTIONS = (
+    "ssl_ca_certs",
+    "ssl_ca_path",
+    "ssl_cert_reqs",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_check_hostname",
+)
 # LMCache's Sentinel connector takes the master's name from REDIS_SERVICE_NAME, else this.
 SENTINEL_SERVICE_ENV = "REDIS_SERVICE_NAME"
 SENTINEL_DEFAULT_SERVICE = "redismaster"
@@ -259,8 +269,10 @@ def bound_pool(pool: Any, max_reply_bytes: int, what: str) -> None:
 
 def sentinel_client(url: str, timeout_s: float) -> redis.Redis[bytes]:
     """The master of ``redis-sentinel://[user:pass@]h:p,h:p[/db][?service_name=NAME]
-    [&sentinel_password=P][&ssl=true]`` through redis-py's :class:`~redis.sentinel.Sentinel`:
-    every connection asks the sentinels for the current master, so a failover is followed.
+    [&sentinel_password=P][&ssl=true][&sentinel_ssl=true][&ssl_ca_certs=PATH]`` through
+    redis-py's :class:`~redis.sentinel.Sentinel`: every connection asks the sentinels for the
+    current master, so a failover is followed. ``ssl``: TLS to the master; ``sentinel_ssl``:
+    to the sentinels; redis-py's ``ssl_*`` options (:data:`TLS_OPTIONS`) go to both.
     User and password are the master's (as in LMCache); the master's name defaults to
     ``$REDIS_SERVICE_NAME``, then ``redismaster`` (LMCache's defaults)."""
     rest = url.split("://", 1)[1]
@@ -284,13 +296,19 @@ def sentinel_client(url: str, timeout_s: float) -> redis.Redis[bytes]:
     service = query.pop("service_name", None) or os.environ.get(SENTINEL_SERVICE_ENV)
     service = service or SENTINEL_DEFAULT_SERVICE
     ssl = query.pop("ssl", "false").lower() in ("1", "true", "yes")
+    sentinel_ssl = query.pop("sentinel_ssl", "false").lower() in ("1", "true", "yes")
     sentinel_password = query.pop("sentinel_password", None)
+    tls = {k: query.pop(k) for k in TLS_OPTIONS if k in query}
     if query:
         raise ValueError(f"unknown parameter(s) {', '.join(sorted(query))}")
+    if tls and not (ssl or sentinel_ssl):
+        raise ValueError(f"{', '.join(sorted(tls))} needs ssl=true (the master) or sentinel_ssl=true")
     probe_s = min(timeout_s, SENTINEL_TIMEOUT_S)
     sentinel_kwargs: dict[str, Any] = {"socket_timeout": probe_s, "socket_connect_timeout": probe_s}
     if sentinel_password:
         sentinel_kwargs["password"] = sentinel_password
+    if sentinel_ssl:  # the sentinels themselves over TLS (tls-port on each), with the same options
+        sentinel_kwargs.update({"ssl": True, **tls})
     sentinel = _BoundedSentinel(nodes, sentinel_kwargs)
     return sentinel.master_for(
         service,
@@ -300,6 +318,7 @@ def sentinel_client(url: str, timeout_s: float) -> redis.Redis[bytes]:
         db=int(db_text or 0),
         **QUIET_HANDSHAKE,
         ssl=ssl,
+        **(tls if ssl else {}),
         **auth,
     )
 
