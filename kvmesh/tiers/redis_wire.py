@@ -22,7 +22,7 @@ import numpy as np
 import redis
 from redis._parsers import _HiredisParser
 from redis.backoff import NoBackoff
-from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.connection import URL_QUERY_ARGUMENT_PARSERS, Connection, SSLConnection, UnixDomainSocketConnection
 from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection, SentinelManagedSSLConnection
@@ -298,7 +298,8 @@ def sentinel_client(url: str, timeout_s: float) -> redis.Redis[bytes]:
     ssl = query.pop("ssl", "false").lower() in ("1", "true", "yes")
     sentinel_ssl = query.pop("sentinel_ssl", "false").lower() in ("1", "true", "yes")
     sentinel_password = query.pop("sentinel_password", None)
-    tls = {k: query.pop(k) for k in TLS_OPTIONS if k in query}
+    # Typed as redis-py types them in a rediss:// URL (ssl_check_hostname=false is False).
+    tls = {k: URL_QUERY_ARGUMENT_PARSERS.get(k, str)(query.pop(k)) for k in TLS_OPTIONS if k in query}
     if query:
         raise ValueError(f"unknown parameter(s) {', '.join(sorted(query))}")
     if tls and not (ssl or sentinel_ssl):

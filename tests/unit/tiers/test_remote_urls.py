@@ -68,3 +68,25 @@ def test_redis_cluster_node_urls_keep_any_password() -> None:
     got = parse_url(tier._node_url(("10.0.0.5", 7001)))
     assert got["connection_class"].__name__ == "SSLConnection" and got["password"] == password
     assert got["ssl_ca_certs"] == "/etc/kvmesh/ca dir/ca.pem"
+
+
+def test_sentinel_tls_options_reach_master_and_sentinels_typed() -> None:
+    """``ssl_*`` options of a ``redis-sentinel://`` URL go to the master's connections with
+    ``ssl=true`` and to the sentinels' with ``sentinel_ssl=true``, typed as redis-py types them
+    in a ``rediss://`` URL (the string "false" would have kept hostname checks on)."""
+    from kvmesh.tiers.redis_wire import sentinel_client
+
+    client = sentinel_client(
+        "redis-sentinel://h1:1,h2:2?ssl=true&sentinel_ssl=true&ssl_ca_certs=/ca.pem&ssl_check_hostname=false",
+        1.0,
+    )
+    master = client.connection_pool.connection_kwargs
+    assert (master["ssl_ca_certs"], master["ssl_check_hostname"]) == ("/ca.pem", False)
+    sentinels = client.connection_pool.sentinel_manager.sentinels  # type: ignore[attr-defined]
+    for node in sentinels:
+        kwargs = node.connection_pool.connection_kwargs
+        assert node.connection_pool.connection_class.__name__ == "DeadlineSSLConnection"
+        assert (kwargs["ssl_ca_certs"], kwargs["ssl_check_hostname"]) == ("/ca.pem", False)
+    plain = sentinel_client("redis-sentinel://h1:1?ssl=true&ssl_ca_certs=/ca.pem", 1.0)
+    node = plain.connection_pool.sentinel_manager.sentinels[0]  # type: ignore[attr-defined]
+    assert node.connection_pool.connection_class.__name__ == "DeadlineConnection"  # sentinels stay plain
