@@ -186,9 +186,10 @@ def _redis_url(url: str, scheme: str, extras: RemoteExtras, notes: list[str]) ->
     if extras.cluster and scheme in ("valkey", "redis", "rediss"):
         url = "redis-cluster://" + url.split("://", 1)[1]
         scheme = "redis-cluster"
-        if tls:  # kept: the cluster URL once lost it, and with it the encryption asked for
-            url = with_query(url, {"ssl": "true"})
-            notes.append("TLS to every cluster node: ?ssl=true")
+    if tls and scheme in ("redis-cluster", "redis-sentinel"):
+        # kept: a cluster URL once lost it, and with it the encryption asked for
+        url = with_query(url, {"ssl": "true"})
+        notes.append(f"TLS ({scheme}): ?ssl=true")
     parts = urlsplit(url)
     if r.get("tls") and scheme in ("redis", "valkey"):
         parts = parts._replace(scheme="rediss")

@@ -42,7 +42,7 @@ from kvmesh.metrics import TierMetrics
 from kvmesh.tiers.base import ChunkData, Feature, Into, StoredChunk, TierOptions, register_tier
 from kvmesh.tiers.deadline import deadline
 from kvmesh.tiers.redis import RedisTier
-from kvmesh.tiers.redis_wire import TLS_OPTIONS, make_client
+from kvmesh.tiers.redis_wire import TLS_OPTIONS, make_client, refuse_fragment, url_flag
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -168,10 +168,11 @@ class RedisClusterTier:
         node, with the cluster's credentials (quoted: a password may hold ``@``, ``:`` or ``/``)."""
         user, password = self._auth.get("username"), self._auth.get("password")
         auth = f"{quote(user or '', safe='')}:{quote(password, safe='')}@" if password else ""
+        host = f"[{addr[0]}]" if ":" in addr[0] else addr[0]  # an IPv6 node
         if self._tls is None:
-            return f"redis://{auth}{addr[0]}:{addr[1]}/0"
+            return f"redis://{auth}{host}:{addr[1]}/0"
         query = f"?{urlencode(self._tls)}" if self._tls else ""
-        return f"rediss://{auth}{addr[0]}:{addr[1]}/0{query}"
+        return f"rediss://{auth}{host}:{addr[1]}/0{query}"
 
     def _open_shard(self, addr: Addr) -> RedisTier:
         opts = replace(
@@ -303,17 +304,19 @@ def _tls(url: str) -> dict[str, str] | None:
     """The query of ``redis-cluster://...?ssl=true&ssl_ca_certs=...``: None for plain TCP,
     else the ``ssl_*`` options every node's ``rediss://`` URL carries. Anything else is
     refused (a query once vanished here, and with it the TLS the user asked for)."""
-    query = dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
-    ssl = query.pop("ssl", "false").lower()
-    if ssl not in ("true", "false", "1", "0", "yes", "no"):
-        raise ConfigError(f"redis-cluster URL {redact_url(url)!r}: ssl={ssl!r}; write ssl=true or ssl=false")
+    try:
+        refuse_fragment(url)
+        query = dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
+        ssl = url_flag(query, "ssl")
+    except ValueError as exc:
+        raise ConfigError(f"redis-cluster URL {redact_url(url)!r}: {exc}") from None
     unknown = sorted(set(query) - set(TLS_OPTIONS))
     if unknown:
         raise ConfigError(
             f"redis-cluster URL {redact_url(url)!r}: unknown parameter(s) {', '.join(unknown)}; "
             f"it takes ssl=true and {', '.join(TLS_OPTIONS)}"
         )
-    if ssl in ("false", "0", "no"):
+    if not ssl:
         if query:
             raise ConfigError(
                 f"redis-cluster URL {redact_url(url)!r}: {', '.join(sorted(query))} needs ssl=true"

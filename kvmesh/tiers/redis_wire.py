@@ -214,7 +214,10 @@ class _BoundedSentinel(Sentinel):
         ip, port = state.get("ip"), state.get("port")
         if not isinstance(ip, str) or not ip or not isinstance(port, int) or not 0 < port < 65536:
             return False
-        return bool(super().check_master_state(state, service_name))
+        try:  # redis-py calls this outside its error handling: a missing field must not escape
+            return bool(super().check_master_state(state, service_name))
+        except _MALFORMED:
+            return False
 
 
 # What redis-py 8 sends on each new connection after HELLO/AUTH, each command read before the
@@ -267,6 +270,22 @@ def bound_pool(pool: Any, max_reply_bytes: int, what: str) -> None:
     pool.connection_kwargs["socket_read_size"] = min(READ_BYTES, max_reply_bytes)
 
 
+def url_flag(query: dict[str, str], name: str) -> bool:
+    """``query.pop(name)`` as a boolean: true/false, 1/0, yes/no; anything else is refused
+    (``ssl=ture`` read as false once meant plain TCP)."""
+    value = query.pop(name, "false").lower()
+    if value not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(f"{name}={value!r}; write {name}=true or {name}=false")
+    return value in ("true", "1", "yes")
+
+
+def refuse_fragment(url: str) -> None:
+    """A raw ``#`` (in a password) makes the rest of the URL a fragment: its query, ``ssl=true``
+    with it, would vanish and the password go out over plain TCP. Refused: quote it (%23)."""
+    if urlsplit(url).fragment or url.endswith("#"):
+        raise ValueError("a raw '#' cuts the URL short (its query with it); write it as %23")
+
+
 def sentinel_client(url: str, timeout_s: float) -> redis.Redis[bytes]:
     """The master of ``redis-sentinel://[user:pass@]h:p,h:p[/db][?service_name=NAME]
     [&sentinel_password=P][&ssl=true][&sentinel_ssl=true][&ssl_ca_certs=PATH]`` through
@@ -275,6 +294,7 @@ def sentinel_client(url: str, timeout_s: float) -> redis.Redis[bytes]:
     to the sentinels; redis-py's ``ssl_*`` options (:data:`TLS_OPTIONS`) go to both.
     User and password are the master's (as in LMCache); the master's name defaults to
     ``$REDIS_SERVICE_NAME``, then ``redismaster`` (LMCache's defaults)."""
+    refuse_fragment(url)
     rest = url.split("://", 1)[1]
     query = dict(parse_qsl(urlsplit(url).query))
     rest = rest.split("?", 1)[0]
@@ -295,8 +315,7 @@ def sentinel_client(url: str, timeout_s: float) -> redis.Redis[bytes]:
         nodes.append((p.hostname, p.port))
     service = query.pop("service_name", None) or os.environ.get(SENTINEL_SERVICE_ENV)
     service = service or SENTINEL_DEFAULT_SERVICE
-    ssl = query.pop("ssl", "false").lower() in ("1", "true", "yes")
-    sentinel_ssl = query.pop("sentinel_ssl", "false").lower() in ("1", "true", "yes")
+    ssl, sentinel_ssl = url_flag(query, "ssl"), url_flag(query, "sentinel_ssl")
     sentinel_password = query.pop("sentinel_password", None)
     # Typed as redis-py types them in a rediss:// URL (ssl_check_hostname=false is False).
     tls = {k: URL_QUERY_ARGUMENT_PARSERS.get(k, str)(query.pop(k)) for k in TLS_OPTIONS if k in query}

@@ -297,6 +297,8 @@ SENTINEL_ANSWERS: dict[str, bytes | Callable[[socket.socket], None]] = {
     "no-port": _masters("-"),
     "port-not-a-number": _masters("http"),
     "port-past-65535": _masters(70000),
+    "no-num-other-sentinels": _masters(6379, **{"num-other-sentinels": "-"}),
+    "num-other-sentinels-not-a-number": _masters(6379, **{"num-other-sentinels": "x"}),
 }
 
 
@@ -309,7 +311,8 @@ def test_a_hostile_sentinel_costs_one_budget_and_is_a_miss(
     endless one was read whole into memory, and an answer of the wrong shape raised KeyError,
     TypeError or OverflowError out of the tier's read into the load. Now every sentinel query
     waits at most the operation's time left, its reply is bounded, and a malformed answer is
-    that sentinel's failure: the read is a miss, counted as an error.
+    that sentinel's failure: the read is a miss, counted as an error (the last two shapes
+    raised out of redis-py's own check of the master's state).
 
     The sentinel answers well until the tier is up and connected, then turns; the pooled
     connections are dropped, as redis-py drops them when a sentinel names a new master."""
@@ -322,7 +325,7 @@ def test_a_hostile_sentinel_costs_one_budget_and_is_a_miss(
         sentinel.replies[b"SENTINEL"] = answer
         tier._client.connection_pool.disconnect()  # type: ignore[attr-defined]
         got, took = _get_within(tier, keys, 10.0)
-        assert got == [None] and took < 1.0 + 1.0, took  # slack for a loaded machine
+        assert got == [None] and took < 1.0 + 2.0, took  # slack for a loaded machine; the old code: for ever
         assert master.hgetalls == 1
         snap = tier.metrics.snapshot()
         assert snap.get("errors", 0) + snap.get("timeouts", 0) == 1 and snap["hits"] == 0, snap

@@ -300,6 +300,8 @@ def test_redis_and_valkey_credentials_database_tls_ttl_go_into_the_url() -> None
         "redis-cluster://h:1,h:2?ssl=true"
     )
     assert url("rediss://h:1", {"valkey_mode": "cluster"}) == "redis-cluster://h:1?ssl=true"
+    assert url("redis-cluster://h:1", {"tls_enable": True}) == "redis-cluster://h:1?ssl=true"
+    assert url("redis-sentinel://h:1", {"use_tls": True}) == "redis-sentinel://h:1?ssl=true"
     assert url("unix:///tmp/r.sock", {"password": "pw", "redis_database": 1}) == "unix://:pw@/tmp/r.sock?db=1"
     ttl = CacheConfig.from_dict({"remote_url": "valkey://h:1", "extra_config": {"valkey_enable_ttl": True}})
     assert ttl.remote_ttl_s == 86400

@@ -40,10 +40,11 @@ def test_redis_cluster_url_forms() -> None:
     assert seeds == [("h1", 7000), ("h2", 7001)] and tls == {"ssl_ca_certs": "/etc/ca.pem"}
     assert redis_cluster._parse("redis-cluster://h1:7000?ssl=false")[2] is None
     # A query the tier cannot honour is refused, never dropped (it once took TLS with it).
-    for bad, message in [("?tls=true", "unknown parameter"), ("?ssl=maybe", "ssl='maybe'"),
-                         ("?ssl_ca_certs=/ca.pem", "needs ssl=true")]:  # fmt: skip
+    for bad, message in [("h1:7000?tls=true", "unknown parameter"), ("h1:7000?ssl=maybe", "ssl='maybe'"),
+                         ("h1:7000?ssl_ca_certs=/ca.pem", "needs ssl=true"),
+                         (":pa#ss@h1:7000?ssl=true", "%23")]:  # fmt: skip
         with pytest.raises(ConfigError, match=message):
-            redis_cluster._parse(f"redis-cluster://h1:7000{bad}")
+            redis_cluster._parse(f"redis-cluster://{bad}")
 
 
 def test_new_schemes_are_served() -> None:
@@ -68,6 +69,8 @@ def test_redis_cluster_node_urls_keep_any_password() -> None:
     got = parse_url(tier._node_url(("10.0.0.5", 7001)))
     assert got["connection_class"].__name__ == "SSLConnection" and got["password"] == password
     assert got["ssl_ca_certs"] == "/etc/kvmesh/ca dir/ca.pem"
+    got = parse_url(tier._node_url(("fd00::5", 7001)))  # an IPv6 node from CLUSTER SLOTS
+    assert (got["host"], got["port"]) == ("fd00::5", 7001)
 
 
 def test_sentinel_tls_options_reach_master_and_sentinels_typed() -> None:
@@ -90,3 +93,17 @@ def test_sentinel_tls_options_reach_master_and_sentinels_typed() -> None:
     plain = sentinel_client("redis-sentinel://h1:1?ssl=true&ssl_ca_certs=/ca.pem", 1.0)
     node = plain.connection_pool.sentinel_manager.sentinels[0]  # type: ignore[attr-defined]
     assert node.connection_pool.connection_class.__name__ == "DeadlineConnection"  # sentinels stay plain
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("redis-sentinel://h1:1?ssl=ture", "ssl='ture'"),  # once read as false: plain TCP
+        ("redis-sentinel://:pa#ss@h1:1?ssl=true", "%23"),  # the query cut off as a fragment
+    ],
+)
+def test_sentinel_urls_that_would_lose_tls_are_refused(url: str, message: str) -> None:
+    from kvmesh.tiers.redis_wire import make_client
+
+    with pytest.raises(ConfigError, match=message):
+        make_client(url, 1.0)
