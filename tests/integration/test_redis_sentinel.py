@@ -122,7 +122,7 @@ def test_lmcache_sentinel_url_follows_a_failover(
 
 
 def test_master_and_sentinel_over_tls(
-    redis_server_factory: Callable[..., RedisServer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    redis_server_factory: Callable[..., RedisServer], tmp_path: Path
 ) -> None:
     """A master and its sentinel serving TLS only: ``ssl=true`` (the master), ``sentinel_ssl=true``
     (the sentinels) and ``ssl_ca_certs`` (the CA, for both) reach the master the sentinel

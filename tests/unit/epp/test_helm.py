@@ -139,6 +139,10 @@ def test_values_reach_the_objects_and_every_reference_resolves() -> None:
                 assert ("ConfigMap", vol["configMap"]["name"]) in names
     policies = [o["spec"] for o in objects if o["kind"] == "NetworkPolicy"]
     assert len(policies) == 2  # workers and EPP: no shared tier of the chart's to guard
+    # KV events (every prompt's token ids) only to this release's readers, not another fleet's EPP
+    (readers,) = [r["from"] for p in policies for r in p["ingress"] if "from" in r]
+    assert readers == [{"podSelector": {"matchLabels": {"kvmesh.io/kv-events-reader": "prod-kvmesh"}}}]
+    assert epp_pod["metadata"]["labels"]["kvmesh.io/kv-events-reader"] == "prod-kvmesh"
     assert all(any(p["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
                    for pod in pods.values()) for p in policies)  # fmt: skip
 
@@ -181,7 +185,6 @@ def test_no_shared_tier_means_no_password_and_no_url() -> None:
 def test_monitors_follow_the_prometheus_operator(args: tuple[str, ...], monitors: bool) -> None:
     kinds = {o["kind"] for o in render_chart("kvmesh", *args)}
     assert ({"ServiceMonitor", "PodMonitor"} <= kinds) is monitors
-    assert not monitors or {"ServiceMonitor", "PodMonitor"} <= kinds
 
 
 @pytest.mark.parametrize(
@@ -199,6 +202,8 @@ def test_monitors_follow_the_prometheus_operator(args: tuple[str, ...], monitors
         ("httpRoute.pathPrefix=v1", "httpRoute.pathPrefix"),
         ("autoscaling.mode=vpa", "autoscaling.mode"),
         ("autoscaling.kvUsage=85", "autoscaling.kvUsage"),
+        ("redis.url=rediss://valkey:6380/0", "set redis.enabled=false with it"),  # else silently unused
+        ("epp.config.routing.model=/models/mine", "epp.config.routing.model"),  # the chart's own
     ],
 )
 def test_values_it_cannot_take_are_refused_naming_the_key(setting: str, message: str) -> None:
@@ -211,13 +216,18 @@ def test_values_it_cannot_take_are_refused_naming_the_key(setting: str, message:
     assert out.returncode != 0 and message in out.stderr, out.stderr
 
 
-def test_autoscaling_refuses_a_policy_that_publishes_no_signal() -> None:
-    out = subprocess.run(
-        [helm_binary(), "template", "kvmesh", str(CHART), "--set=autoscaling.mode=keda",
-         "--set=epp.config.routing.policy=kvmesh"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert out.returncode != 0 and "needs epp.config.routing.policy cost" in out.stderr, out.stderr
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (("epp.config.routing.policy=kvmesh",), "needs epp.config.routing.policy cost"),  # no signal
+        (("autoscaling.minReplicas=20",), "autoscaling.minReplicas (20) is above"),
+    ],
+)
+def test_autoscaling_refuses_what_cannot_work(settings: tuple[str, ...], message: str) -> None:
+    sets = [f"--set={s}" for s in ("autoscaling.mode=keda", *settings)]
+    out = subprocess.run([helm_binary(), "template", "kvmesh", str(CHART), *sets],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode != 0 and message in out.stderr, out.stderr
 
 
 def test_the_schema_knows_the_policies_kvmesh_knows() -> None:

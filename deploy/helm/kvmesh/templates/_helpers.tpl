@@ -1,10 +1,12 @@
 {{/* The prefix of every name: the release's name where it holds the chart's ("kvmesh",
 "kvmesh-prod"), else "<release>-kvmesh". */}}
+{{/* 40 characters at most: "<name>-redis" names a StatefulSet, whose pods' revision label
+("<name>-redis-<10-character hash>") must fit in 63. */}}
 {{- define "kvmesh.fullname" -}}
 {{- if contains .Chart.Name .Release.Name -}}
-{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
 {{- end -}}
 {{- end -}}
 
@@ -24,6 +26,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/* The shared tier's URL the workers get ("" for none). */}}
 {{- define "kvmesh.remoteUrl" -}}
+{{- if and .Values.redis.enabled .Values.redis.url -}}
+{{- fail "redis.url names your own shared tier: set redis.enabled=false with it (enabled deploys the chart's Valkey)" -}}
+{{- end -}}
 {{- if .Values.redis.enabled -}}
 {{- printf "redis://kvmesh:$(REDIS_PASSWORD)@%s-redis:6379/0" (include "kvmesh.fullname" .) -}}
 {{- else -}}
