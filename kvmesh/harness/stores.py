@@ -8,15 +8,18 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from kvmesh.errors import ProcessError
 from kvmesh.harness.ports import free_port
+from kvmesh.harness.services import TlsFiles
 
 S3_CREDS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -26,9 +29,11 @@ S3_CREDS = {
 
 
 class MotoServer:
-    """``moto_server`` on a free loopback port; its log in ``workdir``."""
+    """``moto_server`` on a free loopback port; its log in ``workdir``. ``tls``: serve https
+    with that certificate (:attr:`tier_url` then names its CA as ``ca_bundle``)."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, tls: TlsFiles | None = None) -> None:
+        self.tls = tls
         self.port = free_port()
         self.workdir = workdir
         self.proc: subprocess.Popen[bytes] | None = None
@@ -37,21 +42,24 @@ class MotoServer:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'http' if self.tls is None else 'https'}://127.0.0.1:{self.port}"
 
     def tier_url(self, bucket: str, prefix: str = "pfx") -> str:
         """An ``s3://`` tier URL of ``bucket`` on this server, credentials included."""
+        ca = "" if self.tls is None else f"&ca_bundle={quote(str(self.tls.ca))}"
         return (
             f"s3://{bucket}/{prefix}?endpoint_url={self.endpoint}&access_key_id=testing"
-            "&secret_access_key=testing&region=us-east-1"
+            f"&secret_access_key=testing&region=us-east-1{ca}"
         )
 
     def start(self) -> None:
         log = open(self.workdir / f"moto-{self.port}.log", "ab")  # noqa: SIM115 - closed with the process
         env = {**os.environ, **S3_CREDS}
+        tls = [] if self.tls is None else ["-c", str(self.tls.cert), "-k", str(self.tls.key)]
         self.proc = subprocess.Popen(
-            [*self.cmd, "-H", "127.0.0.1", "-p", str(self.port)], stdout=log, stderr=log, env=env
+            [*self.cmd, "-H", "127.0.0.1", "-p", str(self.port), *tls], stdout=log, stderr=log, env=env
         )
+        context = None if self.tls is None else ssl.create_default_context(cafile=str(self.tls.ca))
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -59,7 +67,7 @@ class MotoServer:
                     f"moto_server exited: {(self.workdir / f'moto-{self.port}.log').read_text()[-2000:]}"
                 )
             try:
-                urllib.request.urlopen(self.endpoint + "/", timeout=1).read()
+                urllib.request.urlopen(self.endpoint + "/", timeout=1, context=context).read()
                 return
             except OSError:
                 time.sleep(0.2)
@@ -78,6 +86,7 @@ class MotoServer:
         return boto3.client(
             "s3",
             endpoint_url=self.endpoint,
+            verify=None if self.tls is None else str(self.tls.ca),
             aws_access_key_id="testing",
             aws_secret_access_key="testing",
             region_name="us-east-1",

@@ -6,7 +6,9 @@ URL forms: ``s3://bucket/prefix`` and LMCache's virtual-host form
 ``region``, ``access_key_id``, ``secret_access_key``, ``max_concurrency`` (parallel
 requests, default 16), ``range_bytes`` (size of one ranged GET, default 8 MiB),
 ``multipart_bytes`` (objects larger than this are uploaded in parts, default 64 MiB),
-``disable_tls``. Otherwise botocore's usual sources apply: ``AWS_ENDPOINT_URL``,
+``disable_tls``, ``ca_bundle`` (a PEM file of the CA that signed the endpoint's
+certificate: an S3-compatible store with a private CA; boto3's ``AWS_CA_BUNDLE`` does the
+same for the whole process). Otherwise botocore's usual sources apply: ``AWS_ENDPOINT_URL``,
 ``AWS_REGION``, ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, ``~/.aws``.
 
 Layout: one object per chunk, ``<prefix>/<chunk key>``, holding the serialized chunk
@@ -98,8 +100,14 @@ class S3Tier:
         )
         no_tls = q.pop("disable_tls", "false").lower() in ("1", "true", "yes")
         endpoint = q.pop("endpoint_url", None)
+        ca_bundle = q.pop("ca_bundle", None)
         if q:
             raise ConfigError(f"s3 URL {self.url!r}: unknown parameter(s) {', '.join(sorted(q))}")
+        if ca_bundle is not None and (no_tls or (endpoint or "").startswith("http://")):
+            raise ConfigError(f"s3 URL {self.url!r}: ca_bundle verifies TLS, but the endpoint is plain http")
+        if ca_bundle is not None and not os.path.isfile(ca_bundle):
+            raise ConfigError(f"s3 URL {self.url!r}: ca_bundle {ca_bundle!r} is not a file")
+        verify: str | None = ca_bundle  # None: botocore's default (its bundle, AWS_CA_BUNDLE)
         # botocore's retries are off: the tier retries whole operations and counts every
         # failed attempt towards its breaker, which hidden retries would blur.
         cfg = Config(
@@ -108,9 +116,13 @@ class S3Tier:
             retries={"max_attempts": 1, "mode": "standard"},
             max_pool_connections=workers + 2,
         )
-        self._client = session.client("s3", endpoint_url=endpoint, use_ssl=not no_tls, config=cfg)
+        self._client = session.client(
+            "s3", endpoint_url=endpoint, use_ssl=not no_tls, verify=verify, config=cfg
+        )
         probe_cfg = cfg.merge(Config(connect_timeout=1.0, read_timeout=1.0))
-        self._probe_client = session.client("s3", endpoint_url=endpoint, use_ssl=not no_tls, config=probe_cfg)
+        self._probe_client = session.client(
+            "s3", endpoint_url=endpoint, use_ssl=not no_tls, verify=verify, config=probe_cfg
+        )
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"kvmesh-{self.name}")
         # The breaker and deadline every remote tier shares (kvmesh.tiers.breaker): a timeout
         # opens it at once, 5xx/throttling/connection errors after failure_threshold tries,
@@ -359,11 +371,10 @@ class S3Tier:
             return None
 
     def _ping(self) -> bool:
-        try:
-            self._probe_client.head_bucket(Bucket=self.bucket)
-            return True
-        except Exception:  # any failure of the probe means "not up yet"
-            return False
+        # Whatever this raises means "not up yet"; the guard keeps it to say why at start
+        # (a certificate that does not verify, a bucket that is not there).
+        self._probe_client.head_bucket(Bucket=self.bucket)
+        return True
 
 
 class _Missing(Exception):

@@ -229,3 +229,44 @@ def test_lmcache_virtual_host_url_reaches_its_endpoint(moto: MotoServer, bucket:
         assert len(names) == 2 and all(n.startswith("lmc/kvm2-") for n in names)
     finally:
         tier.close()
+
+
+@pytest.mark.slow
+def test_https_endpoint_with_a_private_ca(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An S3-compatible store serving https with a certificate of a private CA (MinIO, Ceph
+    RGW behind a company CA): ``ca_bundle`` names the CA and chunks round-trip; without it the
+    certificate does not verify, the tier starts down and says why; a CA for a plain http
+    endpoint is refused as the configuration error it is."""
+    from kvmesh.errors import ConfigError
+    from kvmesh.harness.services import TlsFiles
+
+    server = MotoServer(tmp_path, tls=TlsFiles.make(tmp_path / "tls"))
+    server.start()
+    try:
+        server.client().create_bucket(Bucket="kv-tls")
+        opts = TierOptions(name="remote", metrics=TierMetrics("remote"), probe_interval_s=0.2, timeout_s=2.0)
+        tier = open_tier(server.tier_url("kv-tls"), opts)
+        try:
+            keys, chunks = _chunks(3)
+            assert tier.put(keys, chunks) == [True] * 3
+            got = tier.get(keys)
+            assert [
+                g is not None and bytes(g.data) == bytes(c.data) for g, c in zip(got, chunks, strict=True)
+            ] == [True] * 3
+        finally:
+            tier.close()
+        unverified = server.tier_url("kv-tls").split("&ca_bundle=", 1)[0]
+        with caplog.at_level("WARNING", logger="kvmesh.tiers.breaker"):
+            tier = open_tier(
+                unverified, TierOptions(name="remote", metrics=TierMetrics("remote"), timeout_s=2.0)
+            )
+        try:
+            assert tier.health() == "down" and tier.get(keys) == [None] * 3
+            assert "CERTIFICATE_VERIFY_FAILED" in caplog.text, caplog.text
+        finally:
+            tier.close()
+        plain = unverified.replace("https://", "http://") + f"&ca_bundle={server.tls.ca}"  # type: ignore[union-attr]
+        with pytest.raises(ConfigError, match="plain http"):
+            open_tier(plain, TierOptions(name="remote", metrics=TierMetrics("remote")))
+    finally:
+        server.kill()
