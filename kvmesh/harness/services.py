@@ -49,11 +49,19 @@ class TlsFiles:
         files.key.chmod(0o600)
         return files
 
-    def server_args(self, port: int) -> list[str]:
+    def server_options(self, port: int) -> list[tuple[str, str]]:
         """``redis-server`` options serving TLS only, on ``port`` (clients need no certificate)."""
-        return ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(self.cert),
-                "--tls-key-file", str(self.key), "--tls-ca-cert-file", str(self.ca),
-                "--tls-auth-clients", "no"]  # fmt: skip
+        return [("port", "0"), ("tls-port", str(port)), ("tls-cert-file", str(self.cert)),
+                ("tls-key-file", str(self.key)), ("tls-ca-cert-file", str(self.ca)),
+                ("tls-auth-clients", "no")]  # fmt: skip
+
+    def server_args(self, port: int) -> list[str]:
+        """:meth:`server_options` as command-line arguments."""
+        return [arg for name, value in self.server_options(port) for arg in (f"--{name}", value)]
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """What a ``redis.Redis`` client needs to reach such a server and verify it."""
+        return {"ssl": True, "ssl_ca_certs": str(self.ca)}
 
 
 def drop_page_cache() -> bool:
@@ -127,14 +135,13 @@ class RedisServer:
         """A ``redis.Redis`` client of this server (the caller closes it)."""
         import redis
 
-        tls: dict[str, Any] = {} if self.tls is None else {"ssl": True, "ssl_ca_certs": str(self.tls.ca)}
         return redis.Redis(
             host=self.host,
             port=self.port,
             password=self.password,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
-            **tls,
+            **({} if self.tls is None else self.tls.client_kwargs()),
         )
 
     def is_running(self) -> bool:
@@ -261,10 +268,8 @@ class RedisSentinel(RedisServer):
         conf = self.workdir / f"sentinel-{self.port}.conf"
         if self.tls is None:
             listen = [f"port {self.port}"]
-        else:
-            listen = ["port 0", f"tls-port {self.port}", f"tls-cert-file {self.tls.cert}",
-                      f"tls-key-file {self.tls.key}", f"tls-ca-cert-file {self.tls.ca}",
-                      "tls-auth-clients no", "tls-replication yes"]  # fmt: skip
+        else:  # and TLS to the servers it watches
+            listen = [f"{k} {v}" for k, v in self.tls.server_options(self.port)] + ["tls-replication yes"]
         lines = [
             *listen,
             f"bind {self.host}",
@@ -277,14 +282,6 @@ class RedisSentinel(RedisServer):
             lines.append(f"sentinel auth-pass {self.service} {self.master.password}")
         conf.write_text("\n".join(lines) + "\n")
         return [binary, str(conf), "--sentinel"]
-
-    def client(self, timeout: float = 5.0) -> Any:
-        import redis
-
-        tls: dict[str, Any] = {} if self.tls is None else {"ssl": True, "ssl_ca_certs": str(self.tls.ca)}
-        return redis.Redis(
-            host=self.host, port=self.port, socket_timeout=timeout, socket_connect_timeout=timeout, **tls
-        )
 
     def flushall(self) -> None:
         raise NotImplementedError("a sentinel holds no data")

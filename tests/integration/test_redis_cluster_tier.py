@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -68,8 +67,9 @@ class Cluster:
         return url if self.tls is None else f"{url}?ssl=true&ssl_ca_certs={quote(str(self.tls.ca))}"
 
     def client(self, port: int, timeout: float | None = None) -> redis.Redis:
-        tls: dict[str, Any] = {} if self.tls is None else {"ssl": True, "ssl_ca_certs": str(self.tls.ca)}
-        return redis.Redis(port=port, socket_timeout=timeout, **tls)
+        return redis.Redis(
+            port=port, socket_timeout=timeout, **({} if self.tls is None else self.tls.client_kwargs())
+        )
 
     def start_node(self, port: int) -> None:
         d = self.workdir / str(port)

@@ -41,12 +41,12 @@ def render(kustomization: str) -> list[dict[str, Any]]:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("no kubectl (apt-get install kubernetes-client): cannot render the kustomize base")
-    out = subprocess.run(
-        [kubectl, "kustomize", str(DEPLOY / "kustomize" / kustomization)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return rendered([kubectl, "kustomize", str(DEPLOY / "kustomize" / kustomization)])
+
+
+def rendered(cmd: list[str]) -> list[dict[str, Any]]:
+    """The objects ``cmd`` (a kustomize or helm render) writes."""
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
@@ -62,14 +62,7 @@ def helm_binary() -> str:
 
 def render_chart(release: str = "kvmesh", *args: str) -> list[dict[str, Any]]:
     """``helm template`` of deploy/helm/kvmesh; ``args``: --set, --api-versions, ..."""
-    out = subprocess.run(
-        [helm_binary(), "template", release, str(DEPLOY / "helm" / "kvmesh"), *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+    return rendered([helm_binary(), "template", release, str(DEPLOY / "helm" / "kvmesh"), *args])
 
 
 # The chart as the kustomize base is: release "kvmesh", a cluster with the Prometheus Operator.
@@ -296,12 +289,7 @@ def test_with_the_documented_secrets_every_object_validates(tmp_path: Path) -> N
             {"name": "kvmesh-epp-tls", "type": "kubernetes.io/tls", "files": ["tls.crt", "tls.key"]},
         ],
     }))  # fmt: skip
-    out = subprocess.run(
-        [kubectl, "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(overlay)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    objects = [d for d in yaml.safe_load_all(out.stdout) if d]
+    objects = rendered([kubectl, "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(overlay)])
     version = kubernetes_validate.latest_version()
     secrets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Secret"}
     assert set(secrets) == {"kvmesh-fleet-key", "kvmesh-redis-auth", "kvmesh-epp-tls"}
