@@ -8,12 +8,13 @@ discovery adds and removes endpoints at run time instead.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvmesh.errors import ConfigError
 from kvmesh.routing.config import RoutingConfig, explain
@@ -30,12 +31,35 @@ PICKED_HEADER = "x-kvmesh-endpoint"  # on the response: the primary the EPP pick
 TICKET_NAMESPACE = "kvmesh.ticket"
 
 
+# InferencePool API groups and the version read of each: v1 (``spec.selector.matchLabels``,
+# ``spec.targetPorts``) and the older x-k8s.io v1alpha2 (``spec.selector``, ``spec.targetPortNumber``).
+POOL_GROUPS = {"inference.networking.k8s.io": "v1", "inference.networking.x-k8s.io": "v1alpha2"}
+# Kubernetes label syntax (a key's optional DNS-subdomain prefix, a name, a value of at most 63):
+# anything else would change the labelSelector query the selector becomes.
+_LABEL_KEY = re.compile(
+    r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+)
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+
+
 class KubeConfig(BaseModel):
-    """Where the InferencePool lives; the pods it selects become the endpoints."""
+    """Which pods are the endpoints: those an InferencePool selects, or (no pool) those a label
+    selector names, on the given target ports (the reference EPP's standalone mode)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    pool: str = Field(description="InferencePool name (inference.networking.k8s.io/v1)")
+    pool: str | None = Field(
+        default=None, description="InferencePool name; unset: pods by `selector` on `target_ports`"
+    )
+    group: str = Field(
+        default="inference.networking.k8s.io",
+        description="the pool's API group: inference.networking.k8s.io (v1) or inference.networking.x-k8s.io "
+        "(v1alpha2)",
+    )
+    selector: dict[str, str] | None = Field(
+        default=None, description="without a pool: the pods' labels (matched exactly)"
+    )
+    target_ports: tuple[int, ...] = Field(default=(), description="without a pool: the pods' serving ports")
     namespace: str = Field(default="default", description="namespace of the pool and its pods")
     api_server: str | None = Field(
         default=None, description="API server URL (default: in-cluster, from KUBERNETES_SERVICE_HOST)"
@@ -43,6 +67,22 @@ class KubeConfig(BaseModel):
     token_path: str = "/var/run/secrets/kubernetes.io/serviceaccount/token"
     ca_path: str = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
     resync_s: float = Field(default=300.0, gt=0, description="re-list after this long without events")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> KubeConfig:
+        if self.group not in POOL_GROUPS:
+            raise ValueError(f"group {self.group!r}: kvmesh reads InferencePools of {', '.join(POOL_GROUPS)}")
+        if (self.pool is None) == (self.selector is None):
+            raise ValueError("give either pool (an InferencePool) or selector with target_ports, not both")
+        if self.selector is not None and (not self.selector or not self.target_ports):
+            raise ValueError("selector needs at least one label and target_ports at least one port")
+        bad = [f"{k}={v}" for k, v in (self.selector or {}).items() if not _LABEL_KEY.fullmatch(k)
+               or not _LABEL_VALUE.fullmatch(v)]  # fmt: skip
+        if bad:
+            raise ValueError(f"selector: not Kubernetes label key=value pairs: {', '.join(bad)}")
+        if any(not 0 < port < 65536 for port in self.target_ports):
+            raise ValueError(f"target_ports must be 1-65535, got {list(self.target_ports)}")
+        return self
 
 
 class EppConfig(BaseModel):

@@ -1,13 +1,16 @@
 """Endpoint discovery from Kubernetes: the ready pods an ``InferencePool`` selects.
 
 The pool (``inference.networking.k8s.io/v1``) gives ``spec.selector.matchLabels`` and
-``spec.targetPorts[].number``; every ready pod matching the selector is one endpoint per
-target port, ``podIP:port``. Plain HTTP against the API server with aiohttp, already a
-kvmesh dependency: the ``kubernetes`` client does not fit vLLM's environment (it upgrades
-python-dateutil 2.9 -> 4.0), and lightkube would add six packages for two GETs and a
-watch. List the pods, then watch from the list's ``resourceVersion``; a watch that ends
-is resumed from the last version seen, a ``410 Gone`` lists again, and every ``resync_s``
-the pool itself is read again (its selector or port may have changed).
+``spec.targetPorts[].number`` (``inference.networking.x-k8s.io/v1alpha2``: ``spec.selector``
+and ``spec.targetPortNumber``); every ready pod matching the selector is one endpoint per
+target port, ``podIP:port``. Without a pool, ``kube.selector`` and ``kube.target_ports``
+name the pods directly (the reference EPP's ``--endpoint-selector``). Plain HTTP against
+the API server with aiohttp, already a kvmesh dependency: the ``kubernetes`` client does not
+fit vLLM's environment (it upgrades python-dateutil 2.9 -> 4.0), and lightkube would add six
+packages for two GETs and a watch. List the pods, then watch from the list's
+``resourceVersion``; a watch that ends is resumed from the last version seen, a ``410 Gone``
+lists again, and every ``resync_s`` the pool itself is read again (its selector or port may
+have changed).
 
 A pod is ready when it has an IP, is not being deleted, is ``Running`` and its ``Ready``
 condition is ``True``. Its KV-event endpoints come from annotations (docs/getting-started/kubernetes.md):
@@ -37,7 +40,7 @@ import aiohttp
 from kvmesh.errors import ConfigError, UpstreamError
 from kvmesh.routing.config import ReplicaConfig
 
-from .config import KubeConfig
+from .config import POOL_GROUPS, KubeConfig
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,7 @@ EVENTS_ANNOTATION = "kvmesh.io/kv-events"
 EVENTS_PORT_ANNOTATION = "kvmesh.io/kv-events-port"
 REPLAY_ANNOTATION = "kvmesh.io/kv-replay"
 REPLAY_PORT_ANNOTATION = "kvmesh.io/kv-replay-port"
-POOL_API = "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools/{name}"
+POOL_API = "/apis/{group}/{version}/namespaces/{ns}/inferencepools/{name}"
 PODS_API = "/api/v1/namespaces/{ns}/pods"
 
 
@@ -60,16 +63,27 @@ class EndpointSink(Protocol):
 
 
 def pool_selector(pool: Mapping[str, Any]) -> tuple[dict[str, str], list[int]]:
-    """(matchLabels, target ports) of an InferencePool object; ConfigError if it has none."""
+    """(labels, target ports) of an InferencePool object; ConfigError if it has none.
+
+    v1 has ``spec.selector.matchLabels`` and ``spec.targetPorts[].number``; v1alpha2 (the
+    ``inference.networking.x-k8s.io`` group) a plain label map ``spec.selector`` and one
+    ``spec.targetPortNumber``."""
     spec = pool.get("spec") or {}
-    labels = (spec.get("selector") or {}).get("matchLabels") or {}
-    ports = [int(p["number"]) for p in spec.get("targetPorts") or [] if isinstance(p, dict) and "number" in p]
     name = (pool.get("metadata") or {}).get("name", "?")
-    if not labels or not ports:
-        raise ConfigError(
-            f"InferencePool {name}: spec.selector.matchLabels and spec.targetPorts are required"
-        )
-    return {str(k): str(v) for k, v in labels.items()}, ports
+    if str(pool.get("apiVersion", "")).endswith("/v1alpha2"):
+        labels = spec.get("selector") or {}
+        number = spec.get("targetPortNumber")
+        ports = [number] if number is not None else []
+        need = "spec.selector and spec.targetPortNumber"
+    else:
+        labels = (spec.get("selector") or {}).get("matchLabels") or {}
+        ports = [p["number"] for p in spec.get("targetPorts") or [] if isinstance(p, dict) and "number" in p]
+        need = "spec.selector.matchLabels and spec.targetPorts"
+    if not isinstance(labels, Mapping) or not labels or not ports:
+        raise ConfigError(f"InferencePool {name}: {need} are required")
+    if any(isinstance(p, bool) or not isinstance(p, int) or not 0 < p < 65536 for p in ports):
+        raise ConfigError(f"InferencePool {name}: target ports must be numbers 1-65535, got {ports}")
+    return {str(k): str(v) for k, v in labels.items()}, [int(p) for p in ports]
 
 
 def pod_ready(pod: Mapping[str, Any]) -> bool:
@@ -221,8 +235,13 @@ class KubeDiscovery:
 
     async def _list_and_watch(self) -> None:
         cfg = self.config
-        pool = await self._get(POOL_API.format(ns=cfg.namespace, name=cfg.pool))
-        labels, ports = pool_selector(pool)
+        if cfg.pool is None:  # standalone: the pods the selector names, no pool to read
+            labels, ports = dict(cfg.selector or {}), list(cfg.target_ports)
+        else:
+            path = POOL_API.format(
+                group=cfg.group, version=POOL_GROUPS[cfg.group], ns=cfg.namespace, name=cfg.pool
+            )
+            labels, ports = pool_selector(await self._get(path))
         if self.tracker is None or self.tracker.ports != ports:
             if self.tracker is not None:
                 self.tracker.replace([])  # the port changed: every endpoint name changes

@@ -66,14 +66,13 @@ class EndpointPicker:
     ) -> None:
         self.config = config
         rc = self.routing = config.routing
-        if rc.tokenizer != "local":
-            raise ConfigError("routing.tokenizer: kvmesh epp tokenizes locally; valid values: local")
         self.metrics = metrics if metrics is not None else EppMetrics()
         self.core = RoutingCore(
             rc.model_copy(update={"replicas": ()}),
             self.metrics,
             index=index,
             tokenizer=tokenizer,
+            client=lambda: self._session,  # tokenizer: remote asks an endpoint's /tokenize
             admin_token=os.environ.get(TOKEN_ENV),  # the replicas' admin APIs (policy cost)
         )
         self.index, self.pool, self.tokenizer = self.core.index, self.core.pool, self.core.tokenizer

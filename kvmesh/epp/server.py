@@ -96,7 +96,8 @@ class EppServer:
         pb_grpc.add_ExternalProcessorServicer_to_server(_Processor(self.picker), self._grpc)
         # Health on the ext_proc port too, so that a gateway health-checks it over its TLS.
         health_pb2_grpc.add_HealthServicer_to_server(self._health_servicer, self._grpc)
-        address = f"{host}:{cfg.grpc_port}"
+        bind = f"[{host}]" if ":" in host else host  # an IPv6 pod IP, as gRPC spells it
+        address = f"{bind}:{cfg.grpc_port}"
         if self._tls is not None:
             cert, key = self._tls
             creds = grpc.ssl_server_credentials([(key, cert)])
@@ -106,7 +107,7 @@ class EppServer:
             self.grpc_port = self._grpc.add_insecure_port(address)
         self._health = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(self._health_servicer, self._health)
-        self.health_port = self._health.add_insecure_port(f"{host}:{self.config.health_port}")
+        self.health_port = self._health.add_insecure_port(f"{bind}:{self.config.health_port}")
         if not self.grpc_port or not self.health_port:
             raise ProcessError(f"kvmesh epp cannot bind its gRPC ports on {host} (in use?)")
         await self._grpc.start()

@@ -63,11 +63,3 @@ def test_endpoint_specs() -> None:
         endpoint_config("10.0.0.5:8000,name=a")
     with pytest.raises(ConfigError):
         endpoint_config("10.0.0.5:8000,bogus=1")
-
-
-def test_remote_tokenizer_is_refused() -> None:
-    from kvmesh.epp.scoring import EndpointPicker
-    from kvmesh.routing.config import RoutingConfig
-
-    with pytest.raises(ConfigError, match=r"routing\.tokenizer"):
-        EndpointPicker(EppConfig(routing=RoutingConfig(tokenizer="remote")))
