@@ -55,6 +55,15 @@ def _keyed(objects: list[dict[str, Any]]) -> dict[tuple[str, str], Any]:
     return {(o["kind"], o["metadata"]["name"]): _normal(o) for o in objects}
 
 
+def _chart_as_base(*args: str) -> dict[tuple[str, str], Any]:
+    """The chart rendered as the kustomize base is, less the one object it adds: the Grafana
+    dashboard as a ConfigMap for Grafana's sidecar (kustomize users get the file,
+    deploy/grafana/kvmesh-dashboard.json; test_the_dashboard_is_a_configmap_for_grafanas_sidecar)."""
+    chart = _keyed(render_chart(*CHART_AS_BASE, *args))
+    assert chart.pop(("ConfigMap", "kvmesh-dashboard"))["data"]["kvmesh.json"]
+    return chart
+
+
 def _refused(*args: str) -> str:
     """What ``helm template`` says when it refuses ``args`` (it must refuse them)."""
     out = subprocess.run([helm_binary(), "template", "kvmesh", str(CHART), *args],
@@ -72,7 +81,7 @@ def test_the_chart_lints_strictly() -> None:
 
 def test_the_default_chart_is_the_kustomize_base() -> None:
     """One fleet, two ways to install it: what one renders the other does, object by object."""
-    base, chart = _keyed(render("base")), _keyed(render_chart(*CHART_AS_BASE))
+    base, chart = _keyed(render("base")), _chart_as_base()
     assert sorted(base) == sorted(chart)
     for key, obj in base.items():
         assert chart[key] == obj, key
@@ -86,7 +95,7 @@ def test_autoscaling_is_the_kustomize_overlay(mode: str) -> None:
     policy cost, the autoscaler on the fleet gauges), except that the workers' Deployment
     leaves its replica count to the autoscaler: an upgrade must not reset what it scaled."""
     overlay = _keyed(render(f"autoscale-{mode}"))
-    chart = _keyed(render_chart(*CHART_AS_BASE, f"--set=autoscaling.mode={mode}"))
+    chart = _chart_as_base(f"--set=autoscaling.mode={mode}")
     assert sorted(overlay) == sorted(chart)
     workers = ("Deployment", "kvmesh-vllm")
     assert "replicas" not in chart[workers]["spec"]
@@ -196,9 +205,36 @@ def test_monitors_follow_the_prometheus_operator(args: tuple[str, ...], monitors
 
 
 @pytest.mark.parametrize(
+    "args, dashboard",
+    [
+        ((), False),  # auto follows the monitors: no Prometheus Operator, no Grafana sidecar to feed
+        (("--api-versions", "monitoring.coreos.com/v1"), True),
+        (("--api-versions", "monitoring.coreos.com/v1", "--set=monitoring.dashboard.enabled=false"), False),
+        (("--set=monitoring.dashboard.enabled=true",), True),
+    ],
+)
+def test_the_dashboard_is_a_configmap_for_grafanas_sidecar(args: tuple[str, ...], dashboard: bool) -> None:
+    maps = {o["metadata"]["name"]: o for o in render_chart("prod", *args) if o["kind"] == "ConfigMap"}
+    assert ("prod-kvmesh-dashboard" in maps) is dashboard
+    if dashboard:
+        got = maps["prod-kvmesh-dashboard"]
+        assert got["metadata"]["labels"]["grafana_dashboard"] == "1"
+        # The file deploy/grafana/ names, whole: Grafana reads the ConfigMap's JSON as is.
+        assert json.loads(got["data"]["kvmesh.json"]) == json.loads(
+            (DEPLOY / "grafana" / "kvmesh-dashboard.json").read_text()
+        )
+    custom = render_chart("prod", "--set=monitoring.dashboard.enabled=true",
+                          "--set=monitoring.dashboard.labels.team=ml",
+                          "--set=monitoring.dashboard.annotations.grafana_folder=kvmesh")  # fmt: skip
+    meta = by_kind(custom, "ConfigMap", "prod-kvmesh-dashboard")["metadata"]
+    assert meta["labels"]["team"] == "ml" and meta["annotations"] == {"grafana_folder": "kvmesh"}
+
+
+@pytest.mark.parametrize(
     "setting, message",
     [
         ("vllm.replica=3", "Additional property replica is not allowed"),
+        ("monitoring.dashboard.enabled=sometimes", "monitoring.dashboard.enabled"),
         ("vllm.replicas=-1", "vllm.replicas"),
         ("vllm.port=70000", "vllm.port"),
         ("vllm.extraArgs={max-model-len=8192}", "vllm.extraArgs.0"),
