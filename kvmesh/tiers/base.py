@@ -318,3 +318,12 @@ def url_path(url: str) -> str:
         return url
     # "file://relative/dir" (LMCache writes local_disk like this) means a relative path.
     return parts.netloc + parts.path if parts.netloc else parts.path
+
+
+def url_flag(query: dict[str, str], name: str) -> bool:
+    """``query.pop(name)`` as a boolean: true/false, 1/0, yes/no; anything else is refused
+    (``ssl=ture`` read as false once meant plain TCP)."""
+    value = query.pop(name, "false").lower()
+    if value not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(f"{name}={value!r}; write {name}=true or {name}=false")
+    return value in ("true", "1", "yes")

@@ -39,10 +39,10 @@ from kvmesh.core.saylimit import SayLimit, held_back
 from kvmesh.core.serde import Buffer
 from kvmesh.errors import ConfigError
 from kvmesh.metrics import TierMetrics
-from kvmesh.tiers.base import ChunkData, Feature, Into, StoredChunk, TierOptions, register_tier
+from kvmesh.tiers.base import ChunkData, Feature, Into, StoredChunk, TierOptions, register_tier, url_flag
 from kvmesh.tiers.deadline import deadline
 from kvmesh.tiers.redis import RedisTier
-from kvmesh.tiers.redis_wire import TLS_OPTIONS, make_client, refuse_fragment, url_flag
+from kvmesh.tiers.redis_wire import TLS_OPTIONS, make_client, refuse_fragment
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

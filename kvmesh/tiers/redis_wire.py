@@ -31,7 +31,7 @@ from kvmesh.config_lmcache import redact_url
 from kvmesh.core.keys import ChunkKey
 from kvmesh.core.serde import Buffer, ChunkFormat
 from kvmesh.errors import ConfigError, CorruptChunkError
-from kvmesh.tiers.base import Into, StoredChunk, payload_buffer
+from kvmesh.tiers.base import Into, StoredChunk, payload_buffer, url_flag
 from kvmesh.tiers.deadline import time_left
 
 T = TypeVar("T")
@@ -268,15 +268,6 @@ def bound_pool(pool: Any, max_reply_bytes: int, what: str) -> None:
     pool.connection_class = _DEADLINE_CLASSES[pool.connection_class]
     pool.connection_kwargs["max_reply_bytes"] = max_reply_bytes
     pool.connection_kwargs["socket_read_size"] = min(READ_BYTES, max_reply_bytes)
-
-
-def url_flag(query: dict[str, str], name: str) -> bool:
-    """``query.pop(name)`` as a boolean: true/false, 1/0, yes/no; anything else is refused
-    (``ssl=ture`` read as false once meant plain TCP)."""
-    value = query.pop(name, "false").lower()
-    if value not in ("true", "false", "1", "0", "yes", "no"):
-        raise ValueError(f"{name}={value!r}; write {name}=true or {name}=false")
-    return value in ("true", "1", "yes")
 
 
 def refuse_fragment(url: str) -> None:

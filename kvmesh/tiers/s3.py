@@ -57,6 +57,7 @@ from kvmesh.tiers.base import (
     counted_read,
     payload_buffer,
     register_tier,
+    url_flag,
 )
 from kvmesh.tiers.breaker import RemoteGuard
 from kvmesh.tiers.deadline import deadline, time_left
@@ -90,15 +91,18 @@ class S3Tier:
         self.url = redact_url(url)
         q = _parse(url)
         self.bucket, self.prefix = q.pop("bucket"), q.pop("prefix")
-        self.range_bytes = max(64 << 10, int(q.pop("range_bytes", 8 << 20)))
-        self.multipart_bytes = max(_MIN_PART, int(q.pop("multipart_bytes", 64 << 20)))
-        workers = max(1, int(q.pop("max_concurrency", 16)))
+        self.range_bytes = max(64 << 10, self._whole(q, "range_bytes", 8 << 20))
+        self.multipart_bytes = max(_MIN_PART, self._whole(q, "multipart_bytes", 64 << 20))
+        workers = max(1, self._whole(q, "max_concurrency", 16))
         session = boto3.session.Session(
             aws_access_key_id=q.pop("access_key_id", None),
             aws_secret_access_key=q.pop("secret_access_key", None),
             region_name=q.pop("region", None),
         )
-        no_tls = q.pop("disable_tls", "false").lower() in ("1", "true", "yes")
+        try:
+            no_tls = url_flag(q, "disable_tls")  # a misspelt value is refused, not read as false
+        except ValueError as exc:
+            raise ConfigError(f"s3 URL {self.url!r}: {exc}") from None
         endpoint = q.pop("endpoint_url", None)
         ca_bundle = q.pop("ca_bundle", None)
         if q:
@@ -141,6 +145,15 @@ class S3Tier:
             server_errors=(_Answered,),
         )
         self.guard.start()
+
+    def _whole(self, q: dict[str, str], name: str, default: int) -> int:
+        raw = q.pop(name, None)
+        if raw is None:
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"s3 URL {self.url!r}: {name}={raw!r} is not a whole number") from None
 
     def _object(self, key: ChunkKey | str) -> str:
         text = key.text if isinstance(key, ChunkKey) else key

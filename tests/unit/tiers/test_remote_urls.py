@@ -107,3 +107,16 @@ def test_sentinel_urls_that_would_lose_tls_are_refused(url: str, message: str) -
 
     with pytest.raises(ConfigError, match=message):
         make_client(url, 1.0)
+
+
+def test_s3_parameters_are_read_strictly() -> None:
+    """A misspelt flag or a number that is not one is a ConfigError naming it (``disable_tls``
+    was read as false for anything but true/1/yes, and ``range_bytes=8M`` raised ValueError)."""
+    from kvmesh.metrics import TierMetrics
+    from kvmesh.tiers.base import TierOptions
+
+    opts = TierOptions(name="remote", metrics=TierMetrics("remote"), timeout_s=1.0)
+    for query, message in [("disable_tls=ture", "disable_tls='ture'"), ("range_bytes=8M", "range_bytes='8M'"),
+                           ("max_concurrency=many", "max_concurrency='many'")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            s3.S3Tier(f"s3://bucket/p?endpoint_url=http://127.0.0.1:9&{query}", opts)
