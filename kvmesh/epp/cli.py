@@ -93,7 +93,11 @@ def register(sub: Any) -> argparse.ArgumentParser:
         "accepted so that the Inference Extension's and llm-d's Helm charts start kvmesh epp unchanged",
     )
     ref.add_argument("--zap-encoder", choices=("json", "console"), help="log lines as JSON objects or text")
-    ref.add_argument("--zap-log-level", choices=("debug", "info", "warn", "error"), help="log level")
+    ref.add_argument(
+        "--zap-log-level",
+        type=upstream.zap_level,
+        help="debug, info, error, panic, or a verbosity (1 and up: debug)",
+    )
     ref.add_argument("-v", "--v", type=int, dest="verbosity", help="log verbosity (4 and up: debug)")
     ref.add_argument(
         "--tracing", action=upstream.GoBool, help="kvmesh epp emits no OpenTelemetry traces (true: a warning)"
@@ -116,6 +120,8 @@ def register(sub: Any) -> argparse.ArgumentParser:
     ref.add_argument("--health-checking", action=upstream.GoBool, help="always on")
     for flag in upstream.OTHER_SERVER_FLAGS:
         ref.add_argument(f"--{flag.replace('_', '-')}", dest=flag, help="other servers' metrics: refused")
+    for flag, why in upstream.UNUSED_FLAGS.items():
+        ref.add_argument(f"--{flag}", dest=f"unused_{flag.replace('-', '_')}", metavar="VALUE", help=why)
     p.set_defaults(func=run_epp)
     return p
 
@@ -137,7 +143,10 @@ def load_config(args: argparse.Namespace) -> tuple[Any, bool]:
         raise ConfigError(f"cannot read epp config {where}: {exc}") from exc
     if not upstream.is_picker_config(doc):
         return EppConfig.from_dict(doc), False
-    data, skipped = upstream.picker_config(doc)
+    try:
+        data, skipped = upstream.picker_config(doc)
+    except (TypeError, ValueError, AttributeError) as exc:  # a shape the checks did not foresee
+        raise ConfigError(f"{where}: malformed {upstream.PICKER_KIND}: {exc}") from exc
     log.info(
         "%s: the reference EPP's %s, read as policy %s",
         where,
@@ -231,6 +240,9 @@ def _accepted_flags(args: argparse.Namespace) -> None:
                     "with a NetworkPolicy")  # fmt: skip
     if args.enable_cert_reload:
         log.warning("--enable-cert-reload: the certificate is read at start; restart to rotate it")
+    for flag, why in upstream.UNUSED_FLAGS.items():
+        if getattr(args, f"unused_{flag.replace('-', '_')}") is not None:
+            log.warning("--%s: accepted and not used: %s", flag, why)
     if args.ha_enable_leader_election:
         log.info(
             "--ha-enable-leader-election: no leader needed; every replica reads the KV events and serves"
@@ -241,7 +253,7 @@ def _log_level(args: argparse.Namespace) -> str:
     if args.log_level:
         return str(args.log_level)
     if args.zap_log_level:
-        return {"debug": "DEBUG", "info": "INFO", "warn": "WARNING", "error": "ERROR"}[args.zap_log_level]
+        return str(args.zap_log_level)
     return "DEBUG" if args.verbosity is not None and args.verbosity >= 4 else "INFO"
 
 

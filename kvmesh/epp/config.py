@@ -40,6 +40,9 @@ _LABEL_KEY = re.compile(
     r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 )
 _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+# An object's name (RFC 1123 subdomain) and a namespace (RFC 1123 label): they go into the API path.
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 class KubeConfig(BaseModel):
@@ -76,6 +79,10 @@ class KubeConfig(BaseModel):
             raise ValueError("give either pool (an InferencePool) or selector with target_ports, not both")
         if self.selector is not None and (not self.selector or not self.target_ports):
             raise ValueError("selector needs at least one label and target_ports at least one port")
+        if self.pool is not None and not _DNS_SUBDOMAIN.fullmatch(self.pool):
+            raise ValueError(f"pool {self.pool!r} is not a Kubernetes object name")
+        if not _DNS_LABEL.fullmatch(self.namespace):
+            raise ValueError(f"namespace {self.namespace!r} is not a Kubernetes namespace name")
         bad = [f"{k}={v}" for k, v in (self.selector or {}).items() if not _LABEL_KEY.fullmatch(k)
                or not _LABEL_VALUE.fullmatch(v)]  # fmt: skip
         if bad:

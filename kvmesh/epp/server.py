@@ -96,6 +96,7 @@ class EppServer:
         pb_grpc.add_ExternalProcessorServicer_to_server(_Processor(self.picker), self._grpc)
         # Health on the ext_proc port too, so that a gateway health-checks it over its TLS.
         health_pb2_grpc.add_HealthServicer_to_server(self._health_servicer, self._grpc)
+        host = host.strip("[]")  # --host=[fd00::7] or fd00::7
         bind = f"[{host}]" if ":" in host else host  # an IPv6 pod IP, as gRPC spells it
         address = f"{bind}:{cfg.grpc_port}"
         if self._tls is not None:
@@ -117,7 +118,10 @@ class EppServer:
         app.router.add_get("/kvmesh/state", self._state)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, self.config.metrics_port)
+        # A wildcard (in a pod with no POD_IP) is every address of both families, as gRPC's is.
+        site = web.TCPSite(
+            self._runner, None if host in ("0.0.0.0", "::") else host, self.config.metrics_port
+        )
         await site.start()
         server = getattr(site, "_server", None)
         if server is not None and server.sockets:

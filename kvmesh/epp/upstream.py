@@ -31,28 +31,61 @@ from kvmesh.errors import ConfigError
 PICKER_API_VERSIONS = ("inference.networking.x-k8s.io/v1alpha1", "llm-d.ai/v1alpha1")
 PICKER_KIND = "EndpointPickerConfig"
 
-_PREFIX = frozenset({"prefix-cache-scorer", "precise-prefix-cache-scorer", "prefix-cache-affinity-filter"})
+# Plugin types of the reference EPP (the Inference Extension's and llm-d-router's registries).
+_PREFIX = frozenset(
+    {"prefix-cache-scorer", "precise-prefix-cache-scorer", "prefix-cache-affinity-filter",
+     "approx-prefix-cache-producer", "precise-prefix-cache-producer"}
+)  # fmt: skip
 _LOAD = frozenset(
-    {"queue-scorer", "kv-cache-utilization-scorer", "active-request-scorer", "load-aware-scorer"}
-)
-_SESSION = frozenset({"session-affinity-scorer"})
+    {"queue-scorer", "kv-cache-utilization-scorer", "active-request-scorer", "load-aware-scorer",
+     "running-requests-size-scorer", "token-load-scorer", "no-hit-lru-scorer", "inflight-load-producer"}
+)  # fmt: skip
+_SESSION = frozenset({"session-affinity-scorer", "session-affinity-filter", "session-id-producer"})
 _LATENCY = frozenset(
-    {"latency-scorer", "predicted-latency-producer", "slo-headroom-tier-filter", "latency-slo-admitter"}
-)
+    {"latency-scorer", "predicted-latency-scorer", "predicted-latency-producer", "slo-headroom-tier-filter",
+     "latency-slo-admitter"}
+)  # fmt: skip
 _RANDOM = frozenset({"random-picker", "weighted-random-picker"})
-# Accepted and needing nothing from kvmesh: it picks the best-scored endpoint, reads vLLM's
-# metrics itself, parses the request body itself and routes LoRA adapters in every policy.
+# Accepted and needing nothing from kvmesh: it picks the best-scored endpoint, tokenizes, reads
+# vLLM's metrics and the served models itself and routes LoRA adapters in every policy.
 _BUILT_IN = frozenset(
     {"max-score-picker", "single-profile-handler", "metrics-data-source", "core-metrics-extractor",
-     "lora-affinity-scorer"}
+     "model-server-protocol-metrics", "models-data-source", "models-data-extractor", "token-producer",
+     "tokenizer", "lora-affinity-scorer"}
 )  # fmt: skip
-KNOWN_PLUGINS = _PREFIX | _LOAD | _SESSION | _LATENCY | _RANDOM | _BUILT_IN
+# Request parsers: kvmesh reads OpenAI JSON bodies (completions, chat) whatever the file says.
+_PARSERS = frozenset({"openai-parser", "vllmhttp-parser", "passthrough-parser"})
+_OTHER_BODIES = "kvmesh epp reads OpenAI JSON bodies (completions, chat)"
+_REFUSED = {
+    "vllmgrpc-parser": f"vLLM's gRPC protocol: {_OTHER_BODIES}",
+    "anthropic-parser": f"Anthropic's Messages API: {_OTHER_BODIES}",
+    "vertexai-parser": f"Vertex AI's API: {_OTHER_BODIES}",
+    "sglanghttp-parser": f"SGLang's API: {_OTHER_BODIES} for vLLM",
+}
+KNOWN_PLUGINS = _PREFIX | _LOAD | _SESSION | _LATENCY | _RANDOM | _BUILT_IN | _PARSERS
 
 # The reference EPP's flags for other model servers' metric names (its triton-tensorrt-llm mode).
 OTHER_SERVER_FLAGS = (
     "total_queued_requests_metric", "total_running_requests_metric", "kv_cache_usage_percentage_metric",
     "lora_info_metric", "cache_info_metric",
 )  # fmt: skip
+
+# The reference EPP's other flags a chart's ``flags:`` may add: accepted with a warning, as
+# what they tune is kvmesh's own business or not done by it.
+UNUSED_FLAGS = {
+    "enable-pprof": "kvmesh epp serves no pprof",
+    "disable-endpoint-subset-filter": "the subset hint is always honoured",
+    "refresh-metrics-interval": "routing.metrics_interval_s sets the scrape interval",
+    "refresh-prometheus-metrics-interval": "kvmesh epp's metrics are computed when scraped",
+    "metrics-staleness-threshold": "routing.cost.gauge_stale_s sets when gauges go stale",
+    "model-server-metrics-scheme": "the pods' /metrics is read over http",
+    "model-server-metrics-path": "the pods' /metrics is read",
+    "model-server-metrics-port": "the pods' /metrics is read on their serving port",
+    "model-server-metrics-https-insecure-skip-verify": "the pods' /metrics is read over http",
+    "zap-devel": "--zap-encoder and --zap-log-level set the logs",
+    "zap-stacktrace-level": "errors are logged with their traceback",
+    "zap-time-encoding": "log times are Unix seconds",
+}
 
 _TRUE = frozenset({"1", "t", "T", "true", "TRUE", "True"})
 _FALSE = frozenset({"0", "f", "F", "false", "FALSE", "False"})
@@ -86,6 +119,20 @@ class GoBool(argparse.Action):
         setattr(ns, self.dest, True if values is None else values)
 
 
+def zap_level(text: str) -> str:
+    """``--zap-log-level`` (controller-runtime's): a level name, or a verbosity (1 and up is
+    debug output) -> a Python logging level."""
+    names = {"debug": "DEBUG", "info": "INFO", "error": "ERROR", "panic": "CRITICAL"}
+    if text.lower() in names:
+        return names[text.lower()]
+    try:
+        return "DEBUG" if int(text) > 0 else "INFO"
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--zap-log-level: debug, info, error, panic or a number, got {text!r}"
+        ) from None
+
+
 def endpoint_selector(text: str) -> dict[str, str]:
     """``--endpoint-selector``: comma-separated ``key=value`` pairs (as the reference EPP
     takes them: no set-based expressions)."""
@@ -108,6 +155,9 @@ def target_ports(text: str) -> tuple[int, ...]:
         ) from None
     if not ports or any(not 0 < p < 65536 for p in ports):
         raise argparse.ArgumentTypeError(f"--endpoint-target-ports: ports 1-65535, got {text!r}")
+    ports = tuple(dict.fromkeys(ports))  # the reference EPP drops repeats and takes at most 8
+    if len(ports) > 8:
+        raise argparse.ArgumentTypeError(f"--endpoint-target-ports: at most 8 ports, got {len(ports)}")
     return ports
 
 
@@ -135,21 +185,38 @@ def picker_config(doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if not isinstance(plugins, Sequence) or isinstance(plugins, str):
         raise ConfigError(f"{PICKER_KIND}: plugins must be a list")
     types: dict[str, str] = {}  # plugin name (or type) -> type
+    notes: list[str] = []
     for i, plugin in enumerate(plugins):
         if not isinstance(plugin, Mapping) or not isinstance(plugin.get("type"), str):
             raise ConfigError(f"{PICKER_KIND}: plugins[{i}] needs a type")
-        types[str(plugin.get("name") or plugin["type"])] = plugin["type"]
+        name = plugin.get("name") or plugin["type"]
+        if not isinstance(name, str):
+            raise ConfigError(f"{PICKER_KIND}: plugins[{i}].name must be a string")
+        if name in types:
+            raise ConfigError(f"{PICKER_KIND}: two plugins are named {name!r}")
+        types[name] = plugin["type"]
+        engine = (plugin.get("parameters") or {}) if isinstance(plugin.get("parameters"), Mapping) else {}
+        if plugin["type"] == "core-metrics-extractor" and engine.get("defaultEngine", "vllm") != "vllm":
+            raise ConfigError(
+                f"{PICKER_KIND}: core-metrics-extractor for {engine['defaultEngine']!r} model servers; "
+                "kvmesh epp reads vLLM's metrics"
+            )
+        if plugin.get("parameters") and plugin["type"] not in (
+            "metrics-data-source",
+            "core-metrics-extractor",
+        ):
+            notes.append(f"{name} parameters not read")
     profiles = doc.get("schedulingProfiles") or []
     if not isinstance(profiles, Sequence) or isinstance(profiles, str):
         raise ConfigError(f"{PICKER_KIND}: schedulingProfiles must be a list")
     if len(profiles) > 1:
-        names = [p.get("name") for p in profiles if isinstance(p, Mapping)]
+        names = [str(p.get("name")) for p in profiles if isinstance(p, Mapping)]
         raise ConfigError(
-            f"{PICKER_KIND}: {len(profiles)} scheduling profiles ({names}); kvmesh epp schedules one "
-            "(prefill/decode profiles: kvmesh's own PD, docs/guides/pd.md)"
+            f"{PICKER_KIND}: {len(profiles)} scheduling profiles ({', '.join(names)}); kvmesh epp schedules "
+            "one (prefill/decode profiles: kvmesh's own PD, docs/guides/pd.md)"
         )
     used = set(types.values())
-    notes: list[str] = []
+    weights: list[str] = []
     if profiles:
         refs = profiles[0].get("plugins") if isinstance(profiles[0], Mapping) else None
         if not isinstance(refs, Sequence) or isinstance(refs, str):
@@ -157,16 +224,19 @@ def picker_config(doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         used = set()
         for ref in refs:
             name = ref.get("pluginRef") if isinstance(ref, Mapping) else None
-            if name not in types:
+            if not isinstance(name, str) or name not in types:
                 raise ConfigError(f"{PICKER_KIND}: pluginRef {name!r} names no plugin in plugins")
             used.add(types[name])
             if isinstance(ref, Mapping) and ref.get("weight") is not None:
-                notes.append(f"{name} weight {ref['weight']}")
-    unknown = sorted(t for t in set(types.values()) if t not in KNOWN_PLUGINS and not t.endswith("-parser"))
+                weights.append(f"{name} weight {ref['weight']}")
+    refused = sorted(t for t in set(types.values()) if t in _REFUSED)
+    if refused:
+        raise ConfigError(f"{PICKER_KIND}: {refused[0]}: {_REFUSED[refused[0]]}")
+    unknown = sorted(t for t in set(types.values()) if t not in KNOWN_PLUGINS)
     if unknown:
         raise ConfigError(
             f"{PICKER_KIND}: kvmesh epp does not know plugin type(s) {', '.join(unknown)}; it maps "
-            f"{', '.join(sorted(KNOWN_PLUGINS))} and *-parser. Or give a kvmesh EppConfig in the file "
+            f"{', '.join(sorted(KNOWN_PLUGINS))}. Or give a kvmesh EppConfig in the file "
             "(docs/getting-started/kubernetes.md)"
         )
     prefix, load, session = bool(used & _PREFIX), bool(used & _LOAD), bool(used & _SESSION)
@@ -187,10 +257,15 @@ def picker_config(doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     routing: dict[str, Any] = {"policy": policy}
     if prefix or policy == "cost":
         routing["tokenizer"] = "remote"  # cli.py: local again when --model is given
-    skipped = [f"scorer weights not carried over ({', '.join(notes)})"] if notes else []
-    extra = sorted(set(doc) - {"apiVersion", "kind", "plugins", "schedulingProfiles", "requestHandler"})
+    skipped = [f"scorer weights not carried over ({', '.join(weights)})"] if weights else []
+    skipped += notes
+    if "passthrough-parser" in types.values():
+        skipped.append("passthrough-parser: bodies are still read as OpenAI JSON; others are refused (400)")
+    extra = sorted(
+        map(str, set(doc) - {"apiVersion", "kind", "plugins", "schedulingProfiles", "requestHandler"})
+    )
     if extra:
-        skipped.append(f"not read: {', '.join(map(str, extra))}")
+        skipped.append(f"not read: {', '.join(extra)}")
     return {"routing": routing}, skipped
 
 

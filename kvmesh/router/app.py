@@ -114,7 +114,7 @@ class RouterService:
             config.controller.with_env(),
             host=config.host,
             tokenizer=self.tokenizer,
-            remote_tokens=self.prompts.remote if config.tokenizer == "remote" else None,
+            remote_tokens=self.prompts.lookup_tokens if config.tokenizer == "remote" else None,
             on_register=self._engine_registered,
         )
         self.rebuilder = Rebuilder(self.core.apply_events, self.controller.config)

@@ -77,7 +77,8 @@ class FakeVLLM:
     """A fake vLLM OpenAI server on ``127.0.0.1:port`` (0: a free port), run on a thread.
 
     Settable at any time: ``waiting``, ``running``, ``kv_usage`` (the scraped gauges),
-    ``healthy`` (``/health`` answers 503 when False), ``delay_s`` (before answering),
+    ``healthy`` (``/health`` answers 503 when False), ``delay_s`` (before answering;
+    ``tokenize_delay_s`` before ``/tokenize`` answers),
     ``prefill_s`` (a stream's headers go at once, as vLLM's do, its first chunk this much
     later), ``chunks`` (SSE chunks per streamed answer), ``chunk_delay_s`` (between them),
     ``abort_after_chunks`` (cut the connection after that many chunks, like a crash),
@@ -102,6 +103,7 @@ class FakeVLLM:
         self.kv_usage = 0.0
         self.healthy = True
         self.delay_s = 0.0
+        self.tokenize_delay_s = 0.0  # before /tokenize answers
         self.prefill_s = 0.0
         self.chunks = 3
         self.chunk_delay_s = 0.0
@@ -290,6 +292,8 @@ class FakeVLLM:
 
     async def _tokenize(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if self.tokenize_delay_s:
+            await asyncio.sleep(self.tokenize_delay_s)
         text = body.get("prompt") or json.dumps(body.get("messages"))
         tokens = [b for b in str(text).encode()]  # bytes as ids: enough to test the plumbing
         count = {"count": len(tokens), "max_model_len": self.max_model_len or 4096}

@@ -52,8 +52,10 @@ class Prompts:
         self._client = client
         self._on_error = on_error
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvmesh-tokenize")
-        # The router's own small calls: never the generation timeout.
-        self._timeout = aiohttp.ClientTimeout(total=config.connect_timeout_s + config.health_timeout_s)
+        # On a request's path: tokenize_timeout_s. Off it (the controller's lookups), the
+        # router's own small calls' budget; never the generation timeout.
+        self._timeout = aiohttp.ClientTimeout(total=config.tokenize_timeout_s)
+        self._lookup_timeout = aiohttp.ClientTimeout(total=config.connect_timeout_s + config.health_timeout_s)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -76,7 +78,14 @@ class Prompts:
             self._on_error()
             return NO_TOKENS
 
-    async def remote(self, body: dict[str, Any], chat: bool) -> TokenArray:
+    async def lookup_tokens(self, body: dict[str, Any], chat: bool) -> TokenArray:
+        """:meth:`remote` for a caller off the request path (the controller's lookups): the
+        longer budget of the router's own calls, for prompts too long to tokenize in 150 ms."""
+        return await self.remote(body, chat, self._lookup_timeout)
+
+    async def remote(
+        self, body: dict[str, Any], chat: bool, timeout: aiohttp.ClientTimeout | None = None
+    ) -> TokenArray:
         """Token ids from the least-loaded healthy replica's ``/tokenize`` (TokenizeError if not)."""
         client = self._client()
         if client is None or not self._pool.healthy():
@@ -89,7 +98,9 @@ class Prompts:
                 prompt[0] if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) else prompt
             )
         try:
-            async with client.post(replica.url + "/tokenize", json=payload, timeout=self._timeout) as resp:
+            async with client.post(
+                replica.url + "/tokenize", json=payload, timeout=timeout or self._timeout
+            ) as resp:
                 data = await json_capped(resp) if resp.status == 200 else {}
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise TokenizeError(f"{replica.name}/tokenize failed: {exc!r}") from exc

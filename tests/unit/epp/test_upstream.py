@@ -28,6 +28,7 @@ from kvmesh.epp import upstream
 from kvmesh.epp.cli import config_from_args, register
 from kvmesh.epp.config import KubeConfig
 from kvmesh.epp.discovery import pool_selector
+from kvmesh.epp.scoring import endpoint_config
 from kvmesh.errors import ConfigError
 from tests.waiting import wait_for
 
@@ -149,9 +150,10 @@ def test_the_llm_d_router_charts_start_kvmesh_epp(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("in_pod")
 def test_flags_the_chart_adds_still_win(tmp_path: Path) -> None:
-    """Its ``flags:`` value renders ``--key=value``: a tokenizer directory, a policy, a host."""
+    """Its ``flags:`` value (llm-d renders ``--key=value``, the inferencepool chart ``--key
+    value``): a tokenizer directory, a policy, a host."""
     args = gie_args(written(tmp_path, GIE_DEFAULT))
-    cfg = config_from_args(parse(*args, "--model=/models/llama", "--policy=cost", "--host=10.1.2.3"))
+    cfg = config_from_args(parse(*args, "--model=/models/llama", "--policy", "cost", "--host=10.1.2.3"))
     assert cfg.routing.model == "/models/llama" and cfg.routing.tokenizer == "local"
     assert cfg.routing.policy == "cost" and cfg.host == "10.1.2.3"
 
@@ -177,6 +179,8 @@ def test_where_it_listens(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> No
         (["queue-scorer", "kv-cache-utilization-scorer"], "least-loaded", "local"),
         (["session-affinity-scorer"], "kvmesh", "local"),
         (["latency-scorer", "predicted-latency-producer", "prefix-cache-affinity-filter"], "cost", "remote"),
+        (["predicted-latency-scorer"], "cost", "remote"),  # the inferencepool chart's latency predictor
+        (["running-requests-size-scorer", "session-affinity-filter"], "kvmesh", "local"),
         (["random-picker"], "random", "local"),
     ],
 )
@@ -212,6 +216,14 @@ QUEUE = [{"type": "queue-scorer"}]
         ({"plugins": ["queue-scorer"]}, r"plugins\[0\] needs a type"),
         ({"plugins": {"type": "x"}}, "plugins must be a list"),
         ({"plugins": [{"type": "max-score-picker"}]}, "no scorer kvmesh maps"),
+        ({"plugins": [{"type": "vllmgrpc-parser"}, *QUEUE]}, "vllmgrpc-parser: vLLM's gRPC protocol"),
+        ({"plugins": [{"type": "core-metrics-extractor", "parameters": {"defaultEngine": "triton"}}, *QUEUE]},
+         "'triton' model servers"),
+        ({"plugins": [{"type": "queue-scorer"}, {"type": "prefix-cache-scorer", "name": "queue-scorer"}]},
+         "two plugins are named 'queue-scorer'"),
+        ({"plugins": QUEUE, "schedulingProfiles": [{"plugins": [{"pluginRef": ["queue-scorer"]}]}]},
+         r"pluginRef \['queue-scorer'\] names no plugin"),
+        ({"plugins": [{"type": "queue-scorer", "name": 7}]}, r"plugins\[0\]\.name must be a string"),
     ],
 )  # fmt: skip
 def test_picker_configs_kvmesh_cannot_honour_are_refused(doc: dict[str, Any], message: str) -> None:
@@ -240,9 +252,20 @@ def test_bad_flags_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixtur
         config_from_args(parse("--config-file", str(conf), "--config-text", GIE_DEFAULT, "--pool-name", "p"))
     with pytest.raises(ConfigError, match="cannot read epp config"):
         config_from_args(parse("--config-file", str(tmp_path / "missing.yaml"), "--pool-name", "p"))
+    with pytest.raises(ConfigError, match="not a Kubernetes object name"):
+        config_from_args(parse("--pool-name", "p?watch=1"))  # it goes into the API path
+    with pytest.raises(ConfigError, match="not a Kubernetes namespace name"):
+        config_from_args(parse("--pool-name", "p", "--pool-namespace", "../kube-system"))
+    mixed = written(tmp_path, "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins: "
+                    "[{type: queue-scorer}]\n1: 2\nnull: 3\n", "mixed.yaml")  # fmt: skip
+    assert (
+        config_from_args(parse("--config-file", str(mixed), "--pool-name", "p")).routing.policy
+        == "least-loaded"
+    )
     bad_flags = (["--secure-serving=maybe"], ["--endpoint-selector", "app!=x"],
                  ["--endpoint-target-ports", "0"], ["--endpoint-target-ports", "http"],
-                 ["--pool-group", "example.com"])  # fmt: skip
+                 ["--pool-group", "example.com"], ["--zap-log-level", "loud"],
+                 ["--endpoint-target-ports", "1,2,3,4,5,6,7,8,9"])  # fmt: skip
     for bad in bad_flags:
         with pytest.raises(SystemExit):
             parse(*bad)
@@ -257,15 +280,27 @@ def test_config_text_and_go_booleans() -> None:
     assert cfg.routing.policy == "kvmesh" and cfg.secure_serving
     assert not config_from_args(parse("--pool-name", "p", "--no-secure-serving")).secure_serving
     assert not config_from_args(parse("--pool-name", "p", "--secure-serving=F")).secure_serving
+    # The inferencepool chart renders flags: as two tokens. Go would take "false" for a stray
+    # argument and keep TLS on; kvmesh reads what was meant.
+    assert not config_from_args(parse("--pool-name", "p", "--secure-serving", "false")).secure_serving
+
+
+def test_small_flags_read_as_the_reference_reads_them() -> None:
+    args = parse("--endpoint-selector", "app=v", "--endpoint-target-ports", "8000,8001,8000",
+                 "--zap-log-level", "2")  # fmt: skip
+    assert args.endpoint_target_ports == (8000, 8001) and args.zap_log_level == "DEBUG"
+    assert parse("--zap-log-level", "panic").zap_log_level == "CRITICAL"
 
 
 def test_warnings_for_what_kvmesh_epp_does_not_do(in_pod: None, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="kvmesh.epp"):
         config_from_args(
-            parse("--pool-name", "p", "--tracing=true", "--metrics-endpoint-auth", "--enable-cert-reload")
-        )
+            parse("--pool-name", "p", "--tracing=true", "--metrics-endpoint-auth", "--enable-cert-reload",
+                  "--refresh-metrics-interval=50ms", "--enable-pprof=true")
+        )  # fmt: skip
     said = caplog.text
     assert "no OpenTelemetry traces" in said and "without authentication" in said and "read at start" in said
+    assert "--refresh-metrics-interval: accepted and not used" in said and "--enable-pprof" in said
 
 
 def test_json_log_lines() -> None:
@@ -377,10 +412,11 @@ def test_an_ipv6_pod_ip_is_bound() -> None:
     from kvmesh.epp.server import EppThread
 
     try:
-        socket.socket(socket.AF_INET6).bind(("::1", 0))
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
     except OSError as exc:
         pytest.skip(f"this host has no IPv6 loopback: {exc}")
-    cfg = EppConfig(host="::1", grpc_port=0, health_port=0, metrics_port=0, secure_serving=False)
+    cfg = EppConfig(host="[::1]", grpc_port=0, health_port=0, metrics_port=0, secure_serving=False)
     epp = EppThread(cfg).start()
     try:
         server = epp.server
@@ -392,3 +428,34 @@ def test_an_ipv6_pod_ip_is_bound() -> None:
         assert got.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         epp.stop()
+
+
+def test_a_slow_tokenize_costs_its_budget_not_the_gateways_timeout() -> None:
+    """tokenizer: remote, and the pod's /tokenize hangs: the decision comes after
+    ``tokenize_timeout_s`` (routed by load and session), well inside Envoy's 200 ms default
+    ext_proc message timeout (it took the router's 3 s budget before)."""
+    import time
+
+    from kvmesh.epp.config import EppConfig
+    from kvmesh.epp.server import EppThread
+    from kvmesh.router.testing import FakeVLLM
+    from kvmesh.routing.config import RoutingConfig
+
+    fake = FakeVLLM("slow").start()
+    fake.tokenize_delay_s = 2.0
+    routing = RoutingConfig(tokenizer="remote", health_interval_s=0.2, tokenize_timeout_s=0.1)
+    cfg = EppConfig(routing=routing, host="127.0.0.1", grpc_port=0, health_port=0, metrics_port=0,
+                    secure_serving=False)  # fmt: skip
+    epp = EppThread(cfg).start()
+    try:
+        port = int(fake.url.rsplit(":", 1)[1])
+        epp.call(lambda: epp.picker.add_endpoint(endpoint_config(f"127.0.0.1:{port}")))
+        wait_for(lambda: epp.call(epp.picker.ready), 10, "the endpoint never became healthy")
+        started = time.monotonic()
+        got = asyncio.run_coroutine_threadsafe(epp.picker.decide(b'{"prompt": "hi"}'), epp._loop).result(5)  # type: ignore[arg-type]
+        took = time.monotonic() - started
+        assert got.ranked == [f"127.0.0.1:{port}"] and len(got.request.tokens) == 0  # type: ignore[union-attr]
+        assert took < 1.0, took
+    finally:
+        epp.stop()
+        fake.stop()
