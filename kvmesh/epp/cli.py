@@ -145,6 +145,8 @@ def load_config(args: argparse.Namespace) -> tuple[Any, bool]:
         return EppConfig.from_dict(doc), False
     try:
         data, skipped = upstream.picker_config(doc)
+    except ConfigError:
+        raise
     except (TypeError, ValueError, AttributeError) as exc:  # a shape the checks did not foresee
         raise ConfigError(f"{where}: malformed {upstream.PICKER_KIND}: {exc}") from exc
     log.info(
