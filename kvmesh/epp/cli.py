@@ -126,15 +126,16 @@ def register(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def load_config(args: argparse.Namespace) -> tuple[Any, bool]:
-    """The ``--config``/``--config-text`` file as an EppConfig, and whether it was the
-    reference EPP's ``EndpointPickerConfig`` (translated: :mod:`kvmesh.epp.upstream`)."""
+def load_config(args: argparse.Namespace) -> tuple[Any, bool, dict[str, int]]:
+    """The ``--config``/``--config-text`` file as an EppConfig, whether it was the reference
+    EPP's ``EndpointPickerConfig`` (translated: :mod:`kvmesh.epp.upstream`), and the pods'
+    KV-event ports it named (``kube.events_port``, ``kube.replay_port``)."""
     from kvmesh.epp.config import EppConfig
 
     if args.config and args.config_text:
         raise ConfigError("give --config-file or --config-text, not both")
     if not args.config and not args.config_text:
-        return EppConfig(), False
+        return EppConfig(), False, {}
     where = args.config or "--config-text"
     try:
         text = Path(args.config).read_text() if args.config else args.config_text
@@ -142,7 +143,7 @@ def load_config(args: argparse.Namespace) -> tuple[Any, bool]:
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read epp config {where}: {exc}") from exc
     if not upstream.is_picker_config(doc):
-        return EppConfig.from_dict(doc), False
+        return EppConfig.from_dict(doc), False, {}
     try:
         data, skipped = upstream.picker_config(doc)
     except ConfigError:
@@ -157,31 +158,44 @@ def load_config(args: argparse.Namespace) -> tuple[Any, bool]:
     )
     for note in skipped:
         log.info("%s: %s", where, note)
-    return EppConfig.from_dict(data), True
+    events = data.pop("kube_events", {})
+    return EppConfig.from_dict(data), True, events
 
 
-def _kube(args: argparse.Namespace, base: Any) -> Any:
+def _kube(args: argparse.Namespace, base: Any, events: dict[str, int]) -> Any:
+    """Pod discovery: the flags' pool or selector over the config file's ``kube:`` (whose
+    other keys, such as ``events_port``, stay), plus the KV-event ports a reference
+    EndpointPickerConfig named."""
     from kvmesh.epp.config import KubeConfig
 
-    namespace = args.pool_namespace or os.environ.get("NAMESPACE") or "default"
     if args.pool and args.endpoint_selector:
         raise ConfigError("give --pool-name or --endpoint-selector, not both")
+    fields: dict[str, Any] = base.kube.model_dump() if base.kube is not None else {}
+    namespace = args.pool_namespace or os.environ.get("NAMESPACE") or fields.get("namespace") or "default"
+    if args.pool:
+        fields.update(pool=args.pool, selector=None, target_ports=(), namespace=namespace)
+        if args.pool_group:
+            fields["group"] = args.pool_group
+    elif args.endpoint_selector:
+        if not args.endpoint_target_ports:
+            raise ConfigError("--endpoint-selector needs --endpoint-target-ports")
+        fields.update(pool=None, selector=args.endpoint_selector, target_ports=args.endpoint_target_ports,
+                      namespace=namespace)  # fmt: skip
+    else:
+        for flag, value in (("--pool-namespace", args.pool_namespace), ("--pool-group", args.pool_group),
+                            ("--endpoint-target-ports", args.endpoint_target_ports)):  # fmt: skip
+            if value:
+                raise ConfigError(f"{flag} needs --pool (or --endpoint-selector)")
+        if base.kube is None:
+            if events:
+                log.warning("kvEventsConfig: no pods are discovered, so no pod's events are read; static "
+                            "endpoints name theirs (--endpoint IP:PORT,events=tcp://...)")  # fmt: skip
+            return None
+    fields.update(events)
     try:
-        if args.pool:
-            group = {"group": args.pool_group} if args.pool_group else {}
-            return KubeConfig(pool=args.pool, namespace=namespace, **group)
-        if args.endpoint_selector:
-            if not args.endpoint_target_ports:
-                raise ConfigError("--endpoint-selector needs --endpoint-target-ports")
-            return KubeConfig(selector=args.endpoint_selector, target_ports=args.endpoint_target_ports,
-                              namespace=namespace)  # fmt: skip
+        return KubeConfig(**fields)
     except ValidationError as exc:
         raise ConfigError(f"invalid pod discovery flags: {exc.errors()[0]['msg']}") from exc
-    for flag, value in (("--pool-namespace", args.pool_namespace), ("--pool-group", args.pool_group),
-                        ("--endpoint-target-ports", args.endpoint_target_ports)):  # fmt: skip
-        if value:
-            raise ConfigError(f"{flag} needs --pool (or --endpoint-selector)")
-    return base.kube
 
 
 def _default_host() -> str:
@@ -202,7 +216,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         raise ConfigError(
             f"{names}: other model servers' metrics (triton-tensorrt-llm); kvmesh epp reads vLLM's"
         )
-    base, translated = load_config(args)
+    base, translated, events = load_config(args)
     overrides: dict[str, Any] = {}
     if translated and args.model:
         overrides["tokenizer"] = "local"  # the reference config asked for remote only for want of a model
@@ -215,7 +229,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
     )
     data = base.model_dump()
     data["routing"] = routing
-    data["kube"] = _kube(args, base)
+    data["kube"] = _kube(args, base, events)
     if args.host is None and "host" not in base.model_fields_set:
         data["host"] = _default_host()
     flags = ("host", "grpc_port", "health_port", "metrics_port", "fallbacks", "cert_path", "secure_serving")

@@ -64,6 +64,16 @@ class KubeConfig(BaseModel):
     )
     target_ports: tuple[int, ...] = Field(default=(), description="without a pool: the pods' serving ports")
     namespace: str = Field(default="default", description="namespace of the pool and its pods")
+    events_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="a pod without the kvmesh.io/kv-events annotations publishes its KV events on "
+        "tcp://podIP:this (vLLM's --kv-events-config endpoint tcp://*:5557); unset: only annotated pods",
+    )
+    replay_port: int | None = Field(
+        default=None, ge=1, le=65535, description="likewise its replay socket (vLLM's replay_endpoint)"
+    )
     api_server: str | None = Field(
         default=None, description="API server URL (default: in-cluster, from KUBERNETES_SERVICE_HOST)"
     )

@@ -93,16 +93,25 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
 
 
-def _socket(ip: str, annotations: Mapping[str, str], whole: str, port: str) -> str | None:
+def _socket(
+    ip: str, annotations: Mapping[str, str], whole: str, port: str, default: int | None
+) -> str | None:
+    host = f"[{ip}]" if ":" in ip else ip
     if annotations.get(whole):
-        return annotations[whole].replace("$(POD_IP)", ip)
+        return annotations[whole].replace("$(POD_IP)", host)
     if annotations.get(port):
-        return f"tcp://{ip}:{int(annotations[port])}"
-    return None
+        return f"tcp://{host}:{int(annotations[port])}"
+    return f"tcp://{host}:{default}" if default else None
 
 
-def pod_endpoints(pod: Mapping[str, Any], ports: Iterable[int]) -> list[ReplicaConfig]:
-    """The endpoints of a ready pod (none if it is not ready)."""
+def pod_endpoints(
+    pod: Mapping[str, Any],
+    ports: Iterable[int],
+    events_port: int | None = None,
+    replay_port: int | None = None,
+) -> list[ReplicaConfig]:
+    """The endpoints of a ready pod (none if it is not ready). Its KV-event sockets: its
+    annotations', else ``events_port``/``replay_port`` on its IP (``kube.events_port``)."""
     if not pod_ready(pod):
         return []
     ip = str(pod["status"]["podIP"])
@@ -111,8 +120,8 @@ def pod_endpoints(pod: Mapping[str, Any], ports: Iterable[int]) -> list[ReplicaC
     out = []
     for port in ports:
         try:
-            events = _socket(ip, ann, EVENTS_ANNOTATION, EVENTS_PORT_ANNOTATION)
-            replay = _socket(ip, ann, REPLAY_ANNOTATION, REPLAY_PORT_ANNOTATION)
+            events = _socket(ip, ann, EVENTS_ANNOTATION, EVENTS_PORT_ANNOTATION, events_port)
+            replay = _socket(ip, ann, REPLAY_ANNOTATION, REPLAY_PORT_ANNOTATION, replay_port)
         except ValueError:
             name = (pod.get("metadata") or {}).get("name")
             log.warning("pod %s: bad kvmesh.io port annotation; routing it without KV events", name)
@@ -126,9 +135,16 @@ def pod_endpoints(pod: Mapping[str, Any], ports: Iterable[int]) -> list[ReplicaC
 class PodTracker:
     """Pod events in, endpoint additions and removals out (idempotent, order-safe)."""
 
-    def __init__(self, sink: EndpointSink, ports: Iterable[int]) -> None:
+    def __init__(
+        self,
+        sink: EndpointSink,
+        ports: Iterable[int],
+        events_port: int | None = None,
+        replay_port: int | None = None,
+    ) -> None:
         self.sink = sink
         self.ports = list(ports)
+        self._events = (events_port, replay_port)
         self.by_pod: dict[str, list[ReplicaConfig]] = {}  # pod uid/name -> its endpoints
 
     @staticmethod
@@ -139,7 +155,7 @@ class PodTracker:
     def apply(self, kind: str, pod: Mapping[str, Any]) -> None:
         """One watch event: ``ADDED``, ``MODIFIED`` or ``DELETED``."""
         key = self._key(pod)
-        new = [] if kind == "DELETED" else pod_endpoints(pod, self.ports)
+        new = [] if kind == "DELETED" else pod_endpoints(pod, self.ports, *self._events)
         old = self.by_pod.get(key, [])
         for cfg in old:
             if cfg not in new and not self._claimed(cfg.key, key):
@@ -245,7 +261,7 @@ class KubeDiscovery:
         if self.tracker is None or self.tracker.ports != ports:
             if self.tracker is not None:
                 self.tracker.replace([])  # the port changed: every endpoint name changes
-            self.tracker = PodTracker(self._sink, ports)
+            self.tracker = PodTracker(self._sink, ports, cfg.events_port, cfg.replay_port)
         selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
         listed = await self._get(PODS_API.format(ns=cfg.namespace), {"labelSelector": selector})
         self.tracker.replace(listed.get("items") or [])

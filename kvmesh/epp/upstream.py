@@ -186,6 +186,7 @@ def picker_config(doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         raise ConfigError(f"{PICKER_KIND}: plugins must be a list")
     types: dict[str, str] = {}  # plugin name (or type) -> type
     notes: list[str] = []
+    events: dict[str, int] = {}
     for i, plugin in enumerate(plugins):
         if not isinstance(plugin, Mapping) or not isinstance(plugin.get("type"), str):
             raise ConfigError(f"{PICKER_KIND}: plugins[{i}] needs a type")
@@ -195,13 +196,18 @@ def picker_config(doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if name in types:
             raise ConfigError(f"{PICKER_KIND}: two plugins are named {name!r}")
         types[name] = plugin["type"]
-        engine = (plugin.get("parameters") or {}) if isinstance(plugin.get("parameters"), Mapping) else {}
-        if plugin["type"] == "core-metrics-extractor" and engine.get("defaultEngine", "vllm") != "vllm":
+        params: Mapping[str, Any] = (
+            plugin["parameters"] if isinstance(plugin.get("parameters"), Mapping) else {}
+        )
+        if plugin["type"] == "core-metrics-extractor" and params.get("defaultEngine", "vllm") != "vllm":
             raise ConfigError(
-                f"{PICKER_KIND}: core-metrics-extractor for {engine['defaultEngine']!r} model servers; "
+                f"{PICKER_KIND}: core-metrics-extractor for {params['defaultEngine']!r} model servers; "
                 "kvmesh epp reads vLLM's metrics"
             )
-        if plugin.get("parameters") and plugin["type"] not in (
+        if isinstance(params.get("kvEventsConfig"), Mapping):
+            events = _kv_events(params["kvEventsConfig"])
+            notes.append(f"{name} kvEventsConfig: each pod's KV events on its port {events['events_port']}")
+        elif plugin.get("parameters") and plugin["type"] not in (
             "metrics-data-source",
             "core-metrics-extractor",
         ):
@@ -266,7 +272,34 @@ def picker_config(doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     )
     if extra:
         skipped.append(f"not read: {', '.join(extra)}")
-    return {"routing": routing}, skipped
+    return {"routing": routing, **({"kube_events": events} if events else {})}, skipped
+
+
+def _kv_events(kv: Mapping[str, Any]) -> dict[str, int]:
+    """llm-d's ``kvEventsConfig``: with ``discoverPods``, the EPP subscribes to each pod's
+    publisher on ``podDiscoveryConfig.socketPort`` (5557) and its replay socket on
+    ``replaySocketPort``, as kvmesh does (``kube.events_port``). Without it the pods publish
+    to one ``zmqEndpoint`` of the EPP's, which kvmesh does not bind: refused, saying so."""
+    if not kv.get("discoverPods"):
+        raise ConfigError(
+            f"{PICKER_KIND}: kvEventsConfig without discoverPods has the pods publish to the EPP's "
+            f"zmqEndpoint ({kv.get('zmqEndpoint')!r}); kvmesh epp subscribes to each pod instead: set "
+            "discoverPods: true with podDiscoveryConfig.socketPort, and vLLM's --kv-events-config "
+            "endpoint to tcp://*:<that port>"
+        )
+    found = kv.get("podDiscoveryConfig") or {}
+    if not isinstance(found, Mapping):
+        raise ConfigError(f"{PICKER_KIND}: kvEventsConfig.podDiscoveryConfig must be a mapping")
+    out: dict[str, int] = {}
+    for key, field, default in (("socketPort", "events_port", 5557), ("replaySocketPort", "replay_port", 0)):
+        port = found.get(key, default)
+        if isinstance(port, bool) or not isinstance(port, int) or not -1 <= port < 65536:
+            raise ConfigError(f"{PICKER_KIND}: podDiscoveryConfig.{key} must be a port number, got {port!r}")
+        if port > 0:
+            out[field] = port
+    if "events_port" not in out:
+        raise ConfigError(f"{PICKER_KIND}: podDiscoveryConfig.socketPort must be a port number")
+    return out
 
 
 class JsonFormatter(logging.Formatter):

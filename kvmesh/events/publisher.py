@@ -42,6 +42,8 @@ _POLL_S = 0.05
 
 def _bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
     """Bind and return the real endpoint (``tcp://host:0`` picks a free port)."""
+    if endpoint.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)  # an IPv6 address: ZMQ takes it only so
     sock.bind(endpoint)
     bound = sock.getsockopt(zmq.LAST_ENDPOINT)
     return bound.decode() if isinstance(bound, bytes) else endpoint

@@ -50,6 +50,13 @@ REPLAY_BUDGET = 10
 MAX_SOCKETS = 1 << 16
 
 
+def ipv6_if_needed(sock: zmq.Socket[bytes], endpoint: str) -> None:
+    """ZMQ reaches an IPv6 address (``tcp://[fd00::7]:5557``: a pod's IP in an IPv6 cluster)
+    only with ZMQ_IPV6 set on the socket; IPv4 endpoints are left as they were."""
+    if endpoint.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
+
+
 def _context() -> zmq.Context[zmq.Socket[bytes]]:
     """The process's ZMQ context, allowed :data:`MAX_SOCKETS` (the cap takes effect only
     before its first socket; a context another module started keeps its own)."""
@@ -115,6 +122,7 @@ class EventSubscriber:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = _context()
         self._sub: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # before connect: it applies to new peers
+        ipv6_if_needed(self._sub, endpoint)
         try:
             self._sub.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -334,6 +342,7 @@ class EventSubscriber:
         if self._dealer is None:
             self._dealer = self._ctx.socket(zmq.DEALER)
             self._dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+            ipv6_if_needed(self._dealer, self.replay_endpoint or "")
             self._dealer.connect(self.replay_endpoint or "")
         return self._dealer
 

@@ -459,3 +459,66 @@ def test_a_slow_tokenize_costs_its_budget_not_the_gateways_timeout() -> None:
     finally:
         epp.stop()
         fake.stop()
+
+
+# llm-d's precise prefix-cache routing: the EPP subscribes to each pod's KV-event publisher
+# (its scorer's README and test/perf/config/router-configs/precise-prefix.yaml).
+LLMD_PRECISE = """\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: precise-prefix-cache-scorer
+  parameters:
+    tokenProcessorConfig: {blockSize: 64}
+    kvEventsConfig: {discoverPods: true, podDiscoveryConfig: {socketPort: 5557, replaySocketPort: 5558}}
+- type: queue-scorer
+"""
+
+
+@pytest.mark.usefixtures("in_pod")
+def test_llm_d_precise_prefix_config_names_the_pods_event_ports(tmp_path: Path) -> None:
+    cfg = config_from_args(parse(*llmd_args(written(tmp_path, LLMD_PRECISE))))
+    assert cfg.kube is not None and (cfg.kube.events_port, cfg.kube.replay_port) == (5557, 5558)
+    assert cfg.routing.policy == "kvmesh"
+    pods = "{discoverPods: true, podDiscoveryConfig: {socketPort: 5557, replaySocketPort: 5558}}"
+    central = LLMD_PRECISE.replace(pods, "{zmqEndpoint: 'tcp://0.0.0.0:5557'}")
+    with pytest.raises(
+        ConfigError, match=r"without discoverPods.*tcp://0\.0\.0\.0:5557.*subscribes to each pod"
+    ):
+        config_from_args(parse(*llmd_args(written(tmp_path, central, "central.yaml"))))
+    bad = LLMD_PRECISE.replace("socketPort: 5557", "socketPort: '5557'")
+    with pytest.raises(ConfigError, match="socketPort must be a port number"):
+        config_from_args(parse(*llmd_args(written(tmp_path, bad, "bad.yaml"))))
+
+
+@pytest.mark.usefixtures("in_pod")
+def test_a_kvmesh_config_files_kube_keys_stay_under_the_flags(tmp_path: Path) -> None:
+    conf = written(tmp_path, "kube: {pool: other, events_port: 5557, resync_s: 60}\n", "epp.yaml")
+    cfg = config_from_args(parse("--config", str(conf), "--pool-name", "demo"))
+    assert cfg.kube is not None and (cfg.kube.pool, cfg.kube.events_port, cfg.kube.resync_s) == (
+        "demo",
+        5557,
+        60,
+    )
+    alone = config_from_args(
+        parse("--config", str(conf), "--endpoint-selector", "app=v", "--endpoint-target-ports", "80")
+    )
+    assert alone.kube is not None and alone.kube.pool is None and alone.kube.events_port == 5557
+
+
+def test_pods_without_annotations_take_the_configured_event_ports() -> None:
+    from kvmesh.epp.discovery import pod_endpoints
+
+    pod = {"metadata": {"name": "w0"},
+           "status": {"podIP": "10.0.0.9", "phase": "Running",
+                      "conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
+    (plain,) = pod_endpoints(pod, [8000])
+    assert plain.events is None  # annotations only, as before
+    (ep,) = pod_endpoints(pod, [8000], 5557, 5558)
+    assert (ep.events, ep.replay) == ("tcp://10.0.0.9:5557", "tcp://10.0.0.9:5558")
+    annotated = {**pod, "metadata": {"name": "w1", "annotations": {"kvmesh.io/kv-events-port": "6000"}}}
+    (ann,) = pod_endpoints(annotated, [8000], 5557)
+    assert ann.events == "tcp://10.0.0.9:6000"  # the pod's own annotation wins
+    v6 = {**pod, "status": {**pod["status"], "podIP": "fd00::9"}}  # type: ignore[dict-item]
+    (six,) = pod_endpoints(v6, [8000], 5557)
+    assert six.events == "tcp://[fd00::9]:5557" and six.key == "[fd00::9]:8000"

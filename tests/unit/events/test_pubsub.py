@@ -275,3 +275,23 @@ def test_subscriber_repairs_gaps_against_real_vllm_publisher(rec: Recorder) -> N
             assert decode_batch(vpub._buffer[0][1]).events[0] == BlockStored((0,), None, (0, 0), 2)
     finally:
         vpub.shutdown()
+
+
+def test_an_ipv6_publisher_is_heard(rec: Recorder) -> None:
+    """A pod's IPv6 address (``tcp://[fd00::7]:5557``, as discovery writes it): ZMQ connects to
+    it only with ZMQ_IPV6 set, and the subscriber sets it (the connection never came up)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError as exc:
+        pytest.skip(f"this host has no IPv6 loopback: {exc}")
+    pub = EventPublisher("tcp://[::1]:0", replay_endpoint="tcp://[::1]:0")
+    assert pub.endpoint.startswith("tcp://[::1]:")
+    sub = EventSubscriber(pub.endpoint, rec.on_batch, "v6", replay_endpoint=pub.replay_endpoint)
+    try:
+        assert warm_up(pub, rec) > 0
+    finally:
+        sub.close()
+        pub.close()
