@@ -193,8 +193,13 @@ def test_configs_parse_as_kvmesh_parses_them(objects: list[dict[str, Any]]) -> N
     assert cache.fleet_key_file == "/etc/kvmesh/fleet/fleet.key"
     events = json.loads(env["KV_EVENTS_CONFIG"])
     port = pod["metadata"]["annotations"]["kvmesh.io/kv-events-port"]
-    assert events["endpoint"] == f"tcp://$(POD_IP):{port}"  # the pod's own address, never tcp://*
-    assert list(env).index("POD_IP") < list(env).index("KV_EVENTS_CONFIG")  # defined before use
+    assert events["endpoint"] == f"tcp://*:{port}"
+    # vLLM's own rule: it binds only a wildcard (or ipc) endpoint and connects to any other. The
+    # manifests once gave it tcp://$(POD_IP):5557, so it connected to its own pod, nobody was
+    # bound there, and the EPP, connecting too, never heard an event.
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    assert ZmqEventPublisher._is_bind_endpoint(events["endpoint"])
 
 
 def _env(container: dict[str, Any]) -> dict[str, Any]:
