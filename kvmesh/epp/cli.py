@@ -171,11 +171,17 @@ def _kube(args: argparse.Namespace, base: Any, events: dict[str, int]) -> Any:
     if args.pool and args.endpoint_selector:
         raise ConfigError("give --pool-name or --endpoint-selector, not both")
     fields: dict[str, Any] = base.kube.model_dump() if base.kube is not None else {}
-    namespace = args.pool_namespace or os.environ.get("NAMESPACE") or fields.get("namespace") or "default"
+    # The flag, then the file's own key, then the pod's namespace (the charts' $NAMESPACE).
+    in_file = (
+        fields.get("namespace")
+        if base.kube is not None and "namespace" in base.kube.model_fields_set
+        else None
+    )
+    namespace = args.pool_namespace or in_file or os.environ.get("NAMESPACE") or "default"
     if args.pool:
+        # The flags name the pool: its group is theirs too (the reference's default without one).
         fields.update(pool=args.pool, selector=None, target_ports=(), namespace=namespace)
-        if args.pool_group:
-            fields["group"] = args.pool_group
+        fields["group"] = args.pool_group or KubeConfig.model_fields["group"].default
     elif args.endpoint_selector:
         if not args.endpoint_target_ports:
             raise ConfigError("--endpoint-selector needs --endpoint-target-ports")

@@ -93,15 +93,16 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
 
 
-def _socket(
-    ip: str, annotations: Mapping[str, str], whole: str, port: str, default: int | None
-) -> str | None:
+def _socket(ip: str, annotations: Mapping[str, str], whole: str, port: str) -> str | None:
     host = f"[{ip}]" if ":" in ip else ip
     if annotations.get(whole):
-        return annotations[whole].replace("$(POD_IP)", host)
+        return annotations[whole].replace("[$(POD_IP)]", host).replace("$(POD_IP)", host)
     if annotations.get(port):
         return f"tcp://{host}:{int(annotations[port])}"
-    return f"tcp://{host}:{default}" if default else None
+    return None
+
+
+_ANNOTATIONS = (EVENTS_ANNOTATION, EVENTS_PORT_ANNOTATION, REPLAY_ANNOTATION, REPLAY_PORT_ANNOTATION)
 
 
 def pod_endpoints(
@@ -110,22 +111,28 @@ def pod_endpoints(
     events_port: int | None = None,
     replay_port: int | None = None,
 ) -> list[ReplicaConfig]:
-    """The endpoints of a ready pod (none if it is not ready). Its KV-event sockets: its
-    annotations', else ``events_port``/``replay_port`` on its IP (``kube.events_port``)."""
+    """The endpoints of a ready pod (none if it is not ready). Their KV-event sockets: the
+    pod's kvmesh.io annotations; a pod with none of them, ``events_port``/``replay_port`` on
+    its IP (``kube.events_port``), plus i for its i-th target port, as vLLM offsets a data-
+    parallel rank's sockets and llm-d dials them."""
     if not pod_ready(pod):
         return []
     ip = str(pod["status"]["podIP"])
     ann = (pod.get("metadata") or {}).get("annotations") or {}
     host = f"[{ip}]" if ":" in ip else ip
+    annotated = any(ann.get(key) for key in _ANNOTATIONS)
     out = []
-    for port in ports:
+    for rank, port in enumerate(ports):
         try:
-            events = _socket(ip, ann, EVENTS_ANNOTATION, EVENTS_PORT_ANNOTATION, events_port)
-            replay = _socket(ip, ann, REPLAY_ANNOTATION, REPLAY_PORT_ANNOTATION, replay_port)
+            events = _socket(ip, ann, EVENTS_ANNOTATION, EVENTS_PORT_ANNOTATION)
+            replay = _socket(ip, ann, REPLAY_ANNOTATION, REPLAY_PORT_ANNOTATION)
         except ValueError:
             name = (pod.get("metadata") or {}).get("name")
             log.warning("pod %s: bad kvmesh.io port annotation; routing it without KV events", name)
             events = replay = None
+        if not annotated:
+            events = f"tcp://{host}:{events_port + rank}" if events_port else None
+            replay = f"tcp://{host}:{replay_port + rank}" if replay_port else None
         out.append(
             ReplicaConfig(url=f"http://{host}:{port}", name=f"{host}:{port}", events=events, replay=replay)
         )

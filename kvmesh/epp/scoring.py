@@ -37,6 +37,10 @@ from kvmesh.routing.tokenize import PromptTokenizer
 from .config import EppConfig
 from .metrics import EppMetrics
 
+# routing.tokenize_timeout_s unset: a pod's /tokenize (tokenizer: remote) within this, inside
+# Envoy's default ext_proc message_timeout of 200 ms; past it the request goes by load and session.
+EPP_TOKENIZE_TIMEOUT_S = 0.15
+
 
 def endpoint_name(url: str) -> str:
     """``http://10.0.0.5:8000`` -> ``10.0.0.5:8000`` (the protocol's ``ip:port``)."""
@@ -67,8 +71,10 @@ class EndpointPicker:
         self.config = config
         rc = self.routing = config.routing
         self.metrics = metrics if metrics is not None else EppMetrics()
+        # On Envoy's path a /tokenize must answer inside the ext_proc message timeout.
+        budget = rc.tokenize_timeout_s or EPP_TOKENIZE_TIMEOUT_S
         self.core = RoutingCore(
-            rc.model_copy(update={"replicas": ()}),
+            rc.model_copy(update={"replicas": (), "tokenize_timeout_s": budget}),
             self.metrics,
             index=index,
             tokenizer=tokenizer,

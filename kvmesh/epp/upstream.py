@@ -46,6 +46,8 @@ _LATENCY = frozenset(
      "latency-slo-admitter"}
 )  # fmt: skip
 _RANDOM = frozenset({"random-picker", "weighted-random-picker"})
+# llm-d's plugins that subscribe to the pods' KV events (kvEventsConfig, with its defaults).
+_PRECISE = frozenset({"precise-prefix-cache-scorer", "precise-prefix-cache-producer"})
 # Accepted and needing nothing from kvmesh: it picks the best-scored endpoint, tokenizes, reads
 # vLLM's metrics and the served models itself and routes LoRA adapters in every policy.
 _BUILT_IN = frozenset(
@@ -204,14 +206,14 @@ def picker_config(doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 f"{PICKER_KIND}: core-metrics-extractor for {params['defaultEngine']!r} model servers; "
                 "kvmesh epp reads vLLM's metrics"
             )
-        if isinstance(params.get("kvEventsConfig"), Mapping):
-            events = _kv_events(params["kvEventsConfig"])
-            notes.append(f"{name} kvEventsConfig: each pod's KV events on its port {events['events_port']}")
-        elif plugin.get("parameters") and plugin["type"] not in (
-            "metrics-data-source",
-            "core-metrics-extractor",
-        ):
-            notes.append(f"{name} parameters not read")
+        if plugin["type"] in _PRECISE:
+            found = _kv_events(params.get("kvEventsConfig"), notes, name)
+            if events and found != events:
+                raise ConfigError(f"{PICKER_KIND}: two kvEventsConfigs name different event ports")
+            events = found
+        unread = sorted(map(str, set(params) - {"kvEventsConfig"}))
+        if unread and plugin["type"] not in ("metrics-data-source", "core-metrics-extractor"):
+            notes.append(f"{name} parameters not read: {', '.join(unread)}")
     profiles = doc.get("schedulingProfiles") or []
     if not isinstance(profiles, Sequence) or isinstance(profiles, str):
         raise ConfigError(f"{PICKER_KIND}: schedulingProfiles must be a list")
@@ -275,30 +277,41 @@ def picker_config(doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return {"routing": routing, **({"kube_events": events} if events else {})}, skipped
 
 
-def _kv_events(kv: Mapping[str, Any]) -> dict[str, int]:
-    """llm-d's ``kvEventsConfig``: with ``discoverPods``, the EPP subscribes to each pod's
-    publisher on ``podDiscoveryConfig.socketPort`` (5557) and its replay socket on
-    ``replaySocketPort``, as kvmesh does (``kube.events_port``). Without it the pods publish
-    to one ``zmqEndpoint`` of the EPP's, which kvmesh does not bind: refused, saying so."""
-    if not kv.get("discoverPods"):
+def _kv_events(kv: Any, notes: list[str], name: str) -> dict[str, int]:
+    """llm-d's ``kvEventsConfig`` over its defaults (``discoverPods: true``, ``socketPort``
+    5557, no replay): the EPP subscribes to each pod's publisher on ``socketPort`` (plus the
+    pod's rank) and its replay socket on ``replaySocketPort``, as kvmesh does
+    (``kube.events_port``). With ``discoverPods: false`` the pods publish to one
+    ``zmqEndpoint`` the EPP binds, which kvmesh does not: refused, saying what to set."""
+    kv = kv if kv is not None else {}
+    if not isinstance(kv, Mapping):
+        raise ConfigError(f"{PICKER_KIND}: {name}: kvEventsConfig must be a mapping")
+    if kv.get("discoverPods", True) is False:
         raise ConfigError(
-            f"{PICKER_KIND}: kvEventsConfig without discoverPods has the pods publish to the EPP's "
-            f"zmqEndpoint ({kv.get('zmqEndpoint')!r}); kvmesh epp subscribes to each pod instead: set "
-            "discoverPods: true with podDiscoveryConfig.socketPort, and vLLM's --kv-events-config "
+            f"{PICKER_KIND}: {name}: kvEventsConfig with discoverPods: false has the pods publish to the "
+            f"EPP's zmqEndpoint ({kv.get('zmqEndpoint')!r}); kvmesh epp subscribes to each pod instead: "
+            "drop discoverPods: false, set podDiscoveryConfig.socketPort, and vLLM's --kv-events-config "
             "endpoint to tcp://*:<that port>"
         )
+    if kv.get("zmqEndpoint"):
+        notes.append(f"{name} kvEventsConfig.zmqEndpoint not bound: the pods are subscribed to instead")
+    if "podDiscoveryConfig" in kv and kv["podDiscoveryConfig"] is None:
+        notes.append(f"{name} podDiscoveryConfig: null: no pod's events are read")
+        return {}
     found = kv.get("podDiscoveryConfig") or {}
     if not isinstance(found, Mapping):
-        raise ConfigError(f"{PICKER_KIND}: kvEventsConfig.podDiscoveryConfig must be a mapping")
+        raise ConfigError(f"{PICKER_KIND}: {name}: kvEventsConfig.podDiscoveryConfig must be a mapping")
     out: dict[str, int] = {}
     for key, field, default in (("socketPort", "events_port", 5557), ("replaySocketPort", "replay_port", 0)):
         port = found.get(key, default)
-        if isinstance(port, bool) or not isinstance(port, int) or not -1 <= port < 65536:
-            raise ConfigError(f"{PICKER_KIND}: podDiscoveryConfig.{key} must be a port number, got {port!r}")
+        low = 1 if field == "events_port" else -(1 << 31)  # a replay port of 0 or less: none, as llm-d
+        if isinstance(port, bool) or not isinstance(port, int) or not low <= port <= 65535:
+            raise ConfigError(
+                f"{PICKER_KIND}: {name}: podDiscoveryConfig.{key} must be a port number, got {port!r}"
+            )
         if port > 0:
             out[field] = port
-    if "events_port" not in out:
-        raise ConfigError(f"{PICKER_KIND}: podDiscoveryConfig.socketPort must be a port number")
+    notes.append(f"{name} kvEventsConfig: each pod's KV events on its port {out['events_port']}")
     return out
 
 

@@ -50,11 +50,10 @@ REPLAY_BUDGET = 10
 MAX_SOCKETS = 1 << 16
 
 
-def ipv6_if_needed(sock: zmq.Socket[bytes], endpoint: str) -> None:
-    """ZMQ reaches an IPv6 address (``tcp://[fd00::7]:5557``: a pod's IP in an IPv6 cluster)
-    only with ZMQ_IPV6 set on the socket; IPv4 endpoints are left as they were."""
-    if endpoint.startswith("tcp://["):
-        sock.setsockopt(zmq.IPV6, 1)
+def dual_stack(sock: zmq.Socket[bytes]) -> None:
+    """ZMQ reaches an IPv6 address (``tcp://[fd00::7]:5557``: a pod's IP in an IPv6 cluster,
+    or a name with only an AAAA record) only with ZMQ_IPV6 set; set, it reaches IPv4 too."""
+    sock.setsockopt(zmq.IPV6, 1)
 
 
 def _context() -> zmq.Context[zmq.Socket[bytes]]:
@@ -122,7 +121,7 @@ class EventSubscriber:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = _context()
         self._sub: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # before connect: it applies to new peers
-        ipv6_if_needed(self._sub, endpoint)
+        dual_stack(self._sub)
         try:
             self._sub.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -342,7 +341,7 @@ class EventSubscriber:
         if self._dealer is None:
             self._dealer = self._ctx.socket(zmq.DEALER)
             self._dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-            ipv6_if_needed(self._dealer, self.replay_endpoint or "")
+            dual_stack(self._dealer)
             self._dealer.connect(self.replay_endpoint or "")
         return self._dealer
 

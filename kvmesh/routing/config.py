@@ -193,12 +193,12 @@ class RoutingConfig(BaseModel):
         default="local", description="local: tokenize here like the engine; remote: ask a replica's /tokenize"
     )
     tokenize_cache_mb: float = Field(default=64.0, ge=0, description="memory for cached tokenizations")
-    tokenize_timeout_s: float = Field(
-        default=0.15,
+    tokenize_timeout_s: float | None = Field(
+        default=None,
         gt=0,
         description="tokenizer: remote: a replica's /tokenize answers within this or the request is routed "
-        "by load and session (it waits on the request's path; Envoy's ext_proc message_timeout is 200 ms "
-        "by default)",
+        "by load and session (default: kvmesh router connect_timeout_s + health_timeout_s; kvmesh epp "
+        "0.15 s, inside Envoy's default ext_proc message_timeout of 200 ms)",
     )
     block_size: int = Field(default=16, gt=0, description="speculative entries' block size before any event")
     speculative_ttl_s: float = Field(default=2.0, ge=0, description="0 disables speculative index entries")

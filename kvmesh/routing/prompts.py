@@ -54,8 +54,9 @@ class Prompts:
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvmesh-tokenize")
         # On a request's path: tokenize_timeout_s. Off it (the controller's lookups), the
         # router's own small calls' budget; never the generation timeout.
-        self._timeout = aiohttp.ClientTimeout(total=config.tokenize_timeout_s)
-        self._lookup_timeout = aiohttp.ClientTimeout(total=config.connect_timeout_s + config.health_timeout_s)
+        own_calls = config.connect_timeout_s + config.health_timeout_s
+        self._timeout = aiohttp.ClientTimeout(total=config.tokenize_timeout_s or own_calls)
+        self._lookup_timeout = aiohttp.ClientTimeout(total=own_calls)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -80,7 +81,7 @@ class Prompts:
 
     async def lookup_tokens(self, body: dict[str, Any], chat: bool) -> TokenArray:
         """:meth:`remote` for a caller off the request path (the controller's lookups): the
-        longer budget of the router's own calls, for prompts too long to tokenize in 150 ms."""
+        budget of the router's own calls, whatever ``tokenize_timeout_s`` says."""
         return await self.remote(body, chat, self._lookup_timeout)
 
     async def remote(

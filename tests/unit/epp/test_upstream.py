@@ -430,6 +430,17 @@ def test_an_ipv6_pod_ip_is_bound() -> None:
         epp.stop()
 
 
+def test_the_epps_tokenize_budget_fits_envoys_timeout() -> None:
+    from kvmesh.epp.config import EppConfig
+    from kvmesh.epp.scoring import EPP_TOKENIZE_TIMEOUT_S, EndpointPicker
+    from kvmesh.routing.config import RoutingConfig
+
+    picker = EndpointPicker(EppConfig(routing=RoutingConfig(tokenizer="remote")))
+    assert picker.core.config.tokenize_timeout_s == EPP_TOKENIZE_TIMEOUT_S < 0.2  # Envoy's default
+    mine = EndpointPicker(EppConfig(routing=RoutingConfig(tokenizer="remote", tokenize_timeout_s=0.05)))
+    assert mine.core.config.tokenize_timeout_s == 0.05
+
+
 def test_a_slow_tokenize_costs_its_budget_not_the_gateways_timeout() -> None:
     """tokenizer: remote, and the pod's /tokenize hangs: the decision comes after
     ``tokenize_timeout_s`` (routed by load and session), well inside Envoy's 200 ms default
@@ -481,14 +492,47 @@ def test_llm_d_precise_prefix_config_names_the_pods_event_ports(tmp_path: Path) 
     assert cfg.kube is not None and (cfg.kube.events_port, cfg.kube.replay_port) == (5557, 5558)
     assert cfg.routing.policy == "kvmesh"
     pods = "{discoverPods: true, podDiscoveryConfig: {socketPort: 5557, replaySocketPort: 5558}}"
+    # llm-d's defaults: discoverPods true, socketPort 5557, no replay (pool.go's DefaultConfig).
     central = LLMD_PRECISE.replace(pods, "{zmqEndpoint: 'tcp://0.0.0.0:5557'}")
+    got = config_from_args(parse(*llmd_args(written(tmp_path, central, "central.yaml"))))
+    assert got.kube is not None and (got.kube.events_port, got.kube.replay_port) == (5557, None)
+    bare = LLMD_PRECISE.replace(f"    kvEventsConfig: {pods}\n", "")
+    got = config_from_args(parse(*llmd_args(written(tmp_path, bare, "bare.yaml"))))
+    assert got.kube is not None and got.kube.events_port == 5557
+    off = LLMD_PRECISE.replace(pods, "{discoverPods: false, zmqEndpoint: 'tcp://0.0.0.0:5557'}")
     with pytest.raises(
-        ConfigError, match=r"without discoverPods.*tcp://0\.0\.0\.0:5557.*subscribes to each pod"
+        ConfigError, match=r"discoverPods: false.*tcp://0\.0\.0\.0:5557.*subscribes to each pod"
     ):
-        config_from_args(parse(*llmd_args(written(tmp_path, central, "central.yaml"))))
+        config_from_args(parse(*llmd_args(written(tmp_path, off, "off.yaml"))))
+    no_replay = LLMD_PRECISE.replace("replaySocketPort: 5558", "replaySocketPort: -1")
+    got = config_from_args(parse(*llmd_args(written(tmp_path, no_replay, "no-replay.yaml"))))
+    assert got.kube is not None and got.kube.replay_port is None
+    none = LLMD_PRECISE.replace(pods, "{podDiscoveryConfig: null}")
+    got = config_from_args(parse(*llmd_args(written(tmp_path, none, "none.yaml"))))
+    assert got.kube is not None and got.kube.events_port is None
     bad = LLMD_PRECISE.replace("socketPort: 5557", "socketPort: '5557'")
     with pytest.raises(ConfigError, match="socketPort must be a port number"):
         config_from_args(parse(*llmd_args(written(tmp_path, bad, "bad.yaml"))))
+
+
+@pytest.mark.usefixtures("in_pod")
+def test_the_namespace_and_group_under_the_flags(tmp_path: Path) -> None:
+    """The flag, then the file's own namespace, then the pod's ($NAMESPACE, "inference" here);
+    a pool named by the flags takes their group, not the file's (which named another pool)."""
+    conf = written(
+        tmp_path, "kube: {pool: old, namespace: filens, group: inference.networking.x-k8s.io}\n", "k.yaml"
+    )
+    cfg = config_from_args(parse("--config", str(conf), "--pool-name", "demo"))
+    assert (
+        cfg.kube is not None
+        and cfg.kube.namespace == "filens"
+        and cfg.kube.group == "inference.networking.k8s.io"
+    )
+    flag = config_from_args(parse("--config", str(conf), "--pool-name", "demo", "--pool-namespace", "flagns"))
+    assert flag.kube is not None and flag.kube.namespace == "flagns"
+    plain = written(tmp_path, "kube: {pool: old}\n", "plain.yaml")
+    env = config_from_args(parse("--config", str(plain), "--pool-name", "demo"))
+    assert env.kube is not None and env.kube.namespace == "inference"
 
 
 @pytest.mark.usefixtures("in_pod")
@@ -517,8 +561,17 @@ def test_pods_without_annotations_take_the_configured_event_ports() -> None:
     (ep,) = pod_endpoints(pod, [8000], 5557, 5558)
     assert (ep.events, ep.replay) == ("tcp://10.0.0.9:5557", "tcp://10.0.0.9:5558")
     annotated = {**pod, "metadata": {"name": "w1", "annotations": {"kvmesh.io/kv-events-port": "6000"}}}
-    (ann,) = pod_endpoints(annotated, [8000], 5557)
-    assert ann.events == "tcp://10.0.0.9:6000"  # the pod's own annotation wins
+    (ann,) = pod_endpoints(annotated, [8000], 5557, 5558)
+    assert (ann.events, ann.replay) == ("tcp://10.0.0.9:6000", None)  # the pod's own annotations, whole
+    # One socket per data-parallel rank, the i-th target port's at the port plus i (vLLM and llm-d).
+    ranks = pod_endpoints(pod, [8000, 8001], 5557, 5600)
+    assert [(e.events, e.replay) for e in ranks] == [
+        ("tcp://10.0.0.9:5557", "tcp://10.0.0.9:5600"),
+        ("tcp://10.0.0.9:5558", "tcp://10.0.0.9:5601"),
+    ]
     v6 = {**pod, "status": {**pod["status"], "podIP": "fd00::9"}}  # type: ignore[dict-item]
     (six,) = pod_endpoints(v6, [8000], 5557)
     assert six.events == "tcp://[fd00::9]:5557" and six.key == "[fd00::9]:8000"
+    for written_as in ("tcp://$(POD_IP):5557", "tcp://[$(POD_IP)]:5557"):
+        whole = {**v6, "metadata": {"name": "w2", "annotations": {"kvmesh.io/kv-events": written_as}}}
+        assert pod_endpoints(whole, [8000])[0].events == "tcp://[fd00::9]:5557"
