@@ -126,7 +126,7 @@ def register(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def load_config(args: argparse.Namespace) -> tuple[Any, bool, dict[str, int]]:
+def load_config(args: argparse.Namespace) -> tuple[Any, bool, dict[str, Any]]:
     """The ``--config``/``--config-text`` file as an EppConfig, whether it was the reference
     EPP's ``EndpointPickerConfig`` (translated: :mod:`kvmesh.epp.upstream`), and the pods'
     KV-event ports it named (``kube.events_port``, ``kube.replay_port``)."""
@@ -162,7 +162,7 @@ def load_config(args: argparse.Namespace) -> tuple[Any, bool, dict[str, int]]:
     return EppConfig.from_dict(data), True, events
 
 
-def _kube(args: argparse.Namespace, base: Any, events: dict[str, int]) -> Any:
+def _kube(args: argparse.Namespace, base: Any, events: dict[str, Any]) -> Any:
     """Pod discovery: the flags' pool or selector over the config file's ``kube:`` (whose
     other keys, such as ``events_port``, stay), plus the KV-event ports a reference
     EndpointPickerConfig named."""

@@ -132,6 +132,12 @@ class EppConfig(BaseModel):
         default="x-gateway-inference-priority", description="a negative value makes a request sheddable"
     )
     kube: KubeConfig | None = None
+    events_bind: str | None = Field(
+        default=None,
+        description="bind a KV-event sink here (tcp://*:5557) that the pods' publishers connect to, each "
+        "naming itself in its topic kv@<pod IP>@<model> (llm-d's central layout; kvmesh.events.sink)",
+    )
+    events_topic: str = Field(default="kv@", description="the sink's topic filter (llm-d's topicFilter)")
     # -- exposure: TLS, caps and deadlines (docs/security.md) --------------------------------------
     secure_serving: bool = Field(
         default=True,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,7 +26,9 @@ import msgspec
 
 from kvmesh.admin.schema import TOKEN_ENV
 from kvmesh.core.fleetkey import FleetKey
-from kvmesh.errors import BodyError, ConfigError
+from kvmesh.errors import BodyError, ConfigError, ProcessError
+from kvmesh.events.codec import EventBatch
+from kvmesh.events.sink import BoundEventSink
 from kvmesh.index import BlockIndex
 from kvmesh.routing.body import drop_transfer_params
 from kvmesh.routing.config import ReplicaConfig
@@ -40,6 +43,11 @@ from .metrics import EppMetrics
 # routing.tokenize_timeout_s unset: a pod's /tokenize (tokenizer: remote) within this, inside
 # Envoy's default ext_proc message_timeout of 200 ms; past it the request goes by load and session.
 EPP_TOKENIZE_TIMEOUT_S = 0.15
+
+
+def _host_of(name: str) -> str:
+    """``10.0.0.5:8000`` -> ``10.0.0.5``; ``[fd00::5]:8000`` -> ``fd00::5``."""
+    return name.rsplit(":", 1)[0].strip("[]")
 
 
 def endpoint_name(url: str) -> str:
@@ -96,6 +104,10 @@ class EndpointPicker:
         self._ids = itertools.count(1)
         self._session: aiohttp.ClientSession | None = None
         self.synced = False  # discovery has listed the endpoints once (readiness)
+        # Endpoint names by pod address, for the bound event sink's topics (kv@<pod IP>@<model>).
+        self._by_host: dict[str, tuple[str, ...]] = {}
+        self._members = threading.Lock()
+        self.sink: BoundEventSink | None = None
         for cfg in rc.replicas:
             # named by ip:port, keeping its event sockets
             self.add_endpoint(cfg if cfg.name else cfg.model_copy(update={"name": endpoint_name(cfg.url)}))
@@ -105,8 +117,16 @@ class EndpointPicker:
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         await self.core.start(self._session)
+        if self.config.events_bind:
+            try:
+                self.sink = BoundEventSink(self.config.events_bind, self._sink_batch, self._sink_gap,
+                                           self._at_pod, self.config.events_topic)  # fmt: skip
+            except ValueError as exc:
+                raise ProcessError(f"kvmesh epp: {exc}") from exc
 
     async def stop(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
         await self.core.stop()
         if self._session is not None:
             await self._session.close()
@@ -114,9 +134,34 @@ class EndpointPicker:
     def add_endpoint(self, cfg: ReplicaConfig) -> None:
         """Start routing to ``cfg`` (once its health check passes); idempotent per name."""
         self.core.add_replica(cfg)
+        host = _host_of(cfg.key)
+        with self._members:
+            self._by_host[host] = tuple(sorted({*self._by_host.get(host, ()), cfg.key}))
 
     def remove_endpoint(self, name: str) -> None:
+        host = _host_of(name)
+        with self._members:  # the sink applies nothing to it from here on
+            rest = tuple(n for n in self._by_host.get(host, ()) if n != name)
+            if rest:
+                self._by_host[host] = rest
+            else:
+                self._by_host.pop(host, None)
         self.core.remove_replica(name)
+
+    # -- the bound event sink (events_bind: pods publish to the EPP; kvmesh.events.sink) ------------
+
+    def _at_pod(self, pod: str) -> tuple[str, ...]:
+        return self._by_host.get(pod.strip("[]"), ())
+
+    def _sink_batch(self, name: str, batch: EventBatch) -> None:
+        with self._members:  # not for an endpoint removed since the sink resolved it
+            if name in self._by_host.get(_host_of(name), ()):
+                self.core.apply_events(name, batch)
+
+    def _sink_gap(self, name: str) -> None:
+        with self._members:
+            if name in self._by_host.get(_host_of(name), ()):
+                self.index.clear_replica(name)
 
     def endpoints(self) -> list[str]:
         return list(self.pool.replicas)
@@ -212,4 +257,5 @@ class EndpointPicker:
             "ready": self.ready(),
             "gc": core["gc"],
             **({"cost": core["cost"]} if "cost" in core else {}),
+            **({"event_sink": self.sink.stats()} if self.sink is not None else {}),
         }

@@ -11,10 +11,12 @@ followed it, start their EPP container with one command line and mount one confi
 * an ``EndpointPickerConfig`` (``plugins`` and ``schedulingProfiles``): which scorers a
   request is weighed by. Its scorers choose a kvmesh policy (:func:`picker_config`); their
   weights do not carry over, as kvmesh's policies price their terms in their own units.
+  llm-d's ``kvEventsConfig`` says where the pods' KV events are: on each pod's port
+  (``kube.events_port``), or published to the EPP (``events_bind``, :mod:`kvmesh.events.sink`).
 
 So a user swaps the EPP image and keeps the chart. What kvmesh cannot honour is refused with a
 message: metric names of other model servers (kvmesh reads vLLM's), several scheduling
-profiles (prefill/decode handlers), a plugin it does not know.
+profiles (prefill/decode handlers), bodies it cannot read, a plugin it does not know.
 """
 
 from __future__ import annotations
@@ -188,7 +190,7 @@ def picker_config(doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         raise ConfigError(f"{PICKER_KIND}: plugins must be a list")
     types: dict[str, str] = {}  # plugin name (or type) -> type
     notes: list[str] = []
-    events: dict[str, int] = {}
+    events: dict[str, Any] = {}
     for i, plugin in enumerate(plugins):
         if not isinstance(plugin, Mapping) or not isinstance(plugin.get("type"), str):
             raise ConfigError(f"{PICKER_KIND}: plugins[{i}] needs a type")
@@ -274,25 +276,32 @@ def picker_config(doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     )
     if extra:
         skipped.append(f"not read: {', '.join(extra)}")
-    return {"routing": routing, **({"kube_events": events} if events else {})}, skipped
+    sink: dict[str, Any] = {k: events.pop(k) for k in ("events_bind", "events_topic") if k in events}
+    return {"routing": routing, **sink, **({"kube_events": events} if events else {})}, skipped
 
 
-def _kv_events(kv: Any, notes: list[str], name: str) -> dict[str, int]:
+def _kv_events(kv: Any, notes: list[str], name: str) -> dict[str, Any]:
     """llm-d's ``kvEventsConfig`` over its defaults (``discoverPods: true``, ``socketPort``
     5557, no replay): the EPP subscribes to each pod's publisher on ``socketPort`` (plus the
     pod's rank) and its replay socket on ``replaySocketPort``, as kvmesh does
-    (``kube.events_port``). With ``discoverPods: false`` the pods publish to one
-    ``zmqEndpoint`` the EPP binds, which kvmesh does not: refused, saying what to set."""
+    (``kube.events_port``/``replay_port``). With ``discoverPods: false`` the pods publish to
+    the ``zmqEndpoint`` the EPP binds (``events_bind``, with ``topicFilter``: kvmesh's bound
+    sink, :mod:`kvmesh.events.sink`)."""
     kv = kv if kv is not None else {}
     if not isinstance(kv, Mapping):
         raise ConfigError(f"{PICKER_KIND}: {name}: kvEventsConfig must be a mapping")
     if kv.get("discoverPods", True) is False:
-        raise ConfigError(
-            f"{PICKER_KIND}: {name}: kvEventsConfig with discoverPods: false has the pods publish to the "
-            f"EPP's zmqEndpoint ({kv.get('zmqEndpoint')!r}); kvmesh epp subscribes to each pod instead: "
-            "drop discoverPods: false, set podDiscoveryConfig.socketPort, and vLLM's --kv-events-config "
-            "endpoint to tcp://*:<that port>"
-        )
+        bind = kv.get("zmqEndpoint")
+        if not isinstance(bind, str) or not bind.startswith("tcp://"):
+            raise ConfigError(
+                f"{PICKER_KIND}: {name}: kvEventsConfig with discoverPods: false needs a zmqEndpoint "
+                f"tcp://HOST:PORT for the pods to publish to, got {bind!r}"
+            )
+        topic = kv.get("topicFilter", "kv@")
+        if not isinstance(topic, str):
+            raise ConfigError(f"{PICKER_KIND}: {name}: kvEventsConfig.topicFilter must be a string")
+        notes.append(f"{name} kvEventsConfig: the pods publish to {bind} (topics kv@<pod IP>@<model>)")
+        return {"events_bind": bind, "events_topic": topic}
     if kv.get("zmqEndpoint"):
         notes.append(f"{name} kvEventsConfig.zmqEndpoint not bound: the pods are subscribed to instead")
     if "podDiscoveryConfig" in kv and kv["podDiscoveryConfig"] is None:

@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -499,11 +500,14 @@ def test_llm_d_precise_prefix_config_names_the_pods_event_ports(tmp_path: Path) 
     bare = LLMD_PRECISE.replace(f"    kvEventsConfig: {pods}\n", "")
     got = config_from_args(parse(*llmd_args(written(tmp_path, bare, "bare.yaml"))))
     assert got.kube is not None and got.kube.events_port == 5557
-    off = LLMD_PRECISE.replace(pods, "{discoverPods: false, zmqEndpoint: 'tcp://0.0.0.0:5557'}")
-    with pytest.raises(
-        ConfigError, match=r"discoverPods: false.*tcp://0\.0\.0\.0:5557.*subscribes to each pod"
-    ):
-        config_from_args(parse(*llmd_args(written(tmp_path, off, "off.yaml"))))
+    # llm-d's central layout: the pods publish to the EPP, which binds (kvmesh.events.sink).
+    off = LLMD_PRECISE.replace(pods, "{discoverPods: false, zmqEndpoint: 'tcp://*:5557', topicFilter: 'kv@'}")
+    sink = config_from_args(parse(*llmd_args(written(tmp_path, off, "off.yaml"))))
+    assert (sink.events_bind, sink.events_topic) == ("tcp://*:5557", "kv@")
+    assert sink.kube is not None and sink.kube.events_port is None  # no pod is subscribed to
+    bad_bind = LLMD_PRECISE.replace(pods, "{discoverPods: false}")
+    with pytest.raises(ConfigError, match="discoverPods: false needs a zmqEndpoint"):
+        config_from_args(parse(*llmd_args(written(tmp_path, bad_bind, "bad-bind.yaml"))))
     no_replay = LLMD_PRECISE.replace("replaySocketPort: 5558", "replaySocketPort: -1")
     got = config_from_args(parse(*llmd_args(written(tmp_path, no_replay, "no-replay.yaml"))))
     assert got.kube is not None and got.kube.replay_port is None
@@ -575,3 +579,55 @@ def test_pods_without_annotations_take_the_configured_event_ports() -> None:
     for written_as in ("tcp://$(POD_IP):5557", "tcp://[$(POD_IP)]:5557"):
         whole = {**v6, "metadata": {"name": "w2", "annotations": {"kvmesh.io/kv-events": written_as}}}
         assert pod_endpoints(whole, [8000])[0].events == "tcp://[fd00::9]:5557"
+
+
+@pytest.mark.vllm
+def test_pods_publishing_to_the_epp_fill_its_index(tmp_path: Path) -> None:
+    """llm-d's central layout end to end in one process: the config's discoverPods: false
+    binds the EPP's sink, vLLM's own publisher (as a pod with topic kv@$(POD_IP)@<model>)
+    connects to it, and its blocks are indexed under the pod's endpoint; once the endpoint is
+    removed, its batches are not applied (they would register it again)."""
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    from kvmesh.epp.server import EppThread
+    from kvmesh.router.testing import FakeVLLM
+
+    central = LLMD_PRECISE.replace(
+        "{discoverPods: true, podDiscoveryConfig: {socketPort: 5557, replaySocketPort: 5558}}",
+        "{discoverPods: false, zmqEndpoint: 'tcp://127.0.0.1:0'}",
+    )
+    args = ["--config-file", str(written(tmp_path, central)), "--host=127.0.0.1", "--grpc-port=0",
+            "--grpc-health-port=0", "--metrics-port=0", "--no-secure-serving"]  # fmt: skip
+    fake = FakeVLLM("pod").start()
+    port = int(fake.url.rsplit(":", 1)[1])
+    cfg = config_from_args(parse(*args, "--endpoint", f"127.0.0.1:{port}"))
+    epp = EppThread(cfg).start()
+    picker = epp.picker
+    assert picker.sink is not None
+    vpub = kv.ZmqEventPublisher(
+        data_parallel_rank=0, endpoint=picker.sink.endpoint, topic="kv@127.0.0.1@qwen3"
+    )
+
+    def stored(i: int) -> Any:
+        ev = kv.BlockStored(block_hashes=[1000 + i], parent_block_hash=None, token_ids=[i, i], block_size=2,
+                            lora_id=None, medium=None, lora_name=None)  # fmt: skip
+        return kv.KVEventBatch(ts=float(i), events=[ev])
+
+    try:
+        i = 0
+        deadline = time.monotonic() + 20
+        while not picker.index.stats()["blocks"] and time.monotonic() < deadline:
+            vpub.publish(stored(i))
+            i += 1
+            time.sleep(0.02)
+        assert picker.index.replicas() == [f"127.0.0.1:{port}"]
+        assert picker.describe()["event_sink"]["batches"] >= 1
+        epp.call(lambda: picker.remove_endpoint(f"127.0.0.1:{port}"))
+        applied = picker.describe()["event_sink"]["batches"]
+        for j in range(i, i + 20):
+            vpub.publish(stored(j))
+        wait_for(lambda: picker.describe()["event_sink"]["unknown_pod"] > 0, 10, "later batches never came")
+        assert picker.index.replicas() == [] and picker.describe()["event_sink"]["batches"] == applied
+    finally:
+        vpub.shutdown()
+        epp.stop()
+        fake.stop()
