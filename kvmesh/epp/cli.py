@@ -197,6 +197,7 @@ def _kube(args: argparse.Namespace, base: Any, events: dict[str, Any]) -> Any:
                 log.warning("kvEventsConfig: no pods are discovered, so no pod's events are read; static "
                             "endpoints name theirs (--endpoint IP:PORT,events=tcp://...)")  # fmt: skip
             return None
+        fields["namespace"] = namespace
     fields.update(events)
     try:
         return KubeConfig(**fields)

@@ -15,9 +15,9 @@ index, the metrics and the subset hint.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,7 +27,6 @@ import msgspec
 from kvmesh.admin.schema import TOKEN_ENV
 from kvmesh.core.fleetkey import FleetKey
 from kvmesh.errors import BodyError, ConfigError, ProcessError
-from kvmesh.events.codec import EventBatch
 from kvmesh.events.sink import BoundEventSink
 from kvmesh.index import BlockIndex
 from kvmesh.routing.body import drop_transfer_params
@@ -104,9 +103,8 @@ class EndpointPicker:
         self._ids = itertools.count(1)
         self._session: aiohttp.ClientSession | None = None
         self.synced = False  # discovery has listed the endpoints once (readiness)
-        # Endpoint names by pod address, for the bound event sink's topics (kv@<pod IP>@<model>).
+        # Endpoint names by pod address, for the bound event sink's topics (kv@<pod>@<model>).
         self._by_host: dict[str, tuple[str, ...]] = {}
-        self._members = threading.Lock()
         self.sink: BoundEventSink | None = None
         for cfg in rc.replicas:
             # named by ip:port, keeping its event sockets
@@ -115,18 +113,20 @@ class EndpointPicker:
     # -- lifecycle and membership --------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        await self.core.start(self._session)
-        if self.config.events_bind:
+        bind = self.config.events_bind
+        if bind:  # first: a port in use stops the start with nothing running
             try:
-                self.sink = BoundEventSink(self.config.events_bind, self._sink_batch, self._sink_gap,
-                                           self._at_pod, self.config.events_topic)  # fmt: skip
+                cfg = self.config
+                self.sink = BoundEventSink(bind, self.core.apply_events, self.index.clear_replica,
+                                           self._at_pod, cfg.events_topic)  # fmt: skip
             except ValueError as exc:
                 raise ProcessError(f"kvmesh epp: {exc}") from exc
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        await self.core.start(self._session)
 
     async def stop(self) -> None:
         if self.sink is not None:
-            self.sink.close()
+            await asyncio.to_thread(self.sink.close)
         await self.core.stop()
         if self._session is not None:
             await self._session.close()
@@ -135,33 +135,31 @@ class EndpointPicker:
         """Start routing to ``cfg`` (once its health check passes); idempotent per name."""
         self.core.add_replica(cfg)
         host = _host_of(cfg.key)
-        with self._members:
-            self._by_host[host] = tuple(sorted({*self._by_host.get(host, ()), cfg.key}))
+        self._by_host[host] = tuple(sorted({*self._by_host.get(host, ()), cfg.key}))
 
     def remove_endpoint(self, name: str) -> None:
         host = _host_of(name)
-        with self._members:  # the sink applies nothing to it from here on
-            rest = tuple(n for n in self._by_host.get(host, ()) if n != name)
-            if rest:
-                self._by_host[host] = rest
-            else:
-                self._by_host.pop(host, None)
+        rest = tuple(n for n in self._by_host.get(host, ()) if n != name)
+        if rest:
+            self._by_host[host] = rest
+        else:
+            self._by_host.pop(host, None)
+        # A batch the sink applies after this finds the replica unregistered and is dropped
+        # (apply_events does not register), as a subscriber's late batch is.
         self.core.remove_replica(name)
 
     # -- the bound event sink (events_bind: pods publish to the EPP; kvmesh.events.sink) ------------
 
     def _at_pod(self, pod: str) -> tuple[str, ...]:
-        return self._by_host.get(pod.strip("[]"), ())
-
-    def _sink_batch(self, name: str, batch: EventBatch) -> None:
-        with self._members:  # not for an endpoint removed since the sink resolved it
-            if name in self._by_host.get(_host_of(name), ()):
-                self.core.apply_events(name, batch)
-
-    def _sink_gap(self, name: str) -> None:
-        with self._members:
-            if name in self._by_host.get(_host_of(name), ()):
-                self.index.clear_replica(name)
+        """The endpoints a topic's pod names, on the sink's thread: ``ip:port`` exactly (llm-d's
+        form; an IPv6 one unbracketed, ``fd00::5:8000``, too), else every endpoint at the IP."""
+        at = self._by_host  # the loop thread sets its keys one at a time: each get is atomic
+        host, _, port = pod.rpartition(":")
+        if port.isdigit() and host:
+            name = f"[{host.strip('[]')}]:{port}" if ":" in host.strip("[]") else pod
+            if name in at.get(host.strip("[]"), ()):
+                return (name,)
+        return at.get(pod.strip("[]"), ())
 
     def endpoints(self) -> list[str]:
         return list(self.pool.replicas)

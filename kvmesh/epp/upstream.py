@@ -284,29 +284,30 @@ def _kv_events(kv: Any, notes: list[str], name: str) -> dict[str, Any]:
     """llm-d's ``kvEventsConfig`` over its defaults (``discoverPods: true``, ``socketPort``
     5557, no replay): the EPP subscribes to each pod's publisher on ``socketPort`` (plus the
     pod's rank) and its replay socket on ``replaySocketPort``, as kvmesh does
-    (``kube.events_port``/``replay_port``). With ``discoverPods: false`` the pods publish to
-    the ``zmqEndpoint`` the EPP binds (``events_bind``, with ``topicFilter``: kvmesh's bound
-    sink, :mod:`kvmesh.events.sink`)."""
+    (``kube.events_port``/``replay_port``). A ``zmqEndpoint`` is bound for pods that publish
+    to the EPP instead (``events_bind``, with ``topicFilter``: kvmesh's bound sink,
+    :mod:`kvmesh.events.sink`), alone with ``discoverPods: false``."""
     kv = kv if kv is not None else {}
     if not isinstance(kv, Mapping):
         raise ConfigError(f"{PICKER_KIND}: {name}: kvEventsConfig must be a mapping")
-    if kv.get("discoverPods", True) is False:
-        bind = kv.get("zmqEndpoint")
+    sink: dict[str, Any] = {}
+    bind = kv.get("zmqEndpoint") or None  # "" is unset, as llm-d's omitempty reads it
+    if bind is not None or kv.get("discoverPods", True) is False:
         if not isinstance(bind, str) or not bind.startswith("tcp://"):
             raise ConfigError(
-                f"{PICKER_KIND}: {name}: kvEventsConfig with discoverPods: false needs a zmqEndpoint "
-                f"tcp://HOST:PORT for the pods to publish to, got {bind!r}"
+                f"{PICKER_KIND}: {name}: kvEventsConfig.zmqEndpoint must be tcp://HOST:PORT for the pods to "
+                f"publish to (needed with discoverPods: false), got {bind!r}"
             )
         topic = kv.get("topicFilter", "kv@")
         if not isinstance(topic, str):
             raise ConfigError(f"{PICKER_KIND}: {name}: kvEventsConfig.topicFilter must be a string")
-        notes.append(f"{name} kvEventsConfig: the pods publish to {bind} (topics kv@<pod IP>@<model>)")
-        return {"events_bind": bind, "events_topic": topic}
-    if kv.get("zmqEndpoint"):
-        notes.append(f"{name} kvEventsConfig.zmqEndpoint not bound: the pods are subscribed to instead")
+        notes.append(f"{name} kvEventsConfig: the pods may publish to {bind} (topics kv@<ip:port>@<model>)")
+        sink = {"events_bind": bind, "events_topic": topic}
+    if kv.get("discoverPods", True) is False:
+        return sink
     if "podDiscoveryConfig" in kv and kv["podDiscoveryConfig"] is None:
-        notes.append(f"{name} podDiscoveryConfig: null: no pod's events are read")
-        return {}
+        notes.append(f"{name} podDiscoveryConfig: null: no pod is subscribed to")
+        return sink
     found = kv.get("podDiscoveryConfig") or {}
     if not isinstance(found, Mapping):
         raise ConfigError(f"{PICKER_KIND}: {name}: kvEventsConfig.podDiscoveryConfig must be a mapping")
@@ -321,7 +322,7 @@ def _kv_events(kv: Any, notes: list[str], name: str) -> dict[str, Any]:
         if port > 0:
             out[field] = port
     notes.append(f"{name} kvEventsConfig: each pod's KV events on its port {out['events_port']}")
-    return out
+    return {**out, **sink}
 
 
 class JsonFormatter(logging.Formatter):

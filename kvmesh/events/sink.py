@@ -5,7 +5,10 @@ any endpoint that is not a wildcard: ``--kv-events-config`` endpoint
 ``tcp://<epp-service>:5557``) and names itself in its topic, ``kv@<pod>@<model>``, with
 ``topic: kv@$(POD_IP)@<model>`` in its config. :class:`BoundEventSink` binds that endpoint,
 reads each message's publisher from its topic, keeps each publisher's sequence numbers, and
-hands each batch to ``on_batch(name, batch)`` for every endpoint ``resolve(pod)`` names.
+hands each batch to ``on_batch(name, batch)`` for every endpoint ``resolve(pod)`` names (the
+topic's pod is the endpoint's ``ip:port``, as llm-d matches it, or its IP). One publisher per
+topic: vLLM's data-parallel ranks connect to the endpoint's port plus their rank, which this
+sink does not bind, so only rank 0 is heard in this layout.
 
 There is no replay address to ask for a hole: a gap, or a sequence going backwards (the
 publisher restarted, its cache empty), is reported through ``on_gap(name)`` for the pod's
@@ -14,8 +17,9 @@ subscriber's unrepaired gap). A topic naming no known pod is counted and dropped
 
 Unauthenticated, as every KV-event socket is (docs/security.md): a publisher that can reach
 the port can claim any pod and steer routing, never change the KV served. Bounded: a message
-over ``max_message_bytes`` drops the connection before it is buffered, and at most
-``MAX_PUBLISHERS`` topics' sequence numbers are kept (the least recent forgotten).
+over ``max_message_bytes`` drops the connection before it is buffered, a topic over
+``MAX_TOPIC_BYTES`` is malformed, and sequence numbers are kept only for topics naming a known
+pod, at most ``MAX_PUBLISHERS`` of them (the least recent forgotten).
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ from kvmesh.events.subscriber import MAX_MESSAGE_BYTES, _context, dual_stack
 log = logging.getLogger(__name__)
 
 MAX_PUBLISHERS = 65536
+MAX_TOPIC_BYTES = 256  # kv@<pod>@<model>; longer is malformed (a frame may be 16 MiB)
 _POLL_MS = 100
-_DRAIN = 256  # messages read per wake-up before the stop flag is looked at again
+_DRAIN = 256  # messages read per wake-up at most
 
 
 class BoundEventSink:
@@ -67,8 +72,10 @@ class BoundEventSink:
         self._thread.start()
 
     def _bind(self, endpoint: str) -> str:
-        """An IPv6 address, or a wildcard on both families where the host has IPv6 (IPv4
-        alone where not); an IPv4 address as it is."""
+        """An IPv6 address, or a wildcard (``*``, ``0.0.0.0``, llm-d's spelling) on both
+        families where the host has IPv6 (IPv4 alone where not); an IPv4 address as it is."""
+        if endpoint.startswith("tcp://0.0.0.0:"):
+            endpoint = "tcp://*:" + endpoint.rsplit(":", 1)[1]
         if not endpoint.startswith(("tcp://*", "tcp://[")):
             self._sock.bind(endpoint)
         else:
@@ -87,54 +94,57 @@ class BoundEventSink:
         return {**self.counts, "publishers": len(self._seq)}
 
     def close(self, timeout: float = 2.0) -> None:
-        if self._stop.is_set():
-            return
+        """Stop the thread; it closes the socket (the port is free once it has)."""
         self._stop.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            log.warning("KV event sink did not stop within %.1fs", timeout)
-            return
-        self._sock.close(linger=0)
+            log.warning("KV event sink did not stop within %.1fs; it closes its socket when it does", timeout)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                if not self._sock.poll(_POLL_MS):
+        try:
+            while not self._stop.is_set():
+                try:
+                    if not self._sock.poll(_POLL_MS):
+                        continue
+                    for _ in range(_DRAIN):
+                        if self._stop.is_set():
+                            break
+                        self.on_message(self._sock.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
                     continue
-                for _ in range(_DRAIN):
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
-                    self.on_message(frames)
-            except zmq.Again:
-                continue
-            except zmq.ZMQError as exc:
-                if self._stop.is_set():
-                    return
-                log.warning("KV event sink: %s", exc)
-            except Exception:  # one bad message must not end the thread
-                log.exception("KV event sink: a message failed")
+                except zmq.ZMQError as exc:
+                    if self._stop.is_set():
+                        return
+                    log.warning("KV event sink: %s", exc)
+                except Exception:  # one bad message must not end the thread
+                    log.exception("KV event sink: a message failed")
+        finally:
+            self._sock.close(linger=0)
 
     def on_message(self, frames: list[bytes]) -> None:
         """One ``[topic, seq, payload]`` message (public for tests: no socket needed)."""
-        if len(frames) != 3 or len(frames[1]) != 8:
+        if len(frames) != 3 or len(frames[1]) != 8 or len(frames[0]) > MAX_TOPIC_BYTES:
             self.counts["malformed"] += 1
             return
         topic = frames[0].decode("utf-8", "replace")
         parts = topic.split("@")
         names = tuple(self._resolve(parts[1])) if len(parts) == 3 and parts[1] else ()
+        if not names:  # nothing kept for it: a topic per message costs nothing
+            self.counts["unknown_pod"] += 1
+            return
         seq = int.from_bytes(frames[1], "big")
         last = self._seq.pop(topic, None)
         if len(self._seq) >= MAX_PUBLISHERS:
             self._seq.popitem(last=False)
         self._seq[topic] = seq
-        if last is not None and seq <= last:
+        if last is not None and seq == last:
+            return  # a duplicate
+        if last is not None and seq < last:
             self.counts["restarts"] += 1
             self._gap(names)
         elif last is not None and seq > last + 1:
             self.counts["gaps"] += 1
             self._gap(names)
-        if not names:
-            self.counts["unknown_pod"] += 1
-            return
         try:
             batch = decode_batch(frames[2])
         except EventDecodeError as exc:

@@ -506,7 +506,7 @@ def test_llm_d_precise_prefix_config_names_the_pods_event_ports(tmp_path: Path) 
     assert (sink.events_bind, sink.events_topic) == ("tcp://*:5557", "kv@")
     assert sink.kube is not None and sink.kube.events_port is None  # no pod is subscribed to
     bad_bind = LLMD_PRECISE.replace(pods, "{discoverPods: false}")
-    with pytest.raises(ConfigError, match="discoverPods: false needs a zmqEndpoint"):
+    with pytest.raises(ConfigError, match=r"zmqEndpoint must be tcp://HOST:PORT.*discoverPods: false"):
         config_from_args(parse(*llmd_args(written(tmp_path, bad_bind, "bad-bind.yaml"))))
     no_replay = LLMD_PRECISE.replace("replaySocketPort: 5558", "replaySocketPort: -1")
     got = config_from_args(parse(*llmd_args(written(tmp_path, no_replay, "no-replay.yaml"))))
@@ -537,6 +537,8 @@ def test_the_namespace_and_group_under_the_flags(tmp_path: Path) -> None:
     plain = written(tmp_path, "kube: {pool: old}\n", "plain.yaml")
     env = config_from_args(parse("--config", str(plain), "--pool-name", "demo"))
     assert env.kube is not None and env.kube.namespace == "inference"
+    alone = config_from_args(parse("--config", str(plain)))  # no flags: the file's pool, the pod's namespace
+    assert alone.kube is not None and (alone.kube.pool, alone.kube.namespace) == ("old", "inference")
 
 
 @pytest.mark.usefixtures("in_pod")
@@ -631,3 +633,21 @@ def test_pods_publishing_to_the_epp_fill_its_index(tmp_path: Path) -> None:
         vpub.shutdown()
         epp.stop()
         fake.stop()
+
+
+def test_a_topics_pod_names_an_endpoint_or_an_ip() -> None:
+    """llm-d matches a topic's pod-id against the endpoint's ip:port (an IPv6 one unbracketed);
+    a bare IP names every endpoint at that pod."""
+    from kvmesh.epp.config import EppConfig
+    from kvmesh.epp.scoring import EndpointPicker
+
+    picker = EndpointPicker(EppConfig())
+    for spec in ("10.0.0.1:8000", "10.0.0.1:8001", "[fd00::5]:8000"):
+        picker.add_endpoint(endpoint_config(spec))
+    assert picker._at_pod("10.0.0.1:8001") == ("10.0.0.1:8001",)
+    assert picker._at_pod("10.0.0.1") == ("10.0.0.1:8000", "10.0.0.1:8001")
+    assert picker._at_pod("fd00::5:8000") == picker._at_pod("[fd00::5]:8000") == ("[fd00::5]:8000",)
+    assert picker._at_pod("fd00::5") == ("[fd00::5]:8000",)
+    assert picker._at_pod("10.0.0.1:9999") == () and picker._at_pod("pod-name-7") == ()
+    picker.remove_endpoint("10.0.0.1:8000")
+    assert picker._at_pod("10.0.0.1") == ("10.0.0.1:8001",)

@@ -110,13 +110,40 @@ def test_publishers_tracked_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None
     """A publisher inventing a topic per message costs a bounded table, not memory without end."""
     monkeypatch.setattr(sink_mod, "MAX_PUBLISHERS", 8)
     calls = Calls({})
-    sink = BoundEventSink("tcp://127.0.0.1:0", calls.on_batch, calls.on_gap, calls.resolve)
+    anyone = BoundEventSink("tcp://127.0.0.1:0", calls.on_batch, calls.on_gap, lambda pod: ("x:1",))
+    nobody = BoundEventSink("tcp://127.0.0.1:0", calls.on_batch, calls.on_gap, calls.resolve)
     try:
         for i in range(100):
-            sink.on_message(frames(f"kv@10.1.{i}.1@m", 0))
-        assert sink.stats()["publishers"] == 8
+            anyone.on_message(frames(f"kv@10.1.{i}.1@m", 0))
+            nobody.on_message(frames(f"kv@10.1.{i}.1@m", 0))
+        assert anyone.stats()["publishers"] == 8
+        assert nobody.stats()["publishers"] == 0  # a topic naming no known pod is not kept
+        nobody.on_message([b"kv@" + b"9" * 300 + b"@m", (0).to_bytes(8, "big"), b""])
+        assert nobody.stats()["malformed"] == 1  # a topic is short; a 16 MiB one is not kept or read
+    finally:
+        anyone.close()
+        nobody.close()
+
+
+def test_a_duplicate_is_dropped_not_a_restart() -> None:
+    calls = Calls({"10.0.0.1": ("10.0.0.1:8000",)})
+    sink = BoundEventSink("tcp://127.0.0.1:0", calls.on_batch, calls.on_gap, calls.resolve)
+    try:
+        for seq in (0, 1, 1, 2):
+            sink.on_message(frames("kv@10.0.0.1@m", seq))
+        assert len(calls.batches) == 3 and calls.gaps == [] and sink.stats()["restarts"] == 0
     finally:
         sink.close()
+
+
+def test_close_frees_the_port() -> None:
+    calls = Calls({})
+    sink = BoundEventSink("tcp://127.0.0.1:0", calls.on_batch, calls.on_gap, calls.resolve)
+    endpoint = sink.endpoint
+    sink.close()
+    sink.close()  # idempotent
+    again = BoundEventSink(endpoint, calls.on_batch, calls.on_gap, calls.resolve)
+    again.close()
 
 
 def test_a_port_in_use_is_a_clear_error() -> None:
