@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvmesh.errors import ConfigError
@@ -176,11 +174,3 @@ class EppConfig(BaseModel):
             return cls.model_validate(data)
         except ValidationError as exc:
             raise ConfigError(explain(exc, "epp config", sorted(cls.model_fields))) from exc
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> EppConfig:
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"cannot read epp config {path}: {exc}") from exc
-        return cls.from_dict(data)

@@ -93,8 +93,7 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
 
 
-def _socket(ip: str, annotations: Mapping[str, str], whole: str, port: str) -> str | None:
-    host = f"[{ip}]" if ":" in ip else ip
+def _socket(host: str, annotations: Mapping[str, str], whole: str, port: str) -> str | None:
     if annotations.get(whole):
         return annotations[whole].replace("[$(POD_IP)]", host).replace("$(POD_IP)", host)
     if annotations.get(port):
@@ -121,15 +120,17 @@ def pod_endpoints(
     ann = (pod.get("metadata") or {}).get("annotations") or {}
     host = f"[{ip}]" if ":" in ip else ip
     annotated = any(ann.get(key) for key in _ANNOTATIONS)
-    out = []
-    for rank, port in enumerate(ports):
+    events = replay = None
+    if annotated:  # one socket for the pod, whichever port
         try:
-            events = _socket(ip, ann, EVENTS_ANNOTATION, EVENTS_PORT_ANNOTATION)
-            replay = _socket(ip, ann, REPLAY_ANNOTATION, REPLAY_PORT_ANNOTATION)
+            events = _socket(host, ann, EVENTS_ANNOTATION, EVENTS_PORT_ANNOTATION)
+            replay = _socket(host, ann, REPLAY_ANNOTATION, REPLAY_PORT_ANNOTATION)
         except ValueError:
             name = (pod.get("metadata") or {}).get("name")
             log.warning("pod %s: bad kvmesh.io port annotation; routing it without KV events", name)
             events = replay = None
+    out = []
+    for rank, port in enumerate(ports):
         if not annotated:
             events = f"tcp://{host}:{events_port + rank}" if events_port else None
             replay = f"tcp://{host}:{replay_port + rank}" if replay_port else None

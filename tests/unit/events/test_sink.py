@@ -8,7 +8,6 @@ bookkeeping is tested on :meth:`BoundEventSink.on_message` directly (no sockets)
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -17,23 +16,16 @@ import pytest
 from kvmesh.events import BlockStored, EventBatch, encode_batch
 from kvmesh.events import sink as sink_mod
 from kvmesh.events.sink import BoundEventSink
+from tests.unit.events.test_pubsub import Recorder
 from tests.waiting import wait_for
 
 
-class Calls:
+class Calls(Recorder):
+    """What the sink hands on, and the endpoints each pod has."""
+
     def __init__(self, pods: dict[str, tuple[str, ...]]) -> None:
+        super().__init__()
         self.pods = pods
-        self.lock = threading.Lock()
-        self.batches: list[tuple[str, EventBatch]] = []
-        self.gaps: list[str] = []
-
-    def on_batch(self, name: str, batch: EventBatch) -> None:
-        with self.lock:
-            self.batches.append((name, batch))
-
-    def on_gap(self, name: str) -> None:
-        with self.lock:
-            self.gaps.append(name)
 
     def resolve(self, pod: str) -> tuple[str, ...]:
         return self.pods.get(pod, ())
